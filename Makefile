@@ -1,0 +1,31 @@
+# `make demo` and `make test` set up a local virtual environment first.
+PYTHON ?= python3
+VENV ?= .venv
+# torch is pinned through this variable; a CPU build of 2.13.0 is what CI installs.
+TORCH_VERSION ?= 2.13.0
+EXTRAS ?= test,dgl
+
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
+
+export OMP_NUM_THREADS ?= 1
+export DGLBACKEND ?= pytorch
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" "torch==$(TORCH_VERSION)"
+	touch $@
+
+demo: $(STAMP)
+	$(PY) examples/train_plain_torch.py --world-size 2
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,360 @@
+"""SparseEmbedding: a row-sharded table whose lookups travel to the rows' owners.
+
+Forward, on each rank: validate ids -> dedup -> ``ids_to_owners`` -> owners gather local rows
+-> ``rows_to_requesters`` -> expand with the inverse index. The rows that come back are a leaf
+tensor with ``requires_grad=True``; backward accumulates into its ``.grad`` and communicates
+nothing. A sparse optimizer's ``step()`` later collects these pending gradients
+(see ``lightning_sparse/optim/base.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_sparse import init as row_init
+from lightning_sparse.exchange import ExchangeStats, ids_to_owners, rows_to_requesters
+from lightning_sparse.sharding import SCHEMES, RowSharding
+
+# Rows initialized per chunk, so that building a shard never holds more than this many rows of
+# int64 hash temporaries at once.
+_INIT_CHUNK_ROWS = 1 << 16
+
+# Codes a rank sends beside its split sizes when its ids are bad (see ``ids_to_owners``).
+_OK, _BAD_DTYPE, _BAD_ID = 0, 1, 2
+_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+@dataclass
+class PendingLookup:
+    """One differentiable lookup awaiting the optimizer step."""
+
+    ids: Tensor  # unique global ids looked up
+    counts: Tensor  # occurrences of each id in the lookup
+    rows: Tensor  # leaf [len(ids), dim]; backward fills rows.grad
+
+
+class SparseEmbedding(nn.Module):
+    """An embedding table whose rows are sharded over the ranks of a process group.
+
+    Args:
+        num_embeddings: rows of the logical table.
+        embedding_dim: width of a row.
+        sharding: ``"mod"`` (row ``r`` on rank ``r % W``) or ``"range"`` (contiguous blocks).
+        init: a :data:`lightning_sparse.init.RowInit`, ``init(global_ids, embedding_dim, seed)``;
+            default ``lightning_sparse.init.normal()`` (std ``1/sqrt(embedding_dim)``).
+        seed: initial values depend only on ``(seed, global row id)``, so the same seed gives the
+            same logical table on any number of ranks and under both sharding schemes.
+        dtype, device: of the shard.
+        process_group: the ranks that share the table; default: the default group at the time
+            the shard materializes, or a plain local table when none is initialized.
+        name: used in error messages and stats; the strategy sets it to the module path.
+
+    The shard is **not** an ``nn.Parameter``: ``parameters()`` yields nothing, so dense
+    optimizers and DDP never see it. It still follows ``.to(device)``. Construction allocates
+    nothing table-sized; the shard materializes on first use or on :meth:`materialize`.
+
+    Gradient of a row (what a sparse optimizer applies): the sum over its occurrences on each
+    rank, averaged over ranks, as DDP scales dense gradients; see the optimizers'
+    ``duplicate_grads`` for DGL's mean over occurrences.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        sharding: str = "mod",
+        init: row_init.RowInit | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_embeddings < 1:
+            raise ValueError(f"Invalid num_embeddings: {num_embeddings}. HINT: a table needs at least one row.")
+        if embedding_dim < 1:
+            raise ValueError(f"Invalid embedding_dim: {embedding_dim}. HINT: rows need at least one column.")
+        if sharding not in SCHEMES:
+            raise ValueError(f"Invalid sharding: {sharding!r}. HINT: use one of {SCHEMES}.")
+        if not dtype.is_floating_point:
+            raise ValueError(f"Invalid dtype: {dtype}. HINT: a table holds floating-point rows, e.g. torch.float32.")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.sharding_scheme = sharding
+        self.seed = seed
+        self.name = name or f"SparseEmbedding({num_embeddings}, {embedding_dim})"
+        self._init: row_init.RowInit = init or row_init.normal()
+        self._process_group = process_group
+        self._group: dist.ProcessGroup | None = None
+        self._rank, self._world_size = 0, 1
+        self._materialized = False
+        # Before materialization an empty placeholder records the dtype and device that
+        # ``.to()`` asks for; after, it is the shard itself (same tensor object for life).
+        self._shard = torch.empty(0, embedding_dim, dtype=dtype, device=device)
+        self._pending: list[PendingLookup] = []
+        self.stats = ExchangeStats()
+
+    # ------------------------------------------------------------------ placement
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        return self._group
+
+    @property
+    def sharding(self) -> RowSharding:
+        return RowSharding(self.num_embeddings, self._world_size, self.sharding_scheme)
+
+    @property
+    def is_materialized(self) -> bool:
+        return self._materialized
+
+    @property
+    def shard(self) -> Tensor:
+        """This rank's rows, ``[num_local_rows, embedding_dim]``, in local order (materializes)."""
+        self.materialize()
+        return self._shard
+
+    @property
+    def device(self) -> torch.device:
+        return self._shard.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._shard.dtype
+
+    def materialize(self, process_group: dist.ProcessGroup | None = None) -> "SparseEmbedding":
+        """Allocate and initialize this rank's shard. Local only: no collective.
+
+        Idempotent for the same placement. A table materialized as a one-process local table and
+        then materialized over W ranks keeps the rows each rank now owns (every rank must hold
+        the same full table, as after loading the same state dict). Returns ``self``.
+        """
+        group = process_group or self._process_group
+        if dist.is_available() and dist.is_initialized():
+            group = group or dist.group.WORLD
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            group, rank, world_size = None, 0, 1
+        if self._materialized:
+            if (rank, world_size) == (self._rank, self._world_size):
+                self._group = group
+                return self
+            if self._world_size != 1:
+                raise RuntimeError(
+                    f"{self.name} is already sharded over {self._world_size} ranks and cannot be re-sharded over "
+                    f"{world_size}. HINT: save a checkpoint and load it into a new module."
+                )
+        self._group, self._rank, self._world_size = group, rank, world_size
+        global_ids = self.sharding.global_ids(rank, device=self._shard.device)
+        if self._materialized:  # a full local table becomes this rank's shard
+            self._shard.data = self._shard.data[global_ids].clone()
+        else:
+            self._shard.data = self._init_rows(global_ids)
+            self._materialized = True
+        return self
+
+    def _init_rows(self, global_ids: Tensor) -> Tensor:
+        shard = torch.empty(len(global_ids), self.embedding_dim, dtype=self._shard.dtype, device=self._shard.device)
+        with torch.no_grad():
+            for start in range(0, len(global_ids), _INIT_CHUNK_ROWS):
+                chunk = global_ids[start : start + _INIT_CHUNK_ROWS]
+                rows = self._init(chunk, self.embedding_dim, self.seed)
+                if tuple(rows.shape) != (len(chunk), self.embedding_dim):
+                    raise ValueError(
+                        f"init for {self.name} returned shape {tuple(rows.shape)} for {len(chunk)} ids. "
+                        f"HINT: init(global_ids, embedding_dim, seed) must return [len(global_ids), embedding_dim]."
+                    )
+                shard[start : start + len(chunk)] = rows
+        return shard
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-draw this rank's rows from ``init`` and ``seed``."""
+        self._shard.copy_(self._init_rows(self.sharding.global_ids(self._rank, device=self.device)))
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "SparseEmbedding":
+        # Keep the shard's identity (optimizers hold it) while following .to()/.cuda()/.half().
+        self._shard.data = fn(self._shard)
+        return super()._apply(fn, recurse)
+
+    # ------------------------------------------------------------------ lookups
+    def forward(self, ids: Tensor) -> Tensor:
+        """Rows for ``ids`` (any shape, integer dtype) -> ``[*ids.shape, embedding_dim]``.
+
+        Collective: every rank of the group must call it (with possibly empty ``ids``), the same
+        number of times and in the same order as the other tables it shares the group with.
+        Differentiable with respect to the looked-up rows when grad mode is on.
+        """
+        self.materialize()
+        if not isinstance(ids, Tensor):
+            raise TypeError(f"{self.name} expects a tensor of ids, got {type(ids).__name__}. HINT: wrap it in torch.tensor(...).")
+        flat, flags = self._validate(ids)
+        unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
+        owners = self.sharding.owner(unique)
+        self.stats.ids_looked_up += flat.numel()
+        self.stats.unique_ids += unique.numel()
+        route = ids_to_owners(unique, owners, flags, self._group, self._world_size, self.stats)
+        self._raise_if_bad(route.peer_flags, ids)
+        local_rows = self._shard[self.sharding.to_local(route.received_ids)]
+        rows = rows_to_requesters(local_rows, route, self._group, self._world_size, self.stats)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._pending.append(PendingLookup(unique, counts, rows))
+        return rows[inverse].view(*ids.shape, self.embedding_dim)
+
+    def _validate(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Flat int64 ids on the table's device and this rank's verdict ``[code, value]``."""
+        if ids.dtype not in _ID_DTYPES:
+            code = _BAD_DTYPE
+            value = 1 if ids.dtype == torch.bool else 0
+            return torch.empty(0, dtype=torch.int64, device=self.device), self._flags(code, value)
+        flat = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
+        if flat.numel():
+            low, high = flat.min(), flat.max()
+            if bool(low < 0) or bool(high >= self.num_embeddings):
+                bad = low if bool(low < 0) else high
+                return torch.empty(0, dtype=torch.int64, device=self.device), self._flags(_BAD_ID, int(bad))
+        return flat, self._flags(_OK, 0)
+
+    def _flags(self, code: int, value: int) -> Tensor:
+        return torch.tensor([code, value], dtype=torch.int64, device=self.device)
+
+    def _raise_if_bad(self, peer_flags: Tensor, ids: Tensor) -> None:
+        bad = (peer_flags[:, 0] != _OK).nonzero()
+        if len(bad) == 0:
+            return
+        rank = int(bad[0])
+        code, value = peer_flags[rank].tolist()
+        where = "this rank" if rank == self._rank else f"rank {rank}"
+        if code == _BAD_DTYPE:
+            got = f"{ids.dtype}" if rank == self._rank else ("torch.bool" if value else "a floating-point or complex dtype")
+            raise TypeError(
+                f"{self.name} got ids of dtype {got} on {where}; ids must be integers (int64 or int32). "
+                f"HINT: convert them with ids.long()."
+            )
+        raise IndexError(
+            f"{self.name} got id {value} on {where}; valid ids are 0..{self.num_embeddings - 1} "
+            f"(num_embeddings={self.num_embeddings}). HINT: remap ids into range or enlarge the table."
+        )
+
+    # ------------------------------------------------------------------ pending gradients
+    def pop_pending(self) -> list[PendingLookup]:
+        """Lookups that received a gradient since the last call; forgets all pending lookups."""
+        pending, self._pending = self._pending, []
+        return [p for p in pending if p.rows.grad is not None]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated so far. Lookups still awaiting their backward stay."""
+        self._pending = [p for p in self._pending if p.rows.grad is None]
+
+    @property
+    def has_pending_grad(self) -> bool:
+        return any(p.rows.grad is not None for p in self._pending)
+
+    # ------------------------------------------------------------------ whole table
+    @torch.no_grad()
+    def full_weight(self) -> Tensor:
+        """The logical ``[num_embeddings, embedding_dim]`` table in global row order, on every rank.
+
+        Collective: every rank of the group must call it. Holds the whole table on every rank:
+        meant for export and tests, not for tables that do not fit one host.
+        """
+        shard = self.shard
+        if self._world_size == 1:
+            return shard.clone()
+        sharding = self.sharding
+        most = max(sharding.num_local_rows(r) for r in range(self._world_size))
+        padded = shard.new_zeros(most, self.embedding_dim)
+        padded[: len(shard)] = shard
+        gathered = [torch.empty_like(padded) for _ in range(self._world_size)]
+        dist.all_gather(gathered, padded, group=self._group)
+        out = shard.new_empty(self.num_embeddings, self.embedding_dim)
+        for rank, part in enumerate(gathered):
+            ids = sharding.global_ids(rank, device=out.device)
+            out[ids] = part[: len(ids)]
+        return out
+
+    # ------------------------------------------------------------------ state dict
+    def get_extra_state(self) -> dict[str, Any]:
+        return {
+            "num_embeddings": self.num_embeddings,
+            "embedding_dim": self.embedding_dim,
+            "sharding": self.sharding_scheme,
+            "world_size": self._world_size,
+            "rank": self._rank,
+        }
+
+    def set_extra_state(self, state: Any) -> None:
+        pass  # checked in _load_from_state_dict, which sees the tensors too
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "shard"] = self.shard if keep_vars else self.shard.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        """Accepts this rank's ``shard`` (same placement) or the full logical ``weight`` table."""
+        extra = state_dict.get(prefix + "_extra_state", {})
+        full, shard = state_dict.get(prefix + "weight"), state_dict.get(prefix + "shard")
+        self.materialize()
+        if full is not None:
+            if tuple(full.shape) != (self.num_embeddings, self.embedding_dim):
+                error_msgs.append(
+                    f"{self.name}: checkpoint table {prefix}weight has shape {tuple(full.shape)}, "
+                    f"expected {(self.num_embeddings, self.embedding_dim)}."
+                )
+            else:
+                with torch.no_grad():
+                    self._shard.copy_(full[self.sharding.global_ids(self._rank, device=full.device)])
+        elif shard is not None:
+            mine = self.get_extra_state()
+            theirs = {k: extra.get(k) for k in mine}
+            if theirs != mine or tuple(shard.shape) != tuple(self._shard.shape):
+                error_msgs.append(
+                    f"{self.name}: {prefix}shard holds rank {theirs['rank']}'s shard of {theirs['world_size']} "
+                    f"({theirs['sharding']}), but this module is rank {self._rank} of {self._world_size} "
+                    f"({self.sharding_scheme}). HINT: load a state dict that holds the full table as "
+                    f"'{prefix}weight' (see lightning_sparse.full_state_dict)."
+                )
+            else:
+                with torch.no_grad():
+                    self._shard.copy_(shard)
+        elif strict:
+            missing_keys.append(prefix + "shard")
+        if strict:
+            ours = {prefix + name for name in ("weight", "shard", "_extra_state")}
+            unexpected_keys.extend(key for key in state_dict if key.startswith(prefix) and key not in ours)
+
+    def extra_repr(self) -> str:
+        placement = f"rank={self._rank}/{self._world_size}" if self._materialized else "not materialized"
+        return f"{self.num_embeddings}, {self.embedding_dim}, sharding={self.sharding_scheme!r}, {placement}"
+
+
+def full_state_dict(module: nn.Module, state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``module.state_dict()`` with every SparseEmbedding shard replaced by its full table.
+
+    Collective: every rank of each table's group must call it. The result holds each table as
+    ``<prefix>weight`` of shape ``[num_embeddings, embedding_dim]``, loadable on any number of
+    ranks and into ``nn.Embedding``.
+    """
+    state_dict = dict(module.state_dict() if state_dict is None else state_dict)
+    for name, sub in module.named_modules():
+        if isinstance(sub, SparseEmbedding):
+            prefix = f"{name}." if name else ""
+            state_dict.pop(prefix + "shard", None)
+            state_dict.pop(prefix + "_extra_state", None)
+            state_dict[prefix + "weight"] = sub.full_weight()
+    return state_dict

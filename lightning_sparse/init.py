@@ -1,0 +1,99 @@
+"""Row initializers: initial values that depend only on ``(seed, global row id)``.
+
+A ``RowInit`` is any callable ``init(global_ids, embedding_dim, seed) -> Tensor`` that returns
+``[len(global_ids), embedding_dim]`` values for the given rows. Because every rank asks only for
+the rows it owns, the same ``seed`` gives the same logical table on 1, 2 or 3 ranks and under
+both sharding schemes, and no rank ever builds the whole table.
+
+The random initializers use a counter-based generator: each element is a hash of
+``(seed, row, column)``, so row ``r`` gets the same values whichever rank computes it.
+
+>>> ids = torch.tensor([5, 7])
+>>> torch.equal(normal(0.1)(ids, 4, seed=1)[1], normal(0.1)(torch.tensor([7]), 4, seed=1)[0])
+True
+>>> from_tensor(torch.arange(6.0).view(3, 2))(torch.tensor([2, 0]), 2, seed=0).tolist()
+[[4.0, 5.0], [0.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+RowInit = Callable[[Tensor, int, int], Tensor]
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """Chris Wellons' ``lowbias32`` integer hash on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _uniform01(global_ids: Tensor, embedding_dim: int, seed: int, stream: int) -> Tensor:
+    """Float64 uniforms in (0, 1), one per (row, column), a pure function of (seed, stream, row, column)."""
+    ids = global_ids.to(torch.int64).view(-1, 1)
+    cols = torch.arange(embedding_dim, dtype=torch.int64, device=ids.device).view(1, -1)
+    key = _hash32(torch.tensor((seed * 2 + stream) & _MASK32, dtype=torch.int64, device=ids.device))
+    row_key = _hash32(_hash32(key ^ (ids & _MASK32)) ^ ((ids >> 32) & _MASK32))
+    bits = _hash32(row_key ^ cols)
+    return (bits.to(torch.float64) + 0.5) / 2.0**32
+
+
+def normal(std: float | None = None, mean: float = 0.0) -> RowInit:
+    """Normal rows; ``std`` defaults to ``1 / sqrt(embedding_dim)`` (the package's default init)."""
+
+    def init(global_ids: Tensor, embedding_dim: int, seed: int) -> Tensor:
+        scale = std if std is not None else 1.0 / math.sqrt(embedding_dim)
+        u1 = _uniform01(global_ids, embedding_dim, seed, stream=0)
+        u2 = _uniform01(global_ids, embedding_dim, seed, stream=1)
+        z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)  # Box-Muller
+        return (z * scale + mean).to(torch.float32)
+
+    return init
+
+
+def uniform(a: float = -0.1, b: float = 0.1) -> RowInit:
+    """Rows uniform in ``[a, b)``."""
+    if not a < b:
+        raise ValueError(f"Invalid uniform bounds: a={a}, b={b}. HINT: a must be smaller than b.")
+
+    def init(global_ids: Tensor, embedding_dim: int, seed: int) -> Tensor:
+        return (_uniform01(global_ids, embedding_dim, seed, stream=0) * (b - a) + a).to(torch.float32)
+
+    return init
+
+
+def zeros() -> RowInit:
+    """All-zero rows."""
+
+    def init(global_ids: Tensor, embedding_dim: int, seed: int) -> Tensor:
+        return torch.zeros(len(global_ids), embedding_dim, device=global_ids.device)
+
+    return init
+
+
+def from_tensor(table: Tensor) -> RowInit:
+    """Rows copied from a full ``[num_embeddings, embedding_dim]`` tensor (a pretrained table).
+
+    The tensor may be memory-mapped (``torch.load(path, mmap=True)``): each rank then reads
+    only the rows it owns.
+    """
+    if table.dim() != 2:
+        raise ValueError(f"Invalid pretrained table shape: {tuple(table.shape)}. HINT: pass a 2-D [rows, dim] tensor.")
+
+    def init(global_ids: Tensor, embedding_dim: int, seed: int) -> Tensor:
+        if table.shape[1] != embedding_dim:
+            raise ValueError(
+                f"Pretrained table has dim {table.shape[1]} but the SparseEmbedding has embedding_dim={embedding_dim}."
+            )
+        return table[global_ids.to(table.device)]
+
+    return init

@@ -1,0 +1,78 @@
+"""SparseAdam: lazy Adam on the touched rows, with per-row or global bias correction."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.embedding import SparseEmbedding
+from lightning_sparse.optim import functional as F
+from lightning_sparse.optim.base import SparseOptimizer
+
+BIAS_CORRECTIONS = ("row", "global")
+
+
+class SparseAdam(SparseOptimizer):
+    """Lazy Adam for SparseEmbedding tables: only touched rows update their moments.
+
+    ``bias_correction="row"`` (default, DGL's lazy Adam): each row counts its own steps ``t``
+    (``row_step``) and ``row -= lr * m_hat / (sqrt(v_hat) + eps)``.
+    ``bias_correction="global"`` (torch.optim.SparseAdam): one ``step`` per table, counting the
+    optimizer steps in which some rank looked the table up, and
+    ``row -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``.
+    ``weight_decay`` adds L2 to the gradient or, with ``decoupled_weight_decay=True``, scales the
+    row by ``1 - lr * weight_decay`` (AdamW); either way only touched rows decay.
+    State per table: ``exp_avg``, ``exp_avg_sq`` (like the shard), ``row_step`` (int64 per row)
+    and ``step`` (int64 scalar).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[SparseEmbedding] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        decoupled_weight_decay: bool = False,
+        bias_correction: str = "row",
+        duplicate_grads: str = "sum",
+    ) -> None:
+        if lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if eps < 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if bias_correction not in BIAS_CORRECTIONS:
+            raise ValueError(f"Invalid bias_correction: {bias_correction!r}. HINT: use one of {BIAS_CORRECTIONS}.")
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+            bias_correction=bias_correction, duplicate_grads=duplicate_grads,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+
+    def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
+        shard = table.shard
+        return {
+            "step": torch.zeros((), dtype=torch.int64),
+            "row_step": torch.zeros(shard.shape[0], dtype=torch.int64, device=shard.device),
+            "exp_avg": torch.zeros_like(shard),
+            "exp_avg_sq": torch.zeros_like(shard),
+        }
+
+    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> None:
+        state["row_step"][rows] += 1
+        beta1, beta2 = group["betas"]
+        step = state["step"] if group["bias_correction"] == "global" else state["row_step"][rows]
+        shard[rows], state["exp_avg"][rows], state["exp_avg_sq"][rows] = F.adam(
+            shard[rows], grad, state["exp_avg"][rows], state["exp_avg_sq"][rows], step,
+            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            decoupled_weight_decay=group["decoupled_weight_decay"], bias_correction=group["bias_correction"],
+        )  # fmt: skip

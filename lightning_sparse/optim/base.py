@@ -1,0 +1,176 @@
+"""SparseOptimizer: the one place that exchanges pending row gradients and coalesces duplicates.
+
+Subclasses declare their hyperparameters (validated in ``__init__``), the state of one table
+(``init_state``) and the arithmetic for the touched rows (``update``). ``step()`` here:
+
+1. takes each table's pending lookups that received a gradient and sums duplicates locally;
+2. sends the sums to the rows' owners, all tables of the optimizer in one round
+   (:func:`lightning_sparse.exchange.grads_to_owners`);
+3. on the owner, coalesces what arrived from all ranks and scales it:
+   ``duplicate_grads="sum"`` (default) divides the sum by the world size (DDP's scaling of dense
+   gradients), ``"mean"`` divides by the number of occurrences over all ranks (DGL's semantics);
+4. calls the subclass's ``update`` with only the touched rows and their state.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_sparse.embedding import SparseEmbedding
+from lightning_sparse.exchange import ExchangeStats, GradBatch, grads_to_owners
+
+DUPLICATE_GRADS = ("sum", "mean")
+
+
+def coalesce(ids: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """Sum the rows of ``values`` that share an id; returns (sorted unique ids, sums)."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    if len(unique) == len(ids):  # already unique: reorder only
+        out = values.new_empty(values.shape)
+        out[inverse] = values
+        return unique, out
+    return unique, values.new_zeros(len(unique), values.shape[1]).index_add_(0, inverse, values)
+
+
+class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
+    """Base class of the sparse optimizers: a ``torch.optim.Optimizer`` over SparseEmbedding tables.
+
+    Built from SparseEmbedding modules (or param-group dicts whose ``"params"`` are
+    SparseEmbeddings); ``param_groups`` then hold the tables' shards, so LR schedulers,
+    ``state_dict()`` and ``load_state_dict()`` work as for any torch optimizer. Optimizer state
+    is sharded like the tables: each rank holds the state of its own rows.
+
+    ``step()`` and ``zero_grad()`` act when called. ``step()`` is a collective: every rank of the
+    tables' process group must call it, also a rank whose batch used no table.
+    """
+
+    def __init__(self, params: Iterable[SparseEmbedding] | Iterable[dict[str, Any]], defaults: dict[str, Any]) -> None:
+        if defaults.get("duplicate_grads") not in DUPLICATE_GRADS:
+            raise ValueError(f"Invalid duplicate_grads: {defaults.get('duplicate_grads')!r}. HINT: use one of {DUPLICATE_GRADS}.")
+        self._tables: dict[Tensor, SparseEmbedding] = {}
+        self.stats = ExchangeStats()
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ subclass interface
+    @abc.abstractmethod
+    def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
+        """State of one table: tensors whose first dim is the table's local rows, or 0-d counters."""
+
+    @abc.abstractmethod
+    def update(
+        self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
+    ) -> None:
+        """Apply one step to ``shard[rows]`` (local row indices, unique) given their gradients."""
+
+    # ------------------------------------------------------------------ torch.optim API
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        tables = param_group["params"]
+        tables = [tables] if isinstance(tables, SparseEmbedding) else list(tables)
+        for table in tables:
+            if not isinstance(table, SparseEmbedding):
+                raise TypeError(
+                    f"{type(self).__name__} optimizes SparseEmbedding modules, got {type(table).__name__}. "
+                    f"HINT: pass the SparseEmbedding modules themselves; dense parameters go to a torch optimizer."
+                )
+            table.materialize()
+        known = list(self._tables.values())
+        for table in tables:
+            if known and (table.process_group, table.world_size) != (known[0].process_group, known[0].world_size):
+                raise ValueError(
+                    f"{table.name} is sharded over a different process group than {known[0].name}. "
+                    f"HINT: use one optimizer per process group."
+                )
+            self._tables[table.shard] = table
+            known.append(table)
+        super().add_param_group({**param_group, "params": [table.shard for table in tables]})
+        group = self.param_groups[-1]
+        for table in tables:
+            self.state[table.shard] = self.init_state(table, group)
+
+    @property
+    def tables(self) -> list[SparseEmbedding]:
+        return [self._tables[p] for group in self.param_groups for p in group["params"]]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the pending row gradients of every table now (not at the next step)."""
+        for table in self.tables:
+            table.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Exchange pending row gradients, coalesce, and update the touched rows. Collective."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries = [(group, p) for group in self.param_groups for p in group["params"]]
+        grads = self._exchange_and_coalesce(entries)
+        start = time.perf_counter()
+        for (group, p), (rows, grad, touched) in zip(entries, grads):
+            if not touched:
+                continue
+            state = self.state[p]
+            if "step" in state:
+                state["step"] += 1
+            if len(rows):
+                self.update(p, rows, grad, state, group)
+        self.stats.update_seconds += time.perf_counter() - start
+        return loss
+
+    def _exchange_and_coalesce(self, entries: list[tuple[dict[str, Any], Tensor]]) -> list[tuple[Tensor, Tensor, bool]]:
+        """Per table: (unique local rows this rank owns, their scaled gradient, touched anywhere)."""
+        batches = []
+        for group, p in entries:
+            table = self._tables[p]
+            pending = table.pop_pending()
+            if pending:
+                ids = torch.cat([lookup.ids for lookup in pending])
+                values = torch.cat([lookup.rows.grad for lookup in pending])
+                if group["duplicate_grads"] == "mean":
+                    counts = torch.cat([lookup.counts for lookup in pending]).to(values.dtype)
+                    values = torch.cat([values, counts.unsqueeze(1)], dim=1)
+                ids, values = coalesce(ids, values)
+            else:
+                width = table.embedding_dim + (group["duplicate_grads"] == "mean")
+                ids = torch.empty(0, dtype=torch.int64, device=p.device)
+                values = p.new_empty(0, width)
+            batches.append(GradBatch(ids, values, table.sharding.owner(ids), touched=bool(pending)))
+        tables = [self._tables[p] for _, p in entries]
+        received = grads_to_owners(batches, tables[0].process_group if tables else None, tables[0].world_size if tables else 1, self.stats)
+        out = []
+        for (group, p), table, batch in zip(entries, tables, received):
+            ids, values = coalesce(batch.ids, batch.values)
+            if group["duplicate_grads"] == "mean":
+                grad = values[:, :-1] / values[:, -1:]
+            else:
+                grad = values / table.world_size
+            out.append((table.sharding.to_local(ids), grad, batch.touched))
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch casts every state tensor but "step" to the parameter's dtype; per-row integer
+        # counters (Adam's row_step) must stay exact, so they are put back as saved.
+        counters = {
+            (index, key): value
+            for index, entry in state_dict["state"].items()
+            for key, value in entry.items()
+            if isinstance(value, Tensor) and value.dim() > 0 and not value.is_floating_point()
+        }
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for (index, key), value in counters.items():
+            self.state[params[index]][key] = value.to(params[index].device, copy=True)
+        for p, table in self._tables.items():
+            for key, value in self.state[p].items():
+                if value.dim() > 0 and value.shape[0] != p.shape[0]:
+                    raise ValueError(
+                        f"{type(self).__name__} state {key!r} for {table.name} has {value.shape[0]} rows, but this rank "
+                        f"holds {p.shape[0]} (rank {table.rank} of {table.world_size}, {table.sharding_scheme}). "
+                        f"HINT: load optimizer state saved with the same world size and sharding."
+                    )

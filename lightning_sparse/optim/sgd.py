@@ -1,0 +1,40 @@
+"""SparseSGD: plain SGD on the touched rows."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.embedding import SparseEmbedding
+from lightning_sparse.optim import functional as F
+from lightning_sparse.optim.base import SparseOptimizer
+
+
+class SparseSGD(SparseOptimizer):
+    """SGD for SparseEmbedding tables: ``row -= lr * (grad + weight_decay * row)`` for touched rows.
+
+    Equals ``torch.optim.SGD`` on ``nn.Embedding(sparse=True)`` (which supports neither momentum
+    nor weight decay with sparse gradients). Weight decay applies to the touched rows only.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[SparseEmbedding] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        *,
+        weight_decay: float = 0.0,
+        duplicate_grads: str = "sum",
+    ) -> None:
+        if lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, duplicate_grads=duplicate_grads))
+
+    def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
+        return {"step": torch.zeros((), dtype=torch.int64)}
+
+    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> None:
+        shard[rows] = F.sgd(shard[rows], grad, lr=group["lr"], weight_decay=group["weight_decay"])

@@ -1,0 +1,77 @@
+"""Which rank owns a row, and local <-> global row ids.
+
+Pure functions of ``(num_embeddings, world_size, scheme)``: no collectives, no state.
+
+Two schemes:
+
+* ``"mod"``: global row ``r`` lives on rank ``r % W`` at local index ``r // W``. Hot low ids
+  (frequent items usually get small ids) spread evenly over the ranks.
+* ``"range"``: contiguous blocks of ``ceil(N / W)`` rows, the way ``torch.chunk`` splits a
+  tensor. Rank ``k`` holds rows ``[k * B, min((k + 1) * B, N))``; trailing ranks may hold none.
+
+>>> s = RowSharding(10, world_size=3, scheme="mod")
+>>> s.owner(torch.tensor([0, 1, 2, 3, 9])).tolist()
+[0, 1, 2, 0, 0]
+>>> [s.num_local_rows(r) for r in range(3)]
+[4, 3, 3]
+>>> s.global_ids(1).tolist()
+[1, 4, 7]
+>>> RowSharding(10, world_size=3, scheme="range").global_ids(2).tolist()
+[8, 9]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SCHEMES = ("mod", "range")
+
+
+@dataclass(frozen=True)
+class RowSharding:
+    """Row placement of one logical ``[num_embeddings, dim]`` table over ``world_size`` ranks."""
+
+    num_embeddings: int
+    world_size: int
+    scheme: str = "mod"
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"Invalid sharding scheme: {self.scheme!r}. HINT: use one of {SCHEMES}.")
+        if self.num_embeddings < 1:
+            raise ValueError(f"Invalid num_embeddings: {self.num_embeddings}. HINT: a table needs at least one row.")
+        if self.world_size < 1:
+            raise ValueError(f"Invalid world_size: {self.world_size}")
+
+    @property
+    def block_size(self) -> int:
+        """Rows per rank under ``"range"`` (the last non-empty block may be shorter)."""
+        return -(-self.num_embeddings // self.world_size)
+
+    def owner(self, ids: Tensor) -> Tensor:
+        """Rank that owns each global id."""
+        if self.scheme == "mod":
+            return torch.remainder(ids, self.world_size)
+        return torch.div(ids, self.block_size, rounding_mode="floor")
+
+    def to_local(self, ids: Tensor) -> Tensor:
+        """Index of each global id inside its owner's shard."""
+        if self.scheme == "mod":
+            return torch.div(ids, self.world_size, rounding_mode="floor")
+        return torch.remainder(ids, self.block_size)
+
+    def num_local_rows(self, rank: int) -> int:
+        """Number of rows that ``rank`` holds."""
+        if self.scheme == "mod":
+            return max(0, -(-(self.num_embeddings - rank) // self.world_size))
+        return max(0, min(self.block_size, self.num_embeddings - rank * self.block_size))
+
+    def global_ids(self, rank: int, device: torch.device | str | None = None) -> Tensor:
+        """Global ids of the rows ``rank`` holds, in local order."""
+        local = torch.arange(self.num_local_rows(rank), device=device)
+        if self.scheme == "mod":
+            return local * self.world_size + rank
+        return local + rank * self.block_size

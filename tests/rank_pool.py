@@ -1,0 +1,122 @@
+"""A pool of spawned gloo ranks that run the same function on request, for multi-process tests.
+
+Spawning W processes costs seconds; a test that checks dozens of hypothesis examples instead
+sends each example to a pool that stays up for the whole session. Every rank of the pool runs
+the function (so it may call collectives) and sends back its result or its error.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Collectives give up after this long, so a test never hangs on a lost peer.
+COLLECTIVE_TIMEOUT_S = 30
+# A job that has not answered in this long means the pool is broken.
+JOB_TIMEOUT_S = 120
+
+
+@dataclass
+class RankError:
+    """What a rank raised: exception type name, message and formatted traceback."""
+
+    type: str
+    message: str
+    traceback: str
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(rank: int, world_size: int, port: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        while (job := inbox.get()) is not None:
+            fn, args = _loads(job)
+            try:
+                outbox.put((rank, _dumps(("ok", fn(*args)))))
+            except BaseException as err:  # noqa: BLE001 - every error goes back to the test
+                outbox.put((rank, _dumps(("err", RankError(type(err).__name__, str(err), traceback.format_exc())))))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankPool:
+    """``world_size`` spawned ranks in one gloo group; ``run(fn, *args)`` runs ``fn`` on every rank."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        self._outbox = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(rank, world_size, port, self._inboxes[rank], self._outbox), daemon=True)
+            for rank in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.broken = False
+
+    def run_raw(self, fn: Callable[..., Any], *args: Any, timeout: float = JOB_TIMEOUT_S) -> list[Any]:
+        """Per-rank results, with a :class:`RankError` in place of a rank that raised."""
+        job = _dumps((fn, args))
+        for inbox in self._inboxes:
+            inbox.put(job)
+        results: list[Any] = [None] * self.world_size
+        for _ in range(self.world_size):
+            try:
+                rank, data = self._outbox.get(timeout=timeout)
+            except queue.Empty:
+                self.broken = True
+                raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s")
+            status, value = _loads(data)
+            results[rank] = value
+        return results
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = JOB_TIMEOUT_S) -> list[Any]:
+        """Per-rank results; raises if any rank raised, with every rank's traceback."""
+        results = self.run_raw(fn, *args, timeout=timeout)
+        errors = [f"rank {r}:\n{res.traceback}" for r, res in enumerate(results) if isinstance(res, RankError)]
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return results
+
+    def close(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,202 @@
+"""Sparse optimizers on 1, 2 and 3 ranks equal single-process torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_sparse as ls
+from references import batch_loss, reference_train
+
+N, D, STEPS, GLOBAL_BATCH, BAG = 23, 4, 5, 6, 3
+SEED = 11
+
+CASES = {
+    "sgd": ("SparseSGD", dict(lr=0.5)),
+    "sgd-wd": ("SparseSGD", dict(lr=0.5, weight_decay=0.1)),
+    "adagrad": ("SparseAdagrad", dict(lr=0.3, lr_decay=0.05, initial_accumulator_value=0.1)),
+    "adagrad-wd": ("SparseAdagrad", dict(lr=0.3, weight_decay=0.1)),
+    "rowwise-adagrad": ("SparseRowWiseAdagrad", dict(lr=0.3, weight_decay=0.05)),
+    "adam-global": ("SparseAdam", dict(lr=0.05, bias_correction="global")),
+    "adam-row": ("SparseAdam", dict(lr=0.05)),
+    "adamw-row": ("SparseAdam", dict(lr=0.05, weight_decay=0.2, decoupled_weight_decay=True)),
+    "adam-row-l2": ("SparseAdam", dict(lr=0.05, weight_decay=0.2)),
+}
+
+
+def make_batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Global batches of bags of ids, skewed so that some rows repeat within and across ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(STEPS):
+        ids = (torch.rand(GLOBAL_BATCH, BAG, generator=gen) ** 2 * N).long()
+        target = torch.randn(GLOBAL_BATCH, D, generator=gen)
+        batches.append((ids, target))
+    return batches
+
+
+def train_sharded(name: str, kwargs: dict, scheme: str, batches) -> torch.Tensor:
+    """One rank's part of the run: its slice of each global batch, a loss scaled as in the README."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    emb = ls.SparseEmbedding(N, D, sharding=scheme, seed=SEED)
+    opt = getattr(ls, name)([emb], **kwargs)
+    for ids, target in batches:
+        mine = torch.tensor_split(torch.arange(len(ids)), world)[rank]
+        # Each rank's loss is a mean over its own samples; equal slices make the average over
+        # ranks equal to the global mean.
+        loss = batch_loss(emb(ids[mine]), target[mine]).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return emb.full_weight()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("scheme", ["mod", "range"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_with_single_process_reference(rank_pools, world_size, scheme, case):
+    name, kwargs = CASES[case]
+    batches = make_batches()
+    initial = ls.init.normal()(torch.arange(N), D, SEED)
+    expected = reference_train(name, kwargs, initial, batches)
+    results = rank_pools(world_size).run(train_sharded, name, kwargs, scheme, batches)
+    for got in results:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(expected, initial), "the run must actually train"
+
+
+def test_local_table_without_process_group_matches_reference():
+    """No process group at all: a plain local table, for notebooks and unit tests."""
+    name, kwargs = CASES["adagrad"]
+    batches = make_batches(seed=3)
+    emb = ls.SparseEmbedding(N, D, seed=SEED)
+    opt = ls.SparseAdagrad([emb], **kwargs)
+    for ids, target in batches:
+        batch_loss(emb(ids), target).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    expected = reference_train(name, kwargs, ls.init.normal()(torch.arange(N), D, SEED), batches)
+    torch.testing.assert_close(emb.full_weight(), expected, rtol=1e-5, atol=1e-6)
+
+
+def _accumulate_and_multi_table(world_size_unused=None):
+    """Two tables (different widths) in one optimizer, two backward passes per step."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    a = ls.SparseEmbedding(13, 3, seed=1, sharding="range")
+    b = ls.SparseEmbedding(7, 5, seed=2)
+    opt = ls.SparseSGD([a, b], lr=0.1)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for _micro in range(2):
+            ids_a = torch.randint(0, 13, (4 * world,), generator=gen)
+            ids_b = torch.randint(0, 7, (2 * world,), generator=gen)
+            mine_a, mine_b = ids_a.chunk(world)[rank], ids_b.chunk(world)[rank]
+            loss = a(mine_a).pow(2).sum() + (b(mine_b) * 3).sum()
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return a.full_weight(), b.full_weight(), opt.stats.bytes_sent
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_gradient_accumulation_and_two_tables(rank_pools, world_size):
+    results = rank_pools(world_size).run(_accumulate_and_multi_table)
+    a = torch.nn.Embedding(13, 3, sparse=True)
+    b = torch.nn.Embedding(7, 5, sparse=True)
+    with torch.no_grad():
+        a.weight.copy_(ls.init.normal()(torch.arange(13), 3, 1))
+        b.weight.copy_(ls.init.normal()(torch.arange(7), 5, 2))
+    opt = torch.optim.SGD([a.weight, b.weight], lr=0.1)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for _micro in range(2):
+            ids_a = torch.randint(0, 13, (4 * world_size,), generator=gen)
+            ids_b = torch.randint(0, 7, (2 * world_size,), generator=gen)
+            # Sum of per-rank losses averaged over ranks.
+            ((a(ids_a).pow(2).sum() + (b(ids_b) * 3).sum()) / world_size).backward()
+        opt.step()
+        opt.zero_grad()
+    for got_a, got_b, sent in results:
+        torch.testing.assert_close(got_a, a.weight.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_b, b.weight.detach(), rtol=1e-5, atol=1e-6)
+        assert (sent > 0) == (world_size > 1)
+
+
+def test_zero_grad_drops_pending_gradients_now():
+    """DGL's zero_grad only marks; ours drops what backward produced, so step() after it is a no-op."""
+    emb = ls.SparseEmbedding(5, 2, seed=0)
+    opt = ls.SparseSGD([emb], lr=1.0)
+    before = emb.full_weight()
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.zero_grad()
+    opt.step()
+    torch.testing.assert_close(emb.full_weight(), before)
+    # A lookup whose backward comes after zero_grad (Lightning's order) still counts.
+    out = emb(torch.tensor([3]))
+    opt.zero_grad()
+    out.sum().backward()
+    opt.step()
+    changed = (emb.full_weight() != before).any(dim=1)
+    assert changed.tolist() == [False, False, False, True, False]
+
+
+def test_untouched_rows_and_state_never_change():
+    emb = ls.SparseEmbedding(6, 3, seed=0)
+    opt = ls.SparseAdam([emb], lr=0.1, weight_decay=0.5, decoupled_weight_decay=True)
+    before = emb.full_weight()
+    for _ in range(3):
+        emb(torch.tensor([0, 4, 4])).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    after = emb.full_weight()
+    untouched = [1, 2, 3, 5]
+    torch.testing.assert_close(after[untouched], before[untouched], rtol=0, atol=0)
+    assert opt.state[emb.shard]["row_step"].tolist() == [3, 0, 0, 0, 3, 0]
+    assert (opt.state[emb.shard]["exp_avg"][untouched] == 0).all()
+
+
+def test_state_dict_round_trip_and_lr_scheduler():
+    def run(steps, opt_state=None, weights=None):
+        emb = ls.SparseEmbedding(9, 2, seed=4)
+        if weights is not None:
+            emb.load_state_dict(weights)
+        opt = ls.SparseAdam([emb], lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        if opt_state is not None:
+            opt.load_state_dict(opt_state[0])
+            sched.load_state_dict(opt_state[1])
+        gen = torch.Generator().manual_seed(len(steps))
+        for ids in steps:
+            emb(ids).pow(3).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        return emb, opt, sched
+
+    steps = [torch.tensor([1, 2, 2]), torch.tensor([2, 8]), torch.tensor([0, 1]), torch.tensor([8, 8, 3])]
+    full, _, _ = run(steps)
+    half_emb, half_opt, half_sched = run(steps[:2])
+    assert half_opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    state = half_opt.state_dict()
+    assert set(state) == {"state", "param_groups"}
+    assert state["state"][0]["row_step"].dtype == torch.int64
+    resumed, resumed_opt, _ = run(steps[2:], (state, half_sched.state_dict()), half_emb.state_dict())
+    assert resumed_opt.state[resumed.shard]["row_step"].dtype == torch.int64
+    torch.testing.assert_close(resumed.full_weight(), full.full_weight(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda e: ls.SparseSGD([e], lr=-1), "Invalid learning rate: -1"),
+        (lambda e: ls.SparseAdagrad([e], eps=-1.0), "Invalid epsilon value: -1.0"),
+        (lambda e: ls.SparseAdam([e], betas=(1.0, 0.9)), "Invalid beta parameter at index 0: 1.0"),
+        (lambda e: ls.SparseAdam([e], bias_correction="step"), "Invalid bias_correction: 'step'"),
+        (lambda e: ls.SparseSGD([e], duplicate_grads="max"), "Invalid duplicate_grads: 'max'"),
+        (lambda e: ls.SparseSGD([torch.nn.Linear(2, 2).weight]), "HINT: pass the SparseEmbedding modules"),
+    ],
+)
+def test_invalid_arguments(make, match):
+    emb = ls.SparseEmbedding(4, 2)
+    with pytest.raises((ValueError, TypeError), match=match):
+        make(emb)

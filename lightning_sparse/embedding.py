@@ -302,6 +302,7 @@ class SparseEmbedding(nn.Module):
         pass  # checked in _load_from_state_dict, which sees the tensors too
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        self.materialize()  # first, so that the extra state records the placement
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "shard"] = self.shard if keep_vars else self.shard.detach()
 

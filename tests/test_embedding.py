@@ -1,0 +1,255 @@
+"""SparseEmbedding: lookups, initialization, bad input, state dicts, on 1, 2 and 3 ranks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lightning_sparse as ls
+from rank_pool import RankError
+
+
+def _rank() -> tuple[int, int]:
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+# ---------------------------------------------------------------- lookups and one step, as properties
+def _lookup_and_step(num_embeddings, dim, scheme, ids_per_rank, coefs_per_rank, id_dtype, duplicate_grads):
+    rank, world = _rank()
+    emb = ls.SparseEmbedding(num_embeddings, dim, sharding=scheme, seed=5)
+    opt = ls.SparseSGD([emb], lr=1.0, duplicate_grads=duplicate_grads)
+    ids = ids_per_rank[rank].to(id_dtype)
+    out = emb(ids)
+    (out * coefs_per_rank[rank]).sum().backward()
+    opt.step()
+    return out.detach(), emb.full_weight()
+
+
+@st.composite
+def lookup_cases(draw, world_size):
+    num_embeddings = draw(st.integers(1, 12))
+    dim = draw(st.integers(1, 3))
+    scheme = draw(st.sampled_from(["mod", "range"]))
+    bag = draw(st.sampled_from([None, 1, 3]))  # None: 1-D ids; else ids of shape [B, bag]
+    only_owner = draw(st.booleans())  # all ids owned by rank 0 ("mod": multiples of W)
+    ids_per_rank, coefs_per_rank = [], []
+    for _ in range(world_size):
+        batch = draw(st.integers(0, 5))  # some ranks may look up nothing
+        count = batch * (bag or 1)
+        if only_owner and num_embeddings >= 1:
+            owned = list(ls.RowSharding(num_embeddings, world_size, scheme).global_ids(0).tolist()) or [0]
+            values = draw(st.lists(st.sampled_from(owned), min_size=count, max_size=count))
+        else:
+            values = draw(st.lists(st.integers(0, num_embeddings - 1), min_size=count, max_size=count))
+        ids = torch.tensor(values, dtype=torch.int64).view(batch, bag) if bag else torch.tensor(values, dtype=torch.int64)
+        ids_per_rank.append(ids)
+        seed = draw(st.integers(0, 2**16))
+        coefs_per_rank.append(torch.randn(*ids.shape, dim, generator=torch.Generator().manual_seed(seed)))
+    id_dtype = draw(st.sampled_from([torch.int64, torch.int32]))
+    duplicate_grads = draw(st.sampled_from(["sum", "mean"]))
+    return num_embeddings, dim, scheme, ids_per_rank, coefs_per_rank, id_dtype, duplicate_grads
+
+
+def _expected(num_embeddings, dim, ids_per_rank, coefs_per_rank, duplicate_grads):
+    table = ls.init.normal()(torch.arange(num_embeddings), dim, 5)
+    grad = torch.zeros(num_embeddings, dim)
+    count = torch.zeros(num_embeddings)
+    for ids, coefs in zip(ids_per_rank, coefs_per_rank):
+        grad.index_add_(0, ids.reshape(-1), coefs.reshape(-1, dim))
+        count.index_add_(0, ids.reshape(-1), torch.ones(ids.numel()))
+    if duplicate_grads == "mean":
+        grad = grad / count.clamp(min=1).unsqueeze(1)
+    else:
+        grad = grad / len(ids_per_rank)
+    return table, table - grad
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_lookup_and_step_properties(rank_pools, world_size):
+    pool = rank_pools(world_size)
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=lookup_cases(world_size))
+    def check(case):
+        num_embeddings, dim, scheme, ids_per_rank, coefs_per_rank, id_dtype, duplicate_grads = case
+        results = pool.run(_lookup_and_step, *case)
+        table, stepped = _expected(num_embeddings, dim, ids_per_rank, coefs_per_rank, duplicate_grads)
+        for rank, (out, full) in enumerate(results):
+            ids = ids_per_rank[rank]
+            assert out.shape == (*ids.shape, dim)
+            torch.testing.assert_close(out, table[ids], rtol=0, atol=0)
+            torch.testing.assert_close(full, stepped, rtol=1e-5, atol=1e-6)
+
+    check()
+
+
+# ---------------------------------------------------------------- initialization
+def _full_table(num_embeddings, dim, scheme, seed):
+    return ls.SparseEmbedding(num_embeddings, dim, sharding=scheme, seed=seed).full_weight()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("scheme", ["mod", "range"])
+def test_initial_table_independent_of_world_size_and_scheme(rank_pools, world_size, scheme):
+    expected = ls.SparseEmbedding(31, 6, seed=9).full_weight()  # no process group: local table
+    for full in rank_pools(world_size).run(_full_table, 31, 6, scheme, 9):
+        torch.testing.assert_close(full, expected, rtol=0, atol=0)
+    other_seed = ls.SparseEmbedding(31, 6, seed=10).full_weight()
+    assert not torch.equal(other_seed, expected)
+
+
+def test_default_init_statistics():
+    table = ls.SparseEmbedding(20_000, 16, seed=0).full_weight()
+    assert abs(table.mean().item()) < 0.01
+    assert table.std().item() == pytest.approx(1 / 16**0.5, rel=0.02)
+    uniform = ls.SparseEmbedding(20_000, 4, init=ls.init.uniform(-0.5, 0.5)).full_weight()
+    assert uniform.min() >= -0.5 and uniform.max() < 0.5
+    assert uniform.mean().abs() < 0.01
+
+
+def test_pretrained_init_from_tensor():
+    pretrained = torch.randn(7, 3)
+    emb = ls.SparseEmbedding(7, 3, init=ls.init.from_tensor(pretrained))
+    torch.testing.assert_close(emb.full_weight(), pretrained)
+    with pytest.raises(ValueError, match="has dim 3 but the SparseEmbedding has embedding_dim=4"):
+        ls.SparseEmbedding(7, 4, init=ls.init.from_tensor(pretrained)).materialize()
+
+
+def _shard_rows(num_embeddings, dim):
+    emb = ls.SparseEmbedding(num_embeddings, dim, sharding="range")
+    constructed_lazily = not emb.is_materialized
+    return constructed_lazily, tuple(emb.shard.shape)
+
+
+def test_large_table_materializes_only_the_local_shard(rank_pools):
+    # 30M rows: a rank holds 10M of them and never the whole table.
+    results = rank_pools(3).run(_shard_rows, 30_000_000, 1)
+    assert results == [(True, (10_000_000, 1))] * 3
+
+
+def test_construction_allocates_nothing():
+    emb = ls.SparseEmbedding(10**12, 1024)  # 4 PB if it were allocated
+    assert not emb.is_materialized
+    assert list(emb.parameters()) == [] and list(emb.buffers()) == []
+
+
+def test_follows_to_and_keeps_shard_identity():
+    emb = ls.SparseEmbedding(5, 2)
+    shard = emb.shard
+    opt = ls.SparseSGD([emb], lr=0.1)
+    emb.double()
+    assert emb.shard is shard and shard.dtype == torch.float64
+    lazy = ls.SparseEmbedding(5, 2).to(torch.float64)
+    assert lazy.shard.dtype == torch.float64
+    assert opt.tables == [emb]
+
+
+# ---------------------------------------------------------------- bad input fails on every rank
+def _bad_lookup(bad_rank, bad_ids):
+    rank, _ = _rank()
+    emb = ls.SparseEmbedding(10, 2, name="items")
+    ids = bad_ids if rank == bad_rank else torch.tensor([1, 2])
+    start = time.monotonic()
+    try:
+        emb(ids)
+    except (IndexError, TypeError) as err:
+        return type(err).__name__, str(err), time.monotonic() - start
+    return None
+
+
+def _healthy_lookup():
+    return ls.SparseEmbedding(10, 2)(torch.tensor([1, 9])).shape
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize(
+    "bad_ids, error, message",
+    [
+        (torch.tensor([3, 10]), "IndexError", "got id 10 on {where}; valid ids are 0..9"),
+        (torch.tensor([[-4, 1]]), "IndexError", "got id -4 on {where}; valid ids are 0..9"),
+        (torch.tensor([1.0, 2.0]), "TypeError", "ids must be integers"),
+        (torch.tensor([True]), "TypeError", "got ids of dtype torch.bool"),
+    ],
+)
+def test_bad_ids_raise_on_every_rank(rank_pools, world_size, bad_ids, error, message):
+    pool = rank_pools(world_size)
+    bad_rank = world_size - 1
+    results = pool.run(_bad_lookup, bad_rank, bad_ids)
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} did not raise"
+        name, text, seconds = result
+        where = "this rank" if rank == bad_rank else f"rank {bad_rank}"
+        assert name == error
+        assert message.format(where=where) in text
+        assert "items" in text and "HINT:" in text
+        assert seconds < 10
+    # The group is still usable: nothing is left half-way in a collective.
+    assert pool.run(_healthy_lookup) == [torch.Size([2, 2])] * world_size
+
+
+def test_bad_ids_without_process_group():
+    emb = ls.SparseEmbedding(4, 2, name="users")
+    with pytest.raises(IndexError, match=r"users got id 4 on this rank; valid ids are 0..3 \(num_embeddings=4\)"):
+        emb(torch.tensor([4]))
+    with pytest.raises(TypeError, match="HINT: wrap it in torch.tensor"):
+        emb([1, 2])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_embeddings=0, embedding_dim=2), "Invalid num_embeddings: 0"),
+        (dict(num_embeddings=3, embedding_dim=0), "Invalid embedding_dim: 0"),
+        (dict(num_embeddings=3, embedding_dim=2, sharding="hash"), "Invalid sharding: 'hash'"),
+        (dict(num_embeddings=3, embedding_dim=2, dtype=torch.int64), "Invalid dtype: torch.int64"),
+    ],
+)
+def test_invalid_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ls.SparseEmbedding(**kwargs)
+
+
+# ---------------------------------------------------------------- state dicts
+def test_local_state_dict_round_trip_and_nn_embedding_export():
+    emb = ls.SparseEmbedding(6, 3, seed=1)
+    other = ls.SparseEmbedding(6, 3, seed=2)
+    other.load_state_dict(emb.state_dict())
+    torch.testing.assert_close(other.full_weight(), emb.full_weight())
+    full = ls.full_state_dict(torch.nn.ModuleDict({"table": emb}))
+    plain = torch.nn.ModuleDict({"table": torch.nn.Embedding(6, 3)})
+    plain.load_state_dict(full)
+    torch.testing.assert_close(plain["table"].weight.detach(), emb.full_weight())
+
+
+def _state_dicts(seed):
+    emb = ls.SparseEmbedding(8, 2, seed=seed)
+    module = torch.nn.ModuleDict({"table": emb})
+    return module.state_dict(), ls.full_state_dict(module)
+
+
+def _load(state_dict):
+    """This rank's rows after loading, as (global ids, rows), or the error; no collective."""
+    emb = ls.SparseEmbedding(8, 2, seed=99)
+    try:
+        torch.nn.ModuleDict({"table": emb}).load_state_dict(state_dict)
+    except RuntimeError as err:
+        return str(err)
+    return emb.sharding.global_ids(emb.rank), emb.shard.clone()
+
+
+def test_sharded_state_dicts_never_load_silently_on_another_rank(rank_pools):
+    pool = rank_pools(2)
+    (shard0, full0), (shard1, full1) = pool.run(_state_dicts, 3)
+    expected = ls.SparseEmbedding(8, 2, seed=3).full_weight()
+    torch.testing.assert_close(full0["table.weight"], expected)
+    for ids, rows in pool.run(_load, full0):  # a full table loads on every rank
+        torch.testing.assert_close(rows, expected[ids], rtol=0, atol=0)
+    # Rank 0's shard handed to both ranks: rank 0 accepts it, rank 1 refuses with a HINT.
+    loaded = pool.run(_load, shard0)
+    torch.testing.assert_close(loaded[0][1], expected[loaded[0][0]], rtol=0, atol=0)
+    assert "holds rank 0's shard of 2" in loaded[1] and "HINT" in loaded[1]

@@ -17,15 +17,19 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sparse import init as row_init
-from lightning_sparse.exchange import ExchangeStats, ids_to_owners, rows_to_requesters
+from lightning_sparse.exchange import ExchangeStats, IdRoute, ids_to_owners, rows_to_requesters
 from lightning_sparse.sharding import SCHEMES, RowSharding
 
 # Rows initialized per chunk, so that building a shard never holds more than this many rows of
 # int64 hash temporaries at once.
 _INIT_CHUNK_ROWS = 1 << 16
 
-# Codes a rank sends beside its split sizes when its ids are bad (see ``ids_to_owners``).
-_OK, _BAD_DTYPE, _BAD_ID = 0, 1, 2
+# What a rank sends beside its split sizes in every lookup (see ``ids_to_owners``):
+# [error code, offending value, table index, active]. The error code lets all ranks fail
+# together; the table index and the active bit let a rank that has run out of batches answer
+# the lookups of the others (``serve_lookups``) and catch ranks that call tables out of order.
+_OK, _BAD_DTYPE, _BAD_ID, _TABLES_OUT_OF_ORDER = 0, 1, 2, 3
+_CODE, _VALUE, _TABLE, _ACTIVE = range(4)
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -100,6 +104,10 @@ class SparseEmbedding(nn.Module):
         self._shard = torch.empty(0, embedding_dim, dtype=dtype, device=device)
         self._pending: list[PendingLookup] = []
         self.stats = ExchangeStats()
+        # Set by a strategy that shards this table: its position among the module's tables,
+        # which every rank sends along with each lookup.
+        self.table_index = -1
+        self._strategy_checked = False
 
     # ------------------------------------------------------------------ placement
     @property
@@ -199,49 +207,67 @@ class SparseEmbedding(nn.Module):
         number of times and in the same order as the other tables it shares the group with.
         Differentiable with respect to the looked-up rows when grad mode is on.
         """
+        if not self._strategy_checked:
+            _check_not_under_foreign_strategy(self)
+            self._strategy_checked = True
         self.materialize()
         if not isinstance(ids, Tensor):
             raise TypeError(f"{self.name} expects a tensor of ids, got {type(ids).__name__}. HINT: wrap it in torch.tensor(...).")
         flat, flags = self._validate(ids)
         unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
-        owners = self.sharding.owner(unique)
         self.stats.ids_looked_up += flat.numel()
         self.stats.unique_ids += unique.numel()
-        route = ids_to_owners(unique, owners, flags, self._group, self._world_size, self.stats)
-        self._raise_if_bad(route.peer_flags, ids)
-        local_rows = self._shard[self.sharding.to_local(route.received_ids)]
-        rows = rows_to_requesters(local_rows, route, self._group, self._world_size, self.stats)
+        rows = self._lookup(unique, flags, ids.dtype)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._pending.append(PendingLookup(unique, counts, rows))
         return rows[inverse].view(*ids.shape, self.embedding_dim)
 
+    def _lookup(self, unique: Tensor, flags: Tensor, ids_dtype: torch.dtype | None) -> Tensor:
+        """The two exchanges of a lookup, shared by ``forward`` and ``serve_lookups``."""
+        route = ids_to_owners(unique, self.sharding.owner(unique), flags, self._group, self._world_size, self.stats)
+        self._raise_if_bad(route.peer_flags, ids_dtype)
+        return self._answer(route)
+
+    def _answer(self, route: IdRoute) -> Tensor:
+        """Gather the rows other ranks asked this rank for and exchange them; returns our requested rows."""
+        with torch.no_grad():
+            local_rows = self._shard[self.sharding.to_local(route.received_ids)]
+        return rows_to_requesters(local_rows, route, self._group, self._world_size, self.stats)
+
     def _validate(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """Flat int64 ids on the table's device and this rank's verdict ``[code, value]``."""
+        """Flat int64 ids on the table's device and this rank's flags (see ``_CODE`` ...)."""
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
         if ids.dtype not in _ID_DTYPES:
-            code = _BAD_DTYPE
-            value = 1 if ids.dtype == torch.bool else 0
-            return torch.empty(0, dtype=torch.int64, device=self.device), self._flags(code, value)
+            return empty, self._flags(_BAD_DTYPE, int(ids.dtype == torch.bool))
         flat = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
         if flat.numel():
             low, high = flat.min(), flat.max()
             if bool(low < 0) or bool(high >= self.num_embeddings):
-                bad = low if bool(low < 0) else high
-                return torch.empty(0, dtype=torch.int64, device=self.device), self._flags(_BAD_ID, int(bad))
+                return empty, self._flags(_BAD_ID, int(low if bool(low < 0) else high))
         return flat, self._flags(_OK, 0)
 
-    def _flags(self, code: int, value: int) -> Tensor:
-        return torch.tensor([code, value], dtype=torch.int64, device=self.device)
+    def _flags(self, code: int, value: int, active: bool = True) -> Tensor:
+        return torch.tensor([code, value, self.table_index, int(active)], dtype=torch.int64, device=self.device)
 
-    def _raise_if_bad(self, peer_flags: Tensor, ids: Tensor) -> None:
-        bad = (peer_flags[:, 0] != _OK).nonzero()
+    def _raise_if_bad(self, peer_flags: Tensor, ids_dtype: torch.dtype | None) -> None:
+        active = peer_flags[:, _ACTIVE] == 1
+        tables = peer_flags[active, _TABLE].unique()
+        if len(tables) > 1:
+            raise RuntimeError(
+                f"Ranks looked up different tables in the same round (table indices {tables.tolist()}, "
+                f"this rank: {self.name}). HINT: every rank must call its SparseEmbeddings in the same order, "
+                f"every step, also with empty ids."
+            )
+        bad = (peer_flags[:, _CODE] != _OK).nonzero()
         if len(bad) == 0:
             return
         rank = int(bad[0])
-        code, value = peer_flags[rank].tolist()
+        code, value = peer_flags[rank, _CODE].item(), peer_flags[rank, _VALUE].item()
         where = "this rank" if rank == self._rank else f"rank {rank}"
         if code == _BAD_DTYPE:
-            got = f"{ids.dtype}" if rank == self._rank else ("torch.bool" if value else "a floating-point or complex dtype")
+            mine = rank == self._rank and ids_dtype is not None
+            got = str(ids_dtype) if mine else ("torch.bool" if value else "a floating-point or complex dtype")
             raise TypeError(
                 f"{self.name} got ids of dtype {got} on {where}; ids must be integers (int64 or int32). "
                 f"HINT: convert them with ids.long()."
@@ -266,27 +292,39 @@ class SparseEmbedding(nn.Module):
         return any(p.rows.grad is not None for p in self._pending)
 
     # ------------------------------------------------------------------ whole table
-    @torch.no_grad()
     def full_weight(self) -> Tensor:
         """The logical ``[num_embeddings, embedding_dim]`` table in global row order, on every rank.
 
         Collective: every rank of the group must call it. Holds the whole table on every rank:
         meant for export and tests, not for tables that do not fit one host.
         """
-        shard = self.shard
+        return self.gather_rows(self.shard)
+
+    @torch.no_grad()
+    def gather_rows(self, local: Tensor) -> Tensor:
+        """Concatenate a per-row tensor (first dim: this rank's rows) from all ranks in global row order.
+
+        Collective: every rank of the group must call it. Used for the table and for per-row
+        optimizer state.
+        """
         if self._world_size == 1:
-            return shard.clone()
+            return local.clone()
         sharding = self.sharding
         most = max(sharding.num_local_rows(r) for r in range(self._world_size))
-        padded = shard.new_zeros(most, self.embedding_dim)
-        padded[: len(shard)] = shard
+        padded = local.new_zeros(most, *local.shape[1:])
+        padded[: len(local)] = local
         gathered = [torch.empty_like(padded) for _ in range(self._world_size)]
         dist.all_gather(gathered, padded, group=self._group)
-        out = shard.new_empty(self.num_embeddings, self.embedding_dim)
+        out = local.new_empty(self.num_embeddings, *local.shape[1:])
         for rank, part in enumerate(gathered):
             ids = sharding.global_ids(rank, device=out.device)
             out[ids] = part[: len(ids)]
         return out
+
+    def local_rows(self, full: Tensor) -> Tensor:
+        """This rank's rows of a full per-row tensor (the inverse of :meth:`gather_rows`)."""
+        self.materialize()
+        return full[self.sharding.global_ids(self._rank, device=full.device)]
 
     # ------------------------------------------------------------------ state dict
     def get_extra_state(self) -> dict[str, Any]:
@@ -319,7 +357,7 @@ class SparseEmbedding(nn.Module):
                 )
             else:
                 with torch.no_grad():
-                    self._shard.copy_(full[self.sharding.global_ids(self._rank, device=full.device)])
+                    self._shard.copy_(self.local_rows(full))
         elif shard is not None:
             mine = self.get_extra_state()
             theirs = {k: extra.get(k) for k in mine}
@@ -359,3 +397,56 @@ def full_state_dict(module: nn.Module, state_dict: dict[str, Any] | None = None)
             state_dict.pop(prefix + "_extra_state", None)
             state_dict[prefix + "weight"] = sub.full_weight()
     return state_dict
+
+
+def serve_lookups(tables: list[SparseEmbedding]) -> int:
+    """Answer the other ranks' lookups until every rank of the group has called this.
+
+    A Join for lookups: a rank that has run out of batches (uneven validation, test or predict
+    loaders) calls this and keeps serving the rows it owns to ranks that still have batches,
+    taking part in each of their lookup rounds with no ids of its own. Returns, with the number
+    of rounds served, once every rank is serving. ``tables[i]`` must have ``table_index == i``
+    on every rank (the strategy sets it).
+
+    Collective: every rank of the group must call it once it has no lookups left to make.
+    """
+    if not tables or tables[0].world_size == 1:
+        return 0
+    first, rounds = tables[0], 0
+    while True:
+        idle = torch.empty(0, dtype=torch.int64, device=first.device)
+        flags = torch.tensor([_OK, 0, -1, 0], dtype=torch.int64, device=first.device)
+        route = ids_to_owners(idle, idle, flags, first.process_group, first.world_size, first.stats)
+        active = route.peer_flags[:, _ACTIVE] == 1
+        if not bool(active.any()):
+            return rounds
+        table = tables[int(route.peer_flags[active, _TABLE][0])]
+        table._raise_if_bad(route.peer_flags, None)
+        table._answer(route)
+        rounds += 1
+
+
+def _check_not_under_foreign_strategy(table: SparseEmbedding) -> None:
+    """Refuse to run inside a Lightning strategy other than SparseDDPStrategy (once per table).
+
+    Under plain ``ddp`` or a single-device strategy nothing would ever step the table: training
+    would silently leave it untouched. The running strategy is found on the call stack, so that
+    plain PyTorch use pays nothing but this one look.
+    """
+    import sys
+
+    if "lightning.pytorch" not in sys.modules:
+        return
+    from lightning.pytorch.strategies import Strategy
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Strategy):
+            if not getattr(owner, "manages_sparse_embeddings", False):
+                raise RuntimeError(
+                    f"{table.name} is used under Lightning's {type(owner).__name__}, which does not shard or step "
+                    f"SparseEmbeddings. HINT: pass strategy=\"sparse_ddp\" to the Trainer (import lightning_sparse first)."
+                )
+            return
+        frame = frame.f_back

@@ -102,8 +102,9 @@ def ids_to_owners(
     """Stage 1: send ``ids`` (unique global ids) to their ``owners``.
 
     ``flags`` (a small int64 vector) travels to every rank beside the split sizes at no extra
-    cost: a rank uses it to tell the others its input is bad, so that all ranks fail together
-    instead of leaving the healthy ones blocked in the next collective.
+    cost. ``flags[0]`` is an error code: if any rank sends a nonzero one, no ids are exchanged,
+    so that all ranks can fail together instead of leaving the healthy ones blocked in the next
+    collective. The other entries are the caller's (see ``SparseEmbedding``).
 
     Collective: every rank of ``group`` must call it.
     """
@@ -115,7 +116,7 @@ def ids_to_owners(
         peers = exchange_counts(header, group, world_size)
         send_splits, recv_splits = send_counts.tolist(), peers[:, 0].tolist()
         route = IdRoute(order, send_splits, recv_splits, received_ids=ids, peer_flags=peers[:, 1:])
-        if not bool((route.peer_flags != 0).any()):
+        if not bool((route.peer_flags[:, 0] != 0).any()):
             route.received_ids = exchange_values(ids[order], send_splits, recv_splits, group, world_size)
     if stats is not None and world_size > 1:
         stats.bytes_sent += _nbytes(header) + _nbytes(ids)

@@ -1,9 +1,14 @@
-"""lightning-sparse: row-sharded embedding tables and sparse optimizers for PyTorch (Lightning)."""
+"""lightning-sparse: row-sharded embedding tables and sparse optimizers for PyTorch (Lightning).
+
+Importing the package registers ``Trainer(strategy="sparse_ddp")``.
+"""
 
 from lightning_sparse import init
-from lightning_sparse.embedding import SparseEmbedding, full_state_dict
+from lightning_sparse.callbacks import SparseStatsMonitor
+from lightning_sparse.embedding import SparseEmbedding, full_state_dict, serve_lookups
 from lightning_sparse.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseRowWiseAdagrad, SparseSGD
 from lightning_sparse.sharding import RowSharding
+from lightning_sparse.strategy import SparseDDPStrategy  # registers strategy="sparse_ddp"
 
 __version__ = "0.1.0"
 
@@ -14,7 +19,10 @@ __all__ = [
     "SparseEmbedding",
     "SparseOptimizer",
     "SparseRowWiseAdagrad",
+    "SparseDDPStrategy",
     "SparseSGD",
+    "SparseStatsMonitor",
     "full_state_dict",
     "init",
+    "serve_lookups",
 ]

@@ -94,6 +94,7 @@ class SparseEmbedding(nn.Module):
         self.sharding_scheme = sharding
         self.seed = seed
         self.name = name or f"SparseEmbedding({num_embeddings}, {embedding_dim})"
+        self.has_given_name = name is not None
         self._init: row_init.RowInit = init or row_init.normal()
         self._process_group = process_group
         self._group: dist.ProcessGroup | None = None

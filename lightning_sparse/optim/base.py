@@ -153,6 +153,33 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
             out.append((table.sharding.to_local(ids), grad, batch.touched))
         return out
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """``state_dict()`` with every per-row state tensor gathered into global row order.
+
+        Collective: every rank of the tables' group must call it. Loads on any number of ranks
+        with :meth:`load_full_state_dict`.
+        """
+        state_dict = self.state_dict()
+        for index, p in enumerate(p for group in self.param_groups for p in group["params"]):
+            table = self._tables[p]
+            state_dict["state"][index] = {  # a new dict: torch's state_dict shares the optimizer's
+                key: table.gather_rows(value) if isinstance(value, Tensor) and value.dim() > 0 else value
+                for key, value in state_dict["state"].get(index, {}).items()
+            }
+        return state_dict
+
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`full_state_dict`, keeping this rank's rows of each per-row state tensor."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        local = {"param_groups": state_dict["param_groups"], "state": {}}
+        for index, entry in state_dict["state"].items():
+            table = self._tables[params[index]]
+            local["state"][index] = {
+                key: table.local_rows(value) if isinstance(value, Tensor) and value.dim() > 0 else value
+                for key, value in entry.items()
+            }
+        self.load_state_dict(local)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch casts every state tensor but "step" to the parameter's dtype; per-row integer
         # counters (Adam's row_step) must stay exact, so they are put back as saved.

@@ -1,0 +1,356 @@
+"""Trainer(strategy="sparse_ddp") on 2 and 3 CPU processes against a single-process plain-torch reference."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_models as lm
+import lightning_sparse as ls
+from rank_pool import RankError
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def _fit(world_size: int, module_kwargs: dict, trainer_kwargs: dict) -> dict[str, torch.Tensor]:
+    lm.lightning_env(_rank(), world_size)
+    module = lm.TwoTower(**module_kwargs)
+    lm.trainer(world_size, **trainer_kwargs).fit(module)
+    return lm.state(module)
+
+
+CASES = {
+    "automatic": (dict(), dict(), dict()),
+    "accumulate": (dict(), dict(accumulate_grad_batches=2), dict(accumulate=2)),
+    "clip": (dict(dense_lr=0.5), dict(gradient_clip_val=0.05), dict(dense_lr=0.5, clip_norm=0.05)),
+    "manual": (dict(manual=True), dict(), dict()),
+    "scheduler": (dict(scheduler=True), dict(), dict(scheduler=True)),
+    "adam-global": (
+        dict(sparse="SparseAdam", sparse_kwargs=dict(lr=0.05, bias_correction="global")),
+        dict(),
+        dict(sparse_cls=torch.optim.SparseAdam, sparse_kwargs=dict(lr=0.05)),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "world_size, case", [(2, case) for case in CASES] + [(3, "automatic"), (3, "accumulate")]
+)
+def test_fit_matches_plain_torch_reference(rank_pools, world_size, case):
+    module_kwargs, trainer_kwargs, reference_kwargs = CASES[case]
+    reference_kwargs = {"sparse_cls": torch.optim.Adagrad, "sparse_kwargs": {"lr": 0.2}, **reference_kwargs}
+    batches = lm.global_batches(world_size, batch_size=4, epochs=2)
+    expected = lm.reference(batches, **reference_kwargs)
+    results = rank_pools(world_size).run(_fit, world_size, module_kwargs, {"max_epochs": 2, **trainer_kwargs})
+    initial = lm.reference([], **reference_kwargs)
+    assert not torch.equal(expected["users"], initial["users"])
+    for got in results:
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=f"{case}: {key}")
+
+
+# ---------------------------------------------------------------- untouched rows, optional lookups
+def _fit_adamw_and_report_untouched() -> tuple[torch.Tensor, torch.Tensor]:
+    lm.lightning_env(_rank(), 2)
+    module = lm.TwoTower(sparse="SparseAdam", sparse_kwargs=dict(lr=0.1, weight_decay=0.5, decoupled_weight_decay=True))
+    lm.trainer(2, max_epochs=1).fit(module)
+    return module.users.full_weight(), torch.unique(lm.dataset().tensors[0])
+
+
+def test_untouched_rows_never_change(rank_pools):
+    initial = ls.init.normal()(torch.arange(lm.USERS), lm.DIM, 1)
+    for final, seen in rank_pools(2).run(_fit_adamw_and_report_untouched):
+        untouched = torch.ones(lm.USERS, dtype=torch.bool)
+        untouched[seen] = False
+        assert untouched.any() and (~untouched).any()
+        torch.testing.assert_close(final[untouched], initial[untouched], rtol=0, atol=0)
+        assert not torch.equal(final[~untouched], initial[~untouched])
+
+
+class Tags(pl.LightningModule):
+    """A table that rank 1 looks up with empty ids at odd steps; a linear loss makes gradients exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags = ls.SparseEmbedding(7, 2, seed=3)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        if self.global_rank == 1 and self.global_step % 2:
+            ids = ids[:0]  # nothing to look up this step; the call still happens
+        return (self.tags(ids) * self.scale).sum() * 0.5 + self.scale * 0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([self.scale], lr=0.0)
+
+    def configure_sparse_optimizers(self):
+        return ls.SparseSGD([self.tags], lr=0.1)
+
+
+def _fit_tags() -> torch.Tensor:
+    lm.lightning_env(_rank(), 2)
+    ids = torch.arange(16) % 7
+    module = Tags()
+    loader = DataLoader(TensorDataset(ids), batch_size=2)
+    lm.trainer(2, max_epochs=1, use_distributed_sampler=False).fit(module, loader)
+    return module.tags.full_weight()
+
+
+def test_table_unused_on_some_ranks_in_some_steps(rank_pools):
+    ids = torch.arange(16) % 7
+    expected = ls.init.normal()(torch.arange(7), 2, 3)
+    for step, batch in enumerate(ids.view(-1, 2)):  # both ranks see the same loader
+        grad = torch.zeros(7, 2)
+        for rank in range(2):
+            if rank == 1 and step % 2:
+                continue
+            grad.index_add_(0, batch, torch.full((2, 2), 0.5))
+        expected -= 0.1 * grad / 2  # averaged over ranks
+    for got in rank_pools(2).run(_fit_tags):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- precision
+def _fit_precision(precision: str, inject: tuple[int, int] | None) -> dict:
+    lm.lightning_env(_rank(), 2)
+    module = lm.TwoTower(sparse_kwargs={"lr": 0.3}, dense_lr=0.2)
+    module.inject_inf_at = inject
+    losses: list[float] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.before = lm.state(pl_module)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+            after = lm.state(pl_module)
+            changed.append({k: not torch.equal(after[k], self.before[k]) for k in after})
+
+    changed: list[dict] = []
+    if precision == "16-mixed":
+        # On CPU, Trainer(precision="16-mixed") quietly becomes bf16; the plugin keeps fp16 and its GradScaler.
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        precision_kwargs = {"plugins": [MixedPrecision("16-mixed", device="cpu")]}
+    else:
+        precision_kwargs = {"precision": precision}
+    lm.trainer(2, max_epochs=4, callbacks=[Record()], **precision_kwargs).fit(module)
+    scaler = getattr(module.trainer.precision_plugin, "scaler", None)
+    return {"losses": losses, "changed": changed, "state": lm.state(module), "scale": scaler.get_scale() if scaler else None}
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_trains_and_replicas_agree(rank_pools, precision):
+    results = rank_pools(2).run(_fit_precision, precision, None)
+    assert (results[0]["scale"] is not None) == (precision == "16-mixed")
+    for result in results:
+        losses = result["losses"]
+        assert sum(losses[-6:]) / 6 < sum(losses[:6]) / 6, "loss must fall"
+    for key, value in results[0]["state"].items():
+        torch.testing.assert_close(results[1]["state"][key], value, rtol=0, atol=0)
+
+
+def test_16_mixed_overflow_on_one_rank_skips_dense_and_sparse_on_every_rank(rank_pools):
+    inject_step = 3
+    results = rank_pools(2).run(_fit_precision, "16-mixed", (1, inject_step))
+    clean = rank_pools(2).run(_fit_precision, "16-mixed", None)
+    for result in results:
+        skipped = result["changed"][inject_step]
+        assert not any(skipped.values()), f"step {inject_step} must change nothing: {skipped}"
+        assert all(result["changed"][inject_step + 1].values())
+    # The scaler backed off once more than in the clean run.
+    assert results[0]["scale"] == pytest.approx(clean[0]["scale"] / 2)
+    for key, value in results[0]["state"].items():
+        torch.testing.assert_close(results[1]["state"][key], value, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- checkpoints
+def _fit_resume(directory: str) -> tuple[dict, dict]:
+    lm.lightning_env(_rank(), 2)
+    straight = lm.TwoTower(sparse="SparseAdam", sparse_kwargs={"lr": 0.05}, scheduler=True)
+    lm.trainer(2, max_epochs=2).fit(straight)
+    first = lm.TwoTower(sparse="SparseAdam", sparse_kwargs={"lr": 0.05}, scheduler=True)
+    lm.trainer(2, max_epochs=1, enable_checkpointing=True, default_root_dir=directory).fit(first)
+    (ckpt,) = glob.glob(os.path.join(directory, "**", "*.ckpt"), recursive=True)
+    resumed = lm.TwoTower(sparse="SparseAdam", sparse_kwargs={"lr": 0.05}, scheduler=True, dense_lr=123.0)
+    trainer = lm.trainer(2, max_epochs=2, default_root_dir=directory)
+    trainer.fit(resumed, ckpt_path=ckpt)
+    # validate and test after fit run setup again: trained shards must stay as they are.
+    trainer.validate(resumed, verbose=False)
+    trainer.test(resumed, resumed.val_dataloader(), verbose=False)
+    # validate from the checkpoint: a fresh module gets the checkpoint's tables on every rank.
+    fresh = lm.TwoTower()
+    lm.trainer(2).validate(fresh, fresh.val_dataloader(), ckpt_path=ckpt, verbose=False)
+    return lm.state(straight), lm.state(resumed), ckpt, lm.state(first), lm.state(fresh)
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_fit(rank_pools, tmp_path):
+    results = rank_pools(2).run(_fit_resume, str(tmp_path))
+    for straight, resumed, ckpt, first, from_checkpoint in results:
+        for key, value in straight.items():
+            torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
+            torch.testing.assert_close(from_checkpoint[key], first[key], rtol=0, atol=0, msg=key)
+    checkpoint = torch.load(results[0][2], weights_only=True)
+    assert checkpoint["state_dict"]["users.weight"].shape == (lm.USERS, lm.DIM)  # whole table, not a shard
+    assert not any(key.endswith(".shard") for key in checkpoint["state_dict"])
+    adam_state = checkpoint["optimizer_states"][1]["state"][0]
+    assert adam_state["exp_avg"].shape == (lm.USERS, lm.DIM) and adam_state["row_step"].dtype == torch.int64
+
+
+# ---------------------------------------------------------------- evaluation with uneven loaders
+def _predict_uneven() -> list:
+    rank = _rank()
+    lm.lightning_env(rank, 2)
+    module = lm.TwoTower()
+    sizes = {0: 7, 1: 2}  # rank 0: 4 batches, rank 1: 1 batch
+    start = 0 if rank == 0 else sizes[0]
+    data = lm.dataset(9)
+    index = torch.arange(start, start + sizes[rank])
+    loader = DataLoader(TensorDataset(data.tensors[0][index], data.tensors[1][index], index), batch_size=2)
+    trainer = lm.trainer(2, use_distributed_sampler=False)
+    predictions = trainer.predict(module, loader)
+    trainer.validate(module, DataLoader(TensorDataset(*[t[index] for t in data.tensors]), batch_size=2), verbose=False)
+    return torch.cat(predictions)
+
+
+def test_predict_with_uneven_batches_finishes_and_predicts_every_sample_once(rank_pools):
+    results = rank_pools(2).run(_predict_uneven)
+    merged = torch.cat(results)
+    assert sorted(merged[:, 0].long().tolist()) == list(range(9))
+    # The same model in one process gives the same predictions.
+    module = lm.TwoTower()
+    data = lm.dataset(9)
+    with torch.no_grad():
+        expected = module(data.tensors[0], data.tensors[1])
+    order = merged[:, 0].long()
+    torch.testing.assert_close(merged[:, 1], expected[order], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- error paths
+class NoSparseOptimizer(lm.TwoTower):
+    def configure_sparse_optimizers(self):
+        return None
+
+
+class ShardToDense(lm.TwoTower):
+    def configure_optimizers(self):
+        return torch.optim.SGD([*self.mlp.parameters(), self.users.shard], lr=0.1)
+
+
+class SparseInDense(lm.TwoTower):
+    def configure_optimizers(self):
+        return ls.SparseSGD([self.users, self.items])
+
+
+class MissingTable(lm.TwoTower):
+    def configure_sparse_optimizers(self):
+        return ls.SparseSGD([self.users])
+
+
+class OutOfOrder(lm.TwoTower):
+    def forward(self, users, items):
+        if self.global_rank == 0:
+            return super().forward(users, items)
+        first, second = self.items(items[:, 0]), self.items(items[:, 1])  # items before users on rank 1
+        return self.mlp(torch.cat([self.users(users), first, second], dim=-1)).squeeze(-1)
+
+
+def _fit_error(module_cls: type, strategy: str, devices: int) -> str:
+    lm.lightning_env(_rank(), 2)
+    lm.trainer(devices, strategy=strategy).fit(module_cls())
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "module_cls, strategy, devices, message",
+    [
+        (NoSparseOptimizer, "sparse_ddp", 2, "has SparseEmbeddings (users, items) but no sparse optimizer. HINT: define"),
+        (ShardToDense, "sparse_ddp", 2, "The shard of SparseEmbedding users was given to the dense optimizer SGD. HINT"),
+        (SparseInDense, "sparse_ddp", 2, "configure_optimizers returned SparseSGD. HINT: return sparse optimizers"),
+        (MissingTable, "sparse_ddp", 2, "No sparse optimizer updates items. HINT"),
+        (OutOfOrder, "sparse_ddp", 2, "Ranks looked up different tables in the same round"),
+        (lm.TwoTower, "ddp", 2, 'used under Lightning\'s DDPStrategy, which does not shard or step SparseEmbeddings. HINT: pass strategy="sparse_ddp"'),
+    ],
+)
+def test_error_paths_name_the_fix(rank_pools, module_cls, strategy, devices, message):
+    results = rank_pools(2).run_raw(_fit_error, module_cls, strategy, devices, timeout=60)
+    for result in results:
+        assert isinstance(result, RankError), result
+        assert message in result.message
+
+
+def test_sparse_embedding_under_single_device_strategy_errors():
+    module = lm.TwoTower()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    with pytest.raises(RuntimeError, match="SingleDeviceStrategy, which does not shard or step SparseEmbeddings"):
+        trainer.fit(module)
+
+
+# ---------------------------------------------------------------- CLI, stats, LR monitor
+def _cli(args: list[str]) -> dict:
+    from lightning.pytorch.cli import LightningCLI
+
+    lm.lightning_env(_rank(), 2)
+    cli = LightningCLI(lm.TwoTower, args=args, run=False, save_config_callback=None)
+    cli.trainer.fit(cli.model)
+    strategy = cli.trainer.strategy
+    return {"strategy": type(strategy).__name__, "ddp_kwargs": dict(strategy._ddp_kwargs), "state": lm.state(cli.model)}
+
+
+def test_cli_string_and_class_path_forms(rank_pools, tmp_path):
+    common = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_epochs=1", "--trainer.logger=false",
+              "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0",
+              f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    by_name = rank_pools(2).run(_cli, [*common, "--trainer.strategy=sparse_ddp"])
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  strategy:\n    class_path: lightning_sparse.SparseDDPStrategy\n"
+        "    init_args:\n      find_unused_parameters: true\n      bucket_cap_mb: 5\n"
+    )
+    by_class = rank_pools(2).run(_cli, [f"--config={config}", *common])
+    for result in by_name + by_class:
+        assert result["strategy"] == "SparseDDPStrategy"
+    assert by_class[0]["ddp_kwargs"]["find_unused_parameters"] is True
+    assert by_class[0]["ddp_kwargs"]["bucket_cap_mb"] == 5
+    for key, value in by_name[0]["state"].items():
+        torch.testing.assert_close(by_class[0]["state"][key], value, rtol=0, atol=0)
+
+
+def _fit_with_stats(directory: str) -> None:
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    lm.lightning_env(_rank(), 2)
+    module = lm.TwoTower(scheduler=True)
+    trainer = lm.trainer(
+        2, logger=CSVLogger(directory, name="run", version=0), log_every_n_steps=1,
+        callbacks=[ls.SparseStatsMonitor(prog_bar=True), LearningRateMonitor("step")],
+    )  # fmt: skip
+    trainer.fit(module)
+
+
+def test_stats_monitor_and_lr_monitor_log_every_step(rank_pools, tmp_path):
+    import csv
+
+    rank_pools(2).run(_fit_with_stats, str(tmp_path))
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    stats = [r for r in rows if r.get("sparse/ids")]
+    assert len(stats) == 6  # 48 samples / 2 ranks / batch 4
+    for row in stats:
+        assert float(row["sparse/ids"]) == 2 * 4 * 3  # 2 ranks x 4 samples x (1 user + 2 items)
+        assert 0 < float(row["sparse/unique_ids"]) <= float(row["sparse/ids"])
+        assert float(row["sparse/bytes_sent"]) > 0 and float(row["sparse/bytes_sent"]) == float(row["sparse/bytes_received"])
+        assert float(row["sparse/exchange_s"]) > 0 and float(row["sparse/update_s"]) > 0
+    lrs = [float(r["lr-SparseAdagrad"]) for r in rows if r.get("lr-SparseAdagrad")]
+    assert lrs[:4] == pytest.approx([0.2, 0.2, 0.1, 0.1])

@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
 export OMP_NUM_THREADS ?= 1
 export DGLBACKEND ?= pytorch
 
-.PHONY: setup demo test clean
+.PHONY: setup demo demo-plain test clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 demo: $(STAMP)
+	cd examples && ../$(PY) recommender.py fit --config recommender.yaml
+
+# The same kind of training without Lightning: DistMult on WN18RR with torch.distributed alone.
+demo-plain: $(STAMP)
 	$(PY) examples/train_plain_torch.py --world-size 2
 
 test: $(STAMP)

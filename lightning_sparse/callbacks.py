@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
@@ -52,7 +53,11 @@ class SparseStatsMonitor(Callback):
              stats.exchange_seconds, stats.update_seconds],
             dtype=torch.float64, device=trainer.strategy.root_device,
         )  # fmt: skip
-        ranks = trainer.strategy.all_gather(local).view(-1, len(self.KEYS))  # collective: [W, 6]
+        ranks = local.view(1, -1)
+        if dist.is_initialized():  # collective: every rank logs the same [W, 6] totals
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, local)
+            ranks = torch.stack(parts)
         values = torch.cat([ranks[:, :4].sum(dim=0), ranks[:, 4:].max(dim=0).values])
         pl_module.log_dict(
             {self.prefix + key: float(v) for key, v in zip(self.KEYS, values)},

@@ -10,12 +10,14 @@ Narrow overrides, each calling ``super()``:
   the sparse gradients, with one skip decision for dense and sparse under ``16-mixed``;
 - ``*_step`` of validation, test and predict: a rank that has run out of batches keeps serving
   lookups (``serve_lookups``) until all ranks are done, so uneven loaders never hang;
-- checkpoint hooks: tables and sparse optimizer state are gathered into full tensors on save
-  and each rank keeps its rows on load.
+- checkpoint hooks: sharded checkpoints through torch.distributed.checkpoint
+  (``lightning_sparse/checkpoint.py``): each rank writes and reads only its rows, and a
+  checkpoint loads on any number of ranks.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import (
     LightningOptimizer,
+    _MockOptimizer,
     _configure_optimizers,
     _configure_schedulers_automatic_opt,
     _configure_schedulers_manual_opt,
@@ -30,14 +33,17 @@ from lightning.pytorch.core.optimizer import (
 )
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sparse.embedding import SparseEmbedding, full_state_dict, serve_lookups
+from lightning_sparse import checkpoint
+from lightning_sparse.embedding import SparseEmbedding, serve_lookups
 from lightning_sparse.exchange import ExchangeStats
 from lightning_sparse.optim.base import SparseOptimizer
 
@@ -54,6 +60,7 @@ class SparseDDPStrategy(DDPStrategy):
         self._tables: list[SparseEmbedding] = []
         self._sparse_optimizers: list[SparseOptimizer] = []
         self._loss_scale: float | None = None  # the 16-mixed scale of the pending sparse gradients
+        self._restored_sharded = False
 
     @property
     def sparse_tables(self) -> list[SparseEmbedding]:
@@ -227,33 +234,94 @@ class SparseDDPStrategy(DDPStrategy):
         return output
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # tables are sharded and optimizers exist: each rank loads straight into its rows
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._restored_sharded  # load_checkpoint already restored them
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state with every table gathered into its full ``weight``. Collective."""
-        return full_state_dict(self.lightning_module)
+        """The module's state with each table as a DTensor of its rows (no gathering). Collective."""
+        return checkpoint.sharded_module_state(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if isinstance(inner, SparseOptimizer):
-            return inner.full_state_dict()
-        return super().optimizer_state(optimizer)
+            return checkpoint.sharded_optimizer_state(inner)
+        if isinstance(inner, _MockOptimizer):
+            return {}
+        return get_optimizer_state_dict(self.lightning_module, inner)
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise MisconfigurationException(
-                f"The checkpoint holds {len(states)} optimizer states but the module has {len(self.optimizers)} "
-                f"optimizers (dense and sparse). HINT: resume with the same configure_optimizers and "
-                f"configure_sparse_optimizers."
-            )
-        for optimizer, state in zip(self.optimizers, states):
-            if isinstance(optimizer, SparseOptimizer):
-                optimizer.load_full_state_dict(state)
-            else:
-                optimizer.load_state_dict(state)
-                _optimizer_to_device(optimizer, self.root_device)
+    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Write a sharded checkpoint (see ``lightning_sparse.checkpoint``). Collective."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options: it writes with DCP.")
+        path = Path(self.broadcast(filepath))
+        tensors, rest = checkpoint.split_tensors({"state_dict": checkpoint_dict.pop("state_dict", {})})
+        meta = {**checkpoint_dict, "state_dict_rest": (rest or {}).get("state_dict", {})}
+        optimizer_rest = []
+        tensors = tensors or {}
+        for index, state in enumerate(checkpoint_dict.pop("optimizer_states", None) or []):
+            state_tensors, state_rest = checkpoint.split_tensors(state)
+            tensors[f"optimizer_{index}"] = state_tensors or {}
+            optimizer_rest.append(state_rest or {})
+            meta.pop("optimizer_states", None)
+        if optimizer_rest:
+            meta["optimizer_states_rest"] = optimizer_rest
+        meta["sparse_tables"] = {t.name: [t.num_embeddings, t.embedding_dim] for t in self._tables}
+        checkpoint.save(path, tensors, meta)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint into the module and (when fitting) the optimizers; return the rest.
+
+        Works on any number of ranks and either sharding scheme. A single-file checkpoint with
+        full tables (e.g. exported) goes through Lightning's usual path. Collective.
+        """
+        path = Path(self.broadcast(checkpoint_path))
+        self._restored_sharded = checkpoint.is_sharded(path)
+        if not self._restored_sharded:
+            return super().load_checkpoint(path, weights_only=weights_only)
+        meta = checkpoint.load_meta(path, weights_only=True if weights_only is None else weights_only)
+        module = self.lightning_module
+        checkpoint.load_module(path, module, strict=module.strict_loading)
+        rests = meta.pop("optimizer_states_rest", None)
+        if module.trainer.state.fn == TrainerFn.FITTING and rests is not None:
+            if len(rests) != len(self.optimizers):
+                raise MisconfigurationException(
+                    f"Checkpoint {path} holds {len(rests)} optimizer states but the module has {len(self.optimizers)} "
+                    f"optimizers (dense and sparse). HINT: resume with the same configure_optimizers and "
+                    f"configure_sparse_optimizers."
+                )
+            for index, (optimizer, rest) in enumerate(zip(self.optimizers, rests)):
+                self._load_optimizer(path, f"optimizer_{index}", optimizer, rest)
+        return meta
+
+    def _load_optimizer(self, path: Path, key: str, optimizer: Optimizer, rest: dict[str, Any]) -> None:
+        if isinstance(optimizer, SparseOptimizer):
+            checkpoint.load_sparse_optimizer(path, key, optimizer, rest["param_groups"])
+        elif not isinstance(optimizer, _MockOptimizer):
+            state = get_optimizer_state_dict(self.lightning_module, optimizer)
+            checkpoint.load_tensors(path, {key: {"state": state["state"]}}, f"the state of {type(optimizer).__name__}")
+            state["param_groups"] = rest["param_groups"]
+            set_optimizer_state_dict(self.lightning_module, optimizer, state)
+
+    @override
+    def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:
+        if "state_dict" in checkpoint_dict:  # a single-file checkpoint; sharded ones are already loaded
+            super().load_model_state_dict(checkpoint_dict, strict=strict)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            checkpoint.remove(filepath)
 
     # ------------------------------------------------------------------ stats
     def pop_sparse_stats(self) -> ExchangeStats:

@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
 export OMP_NUM_THREADS ?= 1
 export DGLBACKEND ?= pytorch
 
-.PHONY: setup demo demo-plain test clean
+.PHONY: setup demo demo-plain test bench clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,13 @@ demo-plain: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# Step-time benchmark (about 5 minutes on 2 cores): writes benchmarks/results/sparse_step.json,
+# docs/benchmarks.png and the results block of docs/benchmarks.md.
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS),bench]" "torch==$(TORCH_VERSION)"
+	$(PY) -W ignore benchmarks/sparse_step.py
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

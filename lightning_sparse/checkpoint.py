@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.exchange import exchange_counts, exchange_values
+from lightning_sparse.exchange import PeerFailure, exchange_counts, exchange_values
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.sharding import RowSharding
 
@@ -48,25 +49,37 @@ LINK_PREFIX = ".sparse-link-"
 
 
 # ---------------------------------------------------------------------------- rows <-> row blocks
-def move_rows(values: Tensor, global_ids: Tensor, target: RowSharding, table: SparseEmbedding) -> Tensor:
+# Rows move between layouts in this many all-to-all rounds, so that the scratch memory of a move
+# is about 1/MOVE_ROUNDS of a shard on top of its output.
+MOVE_ROUNDS = 8
+
+
+def move_rows(
+    values: Tensor, global_ids: Tensor, target: RowSharding, table: SparseEmbedding, out: Tensor | None = None
+) -> Tensor:
     """Send each row of ``values`` (global row ``global_ids[i]``) to its owner under ``target``.
 
-    Returns this rank's rows under ``target``, in its local order. Collective over the table's group.
+    Returns this rank's rows under ``target`` in its local order, written into ``out`` if given.
+    Collective over the table's group: every rank runs the same ``MOVE_ROUNDS`` rounds.
     """
     rank, world = table.rank, table.world_size
+    if out is None:
+        out = values.new_empty(target.num_local_rows(rank), *values.shape[1:])
     if world == 1:
-        out = values.new_empty(target.num_local_rows(0), *values.shape[1:])
         out[target.to_local(global_ids)] = values
         return out
-    owners = target.owner(global_ids)
-    order = torch.argsort(owners, stable=True)
-    send = torch.bincount(owners, minlength=world)
-    recv = exchange_counts(send.view(-1, 1), table.process_group, world).view(-1)
-    send_splits, recv_splits = send.tolist(), recv.tolist()
-    ids = exchange_values(global_ids[order], send_splits, recv_splits, table.process_group, world)
-    rows = exchange_values(values[order], send_splits, recv_splits, table.process_group, world)
-    out = values.new_empty(target.num_local_rows(rank), *values.shape[1:])
-    out[target.to_local(ids)] = rows
+    for ids_part, values_part in zip(global_ids.tensor_split(MOVE_ROUNDS), values.tensor_split(MOVE_ROUNDS)):
+        owners = target.owner(ids_part)
+        if len(owners) > 1 and not bool((owners[1:] >= owners[:-1]).all()):
+            order = torch.argsort(owners, stable=True)
+            ids_part, values_part, owners = ids_part[order], values_part[order], owners[order]
+        # else already grouped by owner (always so from "mod" to row blocks): sent without a copy
+        send = torch.bincount(owners, minlength=world)
+        recv = exchange_counts(send.view(-1, 1), table.process_group, world).view(-1)
+        send_splits, recv_splits = send.tolist(), recv.tolist()
+        ids = exchange_values(ids_part, send_splits, recv_splits, table.process_group, world)
+        rows = exchange_values(values_part, send_splits, recv_splits, table.process_group, world)
+        out[target.to_local(ids)] = rows
     return out
 
 
@@ -81,11 +94,11 @@ def to_row_block(table: SparseEmbedding, local: Tensor) -> Tensor:
     return move_rows(local, table.sharding.global_ids(table.rank, device=local.device), _blocks(table), table)
 
 
-def from_row_block(table: SparseEmbedding, block: Tensor) -> Tensor:
-    """Inverse of :func:`to_row_block`. Collective."""
+def from_row_block(table: SparseEmbedding, block: Tensor, out: Tensor | None = None) -> Tensor:
+    """Inverse of :func:`to_row_block`, written into ``out`` if given. Collective."""
     if table.sharding_scheme == "range":
-        return block
-    return move_rows(block, _blocks(table).global_ids(table.rank, device=block.device), table.sharding, table)
+        return block if out is None else out.copy_(block)
+    return move_rows(block, _blocks(table).global_ids(table.rank, device=block.device), table.sharding, table, out)
 
 
 def _as_dtensor(table: SparseEmbedding, block: Tensor) -> Any:
@@ -159,11 +172,17 @@ def save(path: str | os.PathLike, tensors: dict[str, Any], meta: dict[str, Any])
         data.mkdir(parents=True)
     if distributed:
         dist.barrier()
-    dcp.save(tensors, checkpoint_id=data, no_dist=not distributed)
-    if rank == 0:
-        torch.save(meta, data / METADATA_FILE)
-    if distributed:
-        dist.barrier()  # every rank's chunks are on disk
+    try:
+        dcp.save(tensors, checkpoint_id=data, no_dist=not distributed)
+        if rank == 0:
+            torch.save(meta, data / METADATA_FILE)
+        if distributed:
+            dist.barrier()  # every rank's chunks are on disk
+    except (RuntimeError, CheckpointException) as err:
+        raise PeerFailure(
+            f"Saving checkpoint {path} failed ({type(err).__name__}: {err}); the previous checkpoint of that name is "
+            f"intact. HINT: if a rank died, restart all ranks and resume from the last checkpoint."
+        ) from err
     if rank == 0:
         _link(data, path)
     if distributed:
@@ -229,7 +248,7 @@ def _check(stored: dict[str, Any], key: str, shape: tuple[int, ...], path: Path,
 def _dcp_load(state: dict[str, Any], path: Path, what: str, distributed: bool) -> None:
     try:
         dcp.load(state, checkpoint_id=path, no_dist=not distributed)
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         raise RuntimeError(
             f"Could not read {what} from checkpoint {path} ({type(err).__name__}: {err}). "
             f"HINT: the checkpoint is truncated or missing shards; resume from an earlier checkpoint."
@@ -247,16 +266,16 @@ def load_module(path: str | os.PathLike, module: nn.Module, strict: bool = True)
         for key, value in dense.items():
             _check(stored, f"state_dict.{key}", tuple(value.shape), path, f"tensor {key}")
     dense = {k: v for k, v in dense.items() if f"state_dict.{k}" in stored}
-    if dense:
-        _dcp_load({"state_dict": dense}, path, "the dense tensors", distributed)
-    for prefix, table in _tables(module):
+    for prefix, table in _tables(module):  # tables first: the bulk of a checkpoint
         key = prefix + "weight"
         what = f"table {table.name}"
         _check(stored, f"state_dict.{key}", (table.num_embeddings, table.embedding_dim), path, what)
         block = torch.empty(_blocks(table).num_local_rows(table.rank), table.embedding_dim, dtype=table.dtype, device=table.device)
         _dcp_load({"state_dict": {key: _as_dtensor(table, block)}}, path, what, distributed)
         with torch.no_grad():
-            table.shard.copy_(from_row_block(table, block))
+            from_row_block(table, block, out=table.shard)
+    if dense:
+        _dcp_load({"state_dict": dense}, path, "the dense tensors", distributed)
 
 
 def _is_table_key(module: nn.Module, key: str) -> bool:

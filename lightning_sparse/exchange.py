@@ -48,6 +48,21 @@ class ExchangeStats:
             setattr(self, name, type(getattr(self, name))())
 
 
+class PeerFailure(RuntimeError):
+    """A collective of the sparse path failed: a peer rank died, hung or timed out."""
+
+
+def _collective(name: str, call, *args, **kwargs) -> None:
+    try:
+        call(*args, **kwargs)
+    except RuntimeError as err:  # DistBackendError and gloo/NCCL errors
+        raise PeerFailure(
+            f"The sparse all-to-all ({name}) failed: another rank probably died, or did not reach it within the "
+            f"process group's timeout ({type(err).__name__}: {err}). HINT: restart all ranks and resume from the "
+            f"last checkpoint, e.g. trainer.fit(model, ckpt_path='last')."
+        ) from err
+
+
 def exchange_counts(send: Tensor, group: ProcessGroup | None, world_size: int) -> Tensor:
     """Row ``j`` of ``send`` ([W, K] int64) goes to rank ``j``; row ``i`` of the result came from rank ``i``.
 
@@ -56,7 +71,7 @@ def exchange_counts(send: Tensor, group: ProcessGroup | None, world_size: int) -
     if world_size == 1:
         return send
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send.contiguous(), group=group)
+    _collective("split sizes", dist.all_to_all_single, recv, send.contiguous(), group=group)
     return recv
 
 
@@ -70,9 +85,10 @@ def exchange_values(
     if world_size == 1:
         return values
     recv = values.new_empty((sum(recv_splits), *values.shape[1:]))
-    dist.all_to_all_single(
-        recv, values.contiguous(), output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=group
-    )
+    _collective(
+        "values", dist.all_to_all_single, recv, values.contiguous(),
+        output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=group,
+    )  # fmt: skip
     return recv
 
 

@@ -97,3 +97,28 @@ def from_tensor(table: Tensor) -> RowInit:
         return table[global_ids.to(table.device)]
 
     return init
+
+
+def from_file(path: str, key: str | None = None) -> RowInit:
+    """Rows from a file holding a full ``[num_embeddings, embedding_dim]`` table, read lazily.
+
+    ``.npy`` files are memory-mapped with NumPy; anything else is opened with
+    ``torch.load(path, mmap=True, weights_only=True)`` and may hold a tensor or a dict of tensors
+    (pick one with ``key``: an exported checkpoint's ``"users.weight"``, or a table saved from
+    DGL's ``NodeEmbedding`` with ``torch.save(emb.weight, path)``). Each rank reads only the
+    rows it owns.
+    """
+    if str(path).endswith(".npy"):
+        import warnings
+
+        import numpy as np
+
+        with warnings.catch_warnings():  # a read-only map is fine: rows are only read
+            warnings.simplefilter("ignore", UserWarning)
+            return from_tensor(torch.from_numpy(np.load(path, mmap_mode="r")))
+    loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    if isinstance(loaded, dict):
+        if key is None or key not in loaded:
+            raise KeyError(f"{path} holds {sorted(loaded)}; pick the table with key=... (got {key!r}).")
+        loaded = loaded[key]
+    return from_tensor(loaded)

@@ -34,14 +34,16 @@ class TwoTower(pl.LightningModule):
         scheduler: bool = False,
         manual: bool = False,
         batch_size: int = 4,
+        schemes: tuple[str, str] = ("mod", "range"),
+        dense: str = "SGD",
     ) -> None:
         super().__init__()
         pl.seed_everything(123, verbose=False)  # same dense init on every rank and in the reference
-        self.users = ls.SparseEmbedding(USERS, DIM, seed=1)
-        self.items = ls.SparseEmbedding(ITEMS, DIM, seed=2, sharding="range")
+        self.users = ls.SparseEmbedding(USERS, DIM, seed=1, sharding=schemes[0])
+        self.items = ls.SparseEmbedding(ITEMS, DIM, seed=2, sharding=schemes[1])
         self.mlp = nn.Sequential(nn.Linear(3 * DIM, 8), nn.Tanh(), nn.Linear(8, 1))
         self.sparse, self.sparse_kwargs = sparse, sparse_kwargs or {"lr": 0.2}
-        self.dense_lr, self.scheduler, self.batch_size = dense_lr, scheduler, batch_size
+        self.dense_lr, self.scheduler, self.batch_size, self.dense = dense_lr, scheduler, batch_size, dense
         self.automatic_optimization = not manual
         self.inject_inf_at: tuple[int, int] | None = None  # (rank, global step)
 
@@ -78,9 +80,11 @@ class TwoTower(pl.LightningModule):
         return torch.stack([index.float(), self(users, items).float()], dim=1)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.mlp.parameters(), lr=self.dense_lr)
+        return getattr(torch.optim, self.dense)(self.mlp.parameters(), lr=self.dense_lr)
 
     def configure_sparse_optimizers(self):
+        if self.sparse == "mixed":  # two optimizers: per-row Adam steps and row-wise Adagrad sums
+            return [ls.SparseAdam([self.users], lr=0.05), ls.SparseRowWiseAdagrad([self.items], lr=0.2)]
         optimizer = getattr(ls, self.sparse)([self.users, self.items], **self.sparse_kwargs)
         if not self.scheduler:
             return optimizer

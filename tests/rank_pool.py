@@ -11,6 +11,7 @@ import io
 import os
 import queue
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -90,20 +91,29 @@ class RankPool:
         self.broken = False
 
     def run_raw(self, fn: Callable[..., Any], *args: Any, timeout: float = JOB_TIMEOUT_S) -> list[Any]:
-        """Per-rank results, with a :class:`RankError` in place of a rank that raised."""
+        """Per-rank results, with a :class:`RankError` in place of a rank that raised or died."""
         job = _dumps((fn, args))
         for inbox in self._inboxes:
             inbox.put(job)
-        results: list[Any] = [None] * self.world_size
-        for _ in range(self.world_size):
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world_size:
             try:
-                rank, data = self._outbox.get(timeout=timeout)
+                rank, data = self._outbox.get(timeout=1)
+                results[rank] = _loads(data)[1]
+                continue
             except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
+            if dead and all(r in results or r in dead for r in range(self.world_size)):
+                self.broken = True
+                for r in dead:
+                    code = self._procs[r].exitcode
+                    results[r] = RankError("ProcessDied", f"rank {r} exited with code {code}", "")
+            elif time.monotonic() > deadline:
                 self.broken = True
                 raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s")
-            status, value = _loads(data)
-            results[rank] = value
-        return results
+        return [results[r] for r in range(self.world_size)]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = JOB_TIMEOUT_S) -> list[Any]:
         """Per-rank results; raises if any rank raised, with every rank's traceback."""

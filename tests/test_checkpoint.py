@@ -1,0 +1,283 @@
+"""Sharded checkpoints: resharding on load, export, crash safety, faults, size and memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_models as lm
+import lightning_sparse as ls
+from lightning_sparse import checkpoint
+from rank_pool import RankError, RankPool
+
+MODULE = dict(sparse="mixed", dense="Adam", dense_lr=0.01, scheduler=False)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def _everything(module: lm.TwoTower, trainer: pl.Trainer) -> dict:
+    """Trained state as full tensors, comparable across world sizes. Collective."""
+    out = lm.state(module)
+    for index, optimizer in enumerate(trainer.optimizers):
+        if isinstance(optimizer, ls.SparseOptimizer):
+            for p_index, entry in optimizer.full_state_dict()["state"].items():
+                for key, value in entry.items():
+                    out[f"opt{index}.{p_index}.{key}"] = value
+        else:
+            for p_index, entry in optimizer.state_dict()["state"].items():
+                for key, value in entry.items():
+                    out[f"opt{index}.{p_index}.{key}"] = torch.as_tensor(value)
+    out["global_step"] = torch.tensor(trainer.global_step)
+    return out
+
+
+def _save(world_size: int, directory: str, schemes: tuple[str, str]) -> tuple[dict, str]:
+    lm.lightning_env(_rank(), world_size)
+    module = lm.TwoTower(**MODULE, schemes=schemes)
+    trainer = lm.trainer(world_size, max_epochs=2, enable_checkpointing=True, default_root_dir=directory)
+    trainer.fit(module)
+    return _everything(module, trainer), trainer.checkpoint_callback.best_model_path
+
+
+def _load(world_size: int, ckpt: str, schemes: tuple[str, str]) -> dict:
+    lm.lightning_env(_rank(), world_size)
+    module = lm.TwoTower(**MODULE, schemes=schemes)
+    trainer = lm.trainer(world_size, max_epochs=2)  # the checkpoint is at the end of epoch 2: nothing to train
+    trainer.fit(module, ckpt_path=ckpt)
+    return _everything(module, trainer)
+
+
+@pytest.mark.parametrize(
+    "saved_on, loaded_on, schemes",
+    [(2, 3, ("mod", "range")), (2, 1, ("mod", "range")), (2, 2, ("range", "mod")), (3, 2, ("mod", "range"))],
+)
+def test_checkpoint_reshards_on_load(rank_pools, tmp_path, saved_on, loaded_on, schemes):
+    (expected, ckpt), *_ = rank_pools(saved_on).run(_save, saved_on, str(tmp_path), ("mod", "range"))
+    assert expected["global_step"] > 0 and "opt1.0.row_step" in expected and "opt2.0.sum" in expected
+    for got in rank_pools(loaded_on).run(_load, loaded_on, ckpt, schemes):
+        assert set(got) == set(expected)
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+
+
+def _save_adam_table(directory: str) -> str:
+    table = ls.SparseEmbedding(30_000, 16, sharding="mod")
+    optimizer = ls.SparseAdam([table])
+    table(torch.arange(30_000)).sum().backward()
+    optimizer.step()
+    holder = torch.nn.Module()
+    holder.table = table
+    tensors = {"state_dict": checkpoint.sharded_module_state(holder), "optimizer_0": checkpoint.sharded_optimizer_state(optimizer)["state"]}
+    return str(checkpoint.save(Path(directory) / "adam.ckpt", tensors, {}))
+
+
+def test_checkpoint_holds_each_row_once(rank_pools, tmp_path):
+    ckpt = rank_pools(3).run(_save_adam_table, str(tmp_path))[0]
+    on_disk = sum(f.stat().st_size for f in Path(ckpt).resolve().glob("*.distcp"))
+    logical = 30_000 * 16 * 4 * 3 + 30_000 * 8  # table, exp_avg, exp_avg_sq (float32), row_step (int64)
+    assert logical <= on_disk < logical * 1.05 + 65_536  # each row once, not once per rank
+
+
+# ---------------------------------------------------------------- Lightning's ModelCheckpoint options
+def _checkpoint_options(directory: str) -> dict:
+    lm.lightning_env(_rank(), 2)
+    callback = ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=True)
+    epochs = ModelCheckpoint(dirpath=os.path.join(directory, "epochs"), every_n_epochs=1, save_top_k=-1)
+    module = lm.TwoTower(**MODULE)
+    trainer = lm.trainer(2, max_epochs=2, enable_checkpointing=True, callbacks=[callback, epochs])
+    trainer.fit(module)
+    final = lm.state(module)
+    resumed = lm.TwoTower(**MODULE)
+    lm.trainer(2, max_epochs=2, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=directory)]).fit(resumed, ckpt_path="last")
+    fresh = lm.TwoTower(**MODULE)
+    tester = lm.trainer(2)
+    tester.validate(fresh, fresh.val_dataloader(), ckpt_path=str(Path(directory) / "last.ckpt"), verbose=False)
+    validated = lm.state(fresh)
+    predictions = tester.predict(fresh, torch.utils.data.DataLoader(lm.dataset(8), batch_size=4), ckpt_path=str(Path(directory) / "last.ckpt"))
+    return {"final": final, "resumed": lm.state(resumed), "validated": validated, "predicted": len(predictions),
+            "files": sorted(p.name for p in Path(directory).iterdir() if not p.name.startswith("."))}  # fmt: skip
+
+
+def test_model_checkpoint_options_and_ckpt_path_last(rank_pools, tmp_path):
+    (result, _) = rank_pools(2).run(_checkpoint_options, str(tmp_path))
+    # 12 steps; every 2 steps, keep the 2 latest by "step", plus last; every epoch in epochs/.
+    assert result["files"] == ["epoch=1-step=10.ckpt", "epoch=1-step=12.ckpt", "epochs", "last.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "epochs").iterdir() if not p.name.startswith(".")) == [
+        "epoch=0-step=6.ckpt", "epoch=1-step=12.ckpt",
+    ]  # fmt: skip
+    for key, value in result["final"].items():
+        torch.testing.assert_close(result["resumed"][key], value, rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(result["validated"][key], value, rtol=0, atol=0, msg=key)
+    assert result["predicted"] == 1
+    # Data directories of replaced or removed checkpoints are gone: one per remaining link.
+    links = [p for p in tmp_path.iterdir() if p.is_symlink()]
+    assert len(list(tmp_path.glob(checkpoint.DATA_PREFIX + "*"))) == len(links)
+
+
+# ---------------------------------------------------------------- export and import
+def test_export_round_trip(rank_pools, tmp_path):
+    (expected, ckpt), *_ = rank_pools(2).run(_save, 2, str(tmp_path), ("mod", "range"))
+    out = tmp_path / "model.pt"
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_sparse", "export", ckpt, str(out)], capture_output=True, text=True, check=True
+    )
+    assert "table  users.weight" in done.stdout and f"[{lm.USERS}, {lm.DIM}]" in done.stdout and "wrote" in done.stdout
+    state = torch.load(out, weights_only=True)
+    users = torch.nn.Embedding(lm.USERS, lm.DIM)
+    users.load_state_dict({"weight": state["users.weight"]})
+    torch.testing.assert_close(users.weight.detach(), expected["users"], rtol=0, atol=0)
+    torch.testing.assert_close(state["mlp.0.weight"], expected["0.weight"], rtol=0, atol=0)
+    # And back: a table initialized from the exported file, each rank reading only its rows.
+    table = ls.SparseEmbedding(lm.USERS, lm.DIM, init=ls.init.from_file(str(out), key="users.weight"))
+    torch.testing.assert_close(table.full_weight(), expected["users"], rtol=0, atol=0)
+
+
+def _init_from_tensor(full: torch.Tensor, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    a = ls.SparseEmbedding(*full.shape, init=ls.init.from_tensor(full))
+    b = ls.SparseEmbedding(*full.shape, init=ls.init.from_file(path), sharding="range")
+    return a.full_weight(), b.full_weight()
+
+
+def test_init_from_full_tensor_and_numpy_file(rank_pools, tmp_path):
+    import numpy as np
+
+    full = torch.randn(11, 3)
+    np.save(tmp_path / "table.npy", full.numpy())
+    for a, b in rank_pools(3).run(_init_from_tensor, full, str(tmp_path / "table.npy")):
+        torch.testing.assert_close(a, full, rtol=0, atol=0)
+        torch.testing.assert_close(b, full, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- broken checkpoints
+def _load_expect_error(ckpt: str, users: int) -> str:
+    lm.lightning_env(_rank(), 2)
+    module = lm.TwoTower(**MODULE)
+    if users != lm.USERS:
+        module.users = ls.SparseEmbedding(users, lm.DIM, seed=1)
+    lm.trainer(2, max_epochs=2).fit(module, ckpt_path=ckpt)
+    return "loaded"
+
+
+def test_truncated_or_mismatched_checkpoint_fails_clearly(rank_pools, tmp_path):
+    (_, ckpt), *_ = rank_pools(2).run(_save, 2, str(tmp_path), ("mod", "range"))
+    for result in rank_pools(2).run_raw(_load_expect_error, ckpt, lm.USERS + 1):
+        assert isinstance(result, RankError)
+        assert f"table users has shape ({lm.USERS}, {lm.DIM}) in checkpoint {ckpt}" in result.message
+        assert "HINT" in result.message
+    shard_file = Path(ckpt).resolve() / "__1_0.distcp"
+    with open(shard_file, "r+b") as f:
+        f.truncate(16)  # keeps nothing of the rows this file held
+    for result in rank_pools(2).run_raw(_load_expect_error, ckpt, lm.USERS):
+        assert isinstance(result, RankError)
+        assert f"from checkpoint {ckpt}" in result.message and "Could not read table" in result.message
+
+
+# ---------------------------------------------------------------- crashes
+class KillAt(pl.Callback):
+    """SIGKILL this process at a given global step (on one rank), or in the middle of the next save."""
+
+    def __init__(self, rank: int, step: int, during_save: bool = False) -> None:
+        self.rank, self.step, self.during_save = rank, step, during_save
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        if not self.during_save:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_save = dcp.save
+
+        def save_then_die(*args, **kwargs):  # the other rank is writing its chunks: die half-way
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        checkpoint.dcp.save = save_then_die
+        del real_save
+
+
+def _fit_until(directory: str, max_epochs: int, kill: tuple[int, int, bool] | None, ckpt_path: str | None) -> dict:
+    from datetime import timedelta
+
+    lm.lightning_env(_rank(), 2)
+    module = lm.TwoTower(**MODULE)
+    # Epoch-end checkpoints: resuming mid-epoch replays the epoch unless the DataLoader is stateful.
+    callbacks = [ModelCheckpoint(dirpath=directory, save_top_k=-1, save_last=True)]
+    if kill is not None:
+        callbacks.append(KillAt(*kill))
+    strategy = ls.SparseDDPStrategy(timeout=timedelta(seconds=20))
+    lm.trainer(2, max_epochs=max_epochs, enable_checkpointing=True, callbacks=callbacks, strategy=strategy).fit(
+        module, ckpt_path=ckpt_path
+    )
+    return lm.state(module)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("during_save", [False, True])
+def test_killed_rank_stops_the_others_and_resume_matches_uninterrupted_run(rank_pools, tmp_path, during_save):
+    straight = rank_pools(2).run(_fit_until, str(tmp_path / "straight"), 2, None, None)[0]
+    crashed = RankPool(2)
+    try:
+        # 6 steps an epoch; rank 1 dies in epoch 1 at step 9, or while writing the step-12 checkpoint.
+        results = crashed.run_raw(_fit_until, str(tmp_path / "run"), 2, (1, 12 if during_save else 9, during_save), None, timeout=120)
+    finally:
+        crashed.close()
+    survivor = results[0]
+    assert isinstance(survivor, RankError), "rank 0 must stop with an error"
+    assert survivor.type == "PeerFailure" and "HINT: " in survivor.message, survivor.message
+    assert isinstance(results[1], RankError) and results[1].type == "ProcessDied"
+    last = tmp_path / "run" / "last.ckpt"
+    assert checkpoint.is_sharded(last)  # intact and complete: the epoch-0 checkpoint
+    assert checkpoint.load_meta(last)["global_step"] == 6
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith(".")) == ["epoch=0-step=6.ckpt", "last.ckpt"]
+    resumed = rank_pools(2).run(_fit_until, str(tmp_path / "run"), 2, None, "last")
+    for got in resumed:
+        for key, value in straight.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+
+
+# ---------------------------------------------------------------- memory
+def _peak_while_saving_and_loading(directory: str) -> tuple[int, int, int]:
+    lm.lightning_env(_rank(), 3)
+    module = pl.LightningModule()
+    module.table = ls.SparseEmbedding(3_000_000, 16)  # 192 MB in all, 64 MB per rank
+    shard_bytes = module.table.materialize().shard.numel() * 4
+    state = checkpoint.sharded_module_state  # warm up the code path on a tiny table first
+    small = torch.nn.Module()
+    small.t = ls.SparseEmbedding(10, 2)
+    checkpoint.save(Path(directory) / "warm.ckpt", {"state_dict": state(small)}, {})
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size
+    before = _rss("VmRSS")
+    checkpoint.save(Path(directory) / "big.ckpt", {"state_dict": state(module)}, {})
+    saving = _rss("VmHWM") - before
+    target = pl.LightningModule()
+    target.table = ls.SparseEmbedding(3_000_000, 16, init=ls.init.zeros())
+    target.table.materialize()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _rss("VmRSS")
+    checkpoint.load_module(Path(directory) / "big.ckpt", target)
+    loading = _rss("VmHWM") - before
+    assert torch.equal(target.table.shard, module.table.shard)
+    return saving, loading, shard_bytes
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def test_saving_and_loading_peak_memory_stays_below_twice_the_shard(rank_pools, tmp_path):
+    """A 3M-row table ("mod" sharding, so rows move to row blocks and back) on 3 ranks."""
+    for saving, loading, shard in rank_pools(3).run(_peak_while_saving_and_loading, str(tmp_path)):
+        assert saving < 2 * shard, f"saving took {saving / 2**20:.0f} MiB over a {shard / 2**20:.0f} MiB shard"
+        assert loading < 2 * shard, f"loading took {loading / 2**20:.0f} MiB over a {shard / 2**20:.0f} MiB shard"

@@ -200,3 +200,35 @@ def test_invalid_arguments(make, match):
     emb = ls.SparseEmbedding(4, 2)
     with pytest.raises((ValueError, TypeError), match=match):
         make(emb)
+
+
+def _full_state_after_steps() -> dict:
+    emb = ls.SparseEmbedding(N, D, seed=SEED)
+    opt = ls.SparseAdam([emb], lr=0.05)
+    for ids, target in make_batches()[:3]:
+        batch_loss(emb(ids), target).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {"weights": ls.full_state_dict(torch.nn.ModuleDict({"t": emb})), "optimizer": opt.full_state_dict()}
+
+
+def _continue_from_full_state(saved: dict, scheme: str) -> tuple[torch.Tensor, dict]:
+    emb = ls.SparseEmbedding(N, D, seed=0, sharding=scheme)
+    torch.nn.ModuleDict({"t": emb}).load_state_dict(saved["weights"])
+    opt = ls.SparseAdam([emb], lr=0.05)
+    opt.load_full_state_dict(saved["optimizer"])
+    for ids, target in make_batches()[3:]:
+        batch_loss(emb(ids), target).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return emb.full_weight(), opt.full_state_dict()
+
+
+def test_full_optimizer_state_moves_between_world_sizes(rank_pools):
+    saved = rank_pools(2).run(_full_state_after_steps)[0]
+    assert saved["optimizer"]["state"][0]["row_step"].shape == (N,)
+    reference = rank_pools(1).run(_continue_from_full_state, saved, "mod")[0]
+    for weights, state in rank_pools(3).run(_continue_from_full_state, saved, "range"):
+        torch.testing.assert_close(weights, reference[0], rtol=1e-6, atol=1e-7)
+        for key, value in reference[1]["state"][0].items():
+            torch.testing.assert_close(state["state"][0][key], value, rtol=1e-6, atol=1e-7)

@@ -288,9 +288,16 @@ class SparseEmbedding(nn.Module):
         """Drop the gradients accumulated so far. Lookups still awaiting their backward stay."""
         self._pending = [p for p in self._pending if p.rows.grad is None]
 
-    @property
-    def has_pending_grad(self) -> bool:
-        return any(p.rows.grad is not None for p in self._pending)
+    def pending_grads(self) -> list[Tensor]:
+        """The row gradients accumulated since the last step (for unscaling, clipping, inspection)."""
+        return [p.rows.grad for p in self._pending if p.rows.grad is not None]
+
+    def adopt(self, name: str, table_index: int) -> None:
+        """Called by the strategy that shards this table: its module path and position among the tables."""
+        if not self.has_given_name:
+            self.name = name
+        self.table_index = table_index
+        self._strategy_checked = True
 
     # ------------------------------------------------------------------ whole table
     def full_weight(self) -> Tensor:

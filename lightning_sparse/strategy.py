@@ -79,10 +79,7 @@ class SparseDDPStrategy(DDPStrategy):
         for index, (name, table) in enumerate(
             (name, m) for name, m in self.lightning_module.named_modules() if isinstance(m, SparseEmbedding)
         ):
-            if not table.has_given_name:
-                table.name = name
-            table.table_index = index
-            table._strategy_checked = True
+            table.adopt(name, index)
             table.materialize()
             self._tables.append(table)
 
@@ -202,10 +199,9 @@ class SparseDDPStrategy(DDPStrategy):
         inv_scale = 1.0 / self._loss_scale if self._loss_scale else 1.0
         found = torch.zeros(1, device=self.root_device)
         for table in tables or self._tables:
-            for lookup in table._pending:
-                if lookup.rows.grad is not None:
-                    lookup.rows.grad.mul_(inv_scale)
-                    found += (~torch.isfinite(lookup.rows.grad)).any()
+            for grad in table.pending_grads():
+                grad.mul_(inv_scale)
+                found += (~torch.isfinite(grad)).any()
         if dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return bool(found.item())

@@ -104,8 +104,12 @@ def _checkpoint_options(directory: str) -> dict:
     tester = lm.trainer(2)
     tester.validate(fresh, fresh.val_dataloader(), ckpt_path=str(Path(directory) / "last.ckpt"), verbose=False)
     validated = lm.state(fresh)
+    tested = lm.TwoTower(**MODULE)
+    tester.test(tested, tested.val_dataloader(), ckpt_path=str(Path(directory) / "last.ckpt"), verbose=False)
+    validated_tested = lm.state(tested)
     predictions = tester.predict(fresh, torch.utils.data.DataLoader(lm.dataset(8), batch_size=4), ckpt_path=str(Path(directory) / "last.ckpt"))
-    return {"final": final, "resumed": lm.state(resumed), "validated": validated, "predicted": len(predictions),
+    return {"final": final, "resumed": lm.state(resumed), "validated": validated, "tested": validated_tested,
+            "predicted": len(predictions),
             "files": sorted(p.name for p in Path(directory).iterdir() if not p.name.startswith("."))}  # fmt: skip
 
 
@@ -119,6 +123,7 @@ def test_model_checkpoint_options_and_ckpt_path_last(rank_pools, tmp_path):
     for key, value in result["final"].items():
         torch.testing.assert_close(result["resumed"][key], value, rtol=0, atol=0, msg=key)
         torch.testing.assert_close(result["validated"][key], value, rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(result["tested"][key], value, rtol=0, atol=0, msg=key)
     assert result["predicted"] == 1
     # Data directories of replaced or removed checkpoints are gone: one per remaining link.
     links = [p for p in tmp_path.iterdir() if p.is_symlink()]

@@ -76,47 +76,56 @@ def test_untouched_rows_never_change(rank_pools):
 
 
 class Tags(pl.LightningModule):
-    """A table that rank 1 looks up with empty ids at odd steps; a linear loss makes gradients exact."""
+    """Two tables: ``words`` is looked up twice per forward; rank 1 looks ``tags`` up with no ids at odd steps.
+
+    The loss is linear in the rows, so the expected gradients are exact counts.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.tags = ls.SparseEmbedding(7, 2, seed=3)
+        self.words = ls.SparseEmbedding(5, 2, seed=4, sharding="range")
         self.scale = nn.Parameter(torch.ones(()))
 
     def training_step(self, batch, batch_idx):
         (ids,) = batch
+        words = self.words(ids % 5).sum() + 2 * self.words((ids + 1) % 5).sum()
         if self.global_rank == 1 and self.global_step % 2:
             ids = ids[:0]  # nothing to look up this step; the call still happens
-        return (self.tags(ids) * self.scale).sum() * 0.5 + self.scale * 0
+        return (self.tags(ids) * self.scale).sum() * 0.5 + words * self.scale
 
     def configure_optimizers(self):
         return torch.optim.SGD([self.scale], lr=0.0)
 
     def configure_sparse_optimizers(self):
-        return ls.SparseSGD([self.tags], lr=0.1)
+        return ls.SparseSGD([self.tags, self.words], lr=0.1)
 
 
-def _fit_tags() -> torch.Tensor:
+def _fit_tags() -> tuple[torch.Tensor, torch.Tensor]:
     lm.lightning_env(_rank(), 2)
     ids = torch.arange(16) % 7
     module = Tags()
     loader = DataLoader(TensorDataset(ids), batch_size=2)
     lm.trainer(2, max_epochs=1, use_distributed_sampler=False).fit(module, loader)
-    return module.tags.full_weight()
+    return module.tags.full_weight(), module.words.full_weight()
 
 
-def test_table_unused_on_some_ranks_in_some_steps(rank_pools):
+def test_two_tables_one_used_twice_one_unused_on_some_ranks(rank_pools):
     ids = torch.arange(16) % 7
-    expected = ls.init.normal()(torch.arange(7), 2, 3)
+    tags = ls.init.normal()(torch.arange(7), 2, 3)
+    words = ls.init.normal()(torch.arange(5), 2, 4)
     for step, batch in enumerate(ids.view(-1, 2)):  # both ranks see the same loader
-        grad = torch.zeros(7, 2)
+        tag_grad, word_grad = torch.zeros(7, 2), torch.zeros(5, 2)
         for rank in range(2):
-            if rank == 1 and step % 2:
-                continue
-            grad.index_add_(0, batch, torch.full((2, 2), 0.5))
-        expected -= 0.1 * grad / 2  # averaged over ranks
-    for got in rank_pools(2).run(_fit_tags):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+            word_grad.index_add_(0, batch % 5, torch.ones(2, 2))
+            word_grad.index_add_(0, (batch + 1) % 5, torch.full((2, 2), 2.0))
+            if not (rank == 1 and step % 2):
+                tag_grad.index_add_(0, batch, torch.full((2, 2), 0.5))
+        tags -= 0.1 * tag_grad / 2  # averaged over ranks
+        words -= 0.1 * word_grad / 2
+    for got_tags, got_words in rank_pools(2).run(_fit_tags):
+        torch.testing.assert_close(got_tags, tags, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_words, words, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- precision

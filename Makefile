@@ -31,7 +31,7 @@ demo-plain: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
-# Step-time benchmark (about 5 minutes on 2 cores): writes benchmarks/results/sparse_step.json,
+# Step-time benchmark (3 to 4 minutes on 2 cores): writes benchmarks/results/sparse_step.json,
 # docs/benchmarks.png and the results block of docs/benchmarks.md.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS),bench]" "torch==$(TORCH_VERSION)"

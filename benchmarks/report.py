@@ -40,6 +40,19 @@ def human_bytes(b: float | None) -> str:
     return f"{b / 2**10:.0f} KiB"
 
 
+def code_line(doc: dict) -> str:
+    code = doc.get("code") or {}
+    before, after = code.get("before", {}), code.get("after", {})
+    if not before:
+        return ""
+    line = f"lightning_sparse at commit `{before.get('commit')}`"
+    if before.get("lightning_sparse_uncommitted"):
+        line += " with uncommitted changes"
+    if after and after != before:
+        line += f" (changed during the run, to `{after.get('commit')}`)"
+    return line + "."
+
+
 def plot(doc: dict, path: Path) -> None:
     import matplotlib
 
@@ -89,7 +102,7 @@ def results_markdown(doc: dict, results_path: str, png_name: str) -> str:
         f"{cfg['backend']}, {cfg['threads_per_rank']} thread per rank. Table dim {cfg['dim']} (float32), "
         f"{cfg['batch']} lookups per rank per step, ids ~ Zipf({cfg['zipf']}), `{cfg['loss']}`, "
         f"{cfg['optimizer']}. Whole benchmark: {doc['total_wall_s']:.0f} s wall; other processes used "
-        f"{doc.get('other_cpu_s', float('nan')):.0f} CPU-s meanwhile (see caveats).",
+        f"{doc.get('other_cpu_s', float('nan')):.0f} CPU-s meanwhile (see caveats). {code_line(doc)}",
         "",
         "| rows | method | median step (ms) | p25-p75 (ms) | baseline / ours | sent to the other rank per step | "
         "peak RSS per rank | setup (s) | steps |",
@@ -127,14 +140,14 @@ def results_markdown(doc: dict, results_path: str, png_name: str) -> str:
     if ours_runs:
         out += ["", "Where lightning_sparse's step goes (mean per step over the measured steps, mean over ranks; "
                 "exchange times include waiting for the other rank):", "",
-                "| rows | unique ids per rank | ExchangeStats sent: lookup | grads | to the other rank only | "
+                "| rows | unique ids per rank | ExchangeStats bytes sent (lookup + grads) | of which to the other rank | "
                 "lookup exchange (ms) | grad exchange (ms) | row update (ms) |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in sorted(ours_runs, key=lambda r: r["rows"]):
             out.append(
-                f"| {human_rows(r['rows'])} | {r['unique_ids_per_step']:.0f} | {human_bytes(r['lookup_bytes_sent_per_step'])} | "
-                f"{human_bytes(r['grad_bytes_sent_per_step'])} | {human_bytes(r['bytes_sent_per_step'])} | "
-                f"{r['lookup_exchange_ms_per_step']:.1f} | "
+                f"| {human_rows(r['rows'])} | {r['unique_ids_per_step']:.0f} | "
+                f"{human_bytes(r['lookup_bytes_sent_per_step'])} + {human_bytes(r['grad_bytes_sent_per_step'])} | "
+                f"{human_bytes(r['bytes_sent_per_step'])} | {r['lookup_exchange_ms_per_step']:.1f} | "
                 f"{r['grad_exchange_ms_per_step']:.1f} | {r['update_ms_per_step']:.1f} |"
             )
     pair = [by_key.get((m, r)) for m in doc.get("lightning_pair", []) for r in sizes if (m, r) in by_key]

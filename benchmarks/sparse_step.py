@@ -460,7 +460,7 @@ def main() -> None:
     parser.add_argument("--extra-warmup-s", type=float, default=0.5, help="then more warm-up steps, about this long")
     parser.add_argument("--max-extra-warmup", type=int, default=8)
     parser.add_argument("--budget-s", type=float, default=4.0, help="measured steps: about this long per method and size")
-    parser.add_argument("--min-steps", type=int, default=3)
+    parser.add_argument("--min-steps", type=int, default=5)
     parser.add_argument("--max-steps", type=int, default=150)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--lightning-rows", type=int, default=100_000,
@@ -474,6 +474,7 @@ def main() -> None:
             "extra_warmup_s": args.extra_warmup_s, "max_extra_warmup": args.max_extra_warmup,
             "budget_s": args.budget_s, "min_steps": args.min_steps, "max_steps": args.max_steps}  # fmt: skip
     start = time.perf_counter()
+    code_before = _code_state()
     runs = []
     plan = [(rows, method, base) for rows in args.rows for method in args.methods]
     if args.lightning_rows:
@@ -510,7 +511,7 @@ def main() -> None:
             "torch": torch.__version__,
             "dgl": dgl.__version__,
         },
-        "code": _code_state(),
+        "code": {"before": code_before, "after": _code_state()},
         "total_wall_s": total,
         "other_cpu_s": round(sum(r.get("other_cpu_s", 0.0) for r in runs), 1),
         "runs": runs,

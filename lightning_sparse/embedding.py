@@ -20,9 +20,9 @@ from lightning_sparse import init as row_init
 from lightning_sparse.exchange import ExchangeStats, IdRoute, ids_to_owners, rows_to_requesters
 from lightning_sparse.sharding import SCHEMES, RowSharding
 
-# Rows initialized per chunk, so that building a shard never holds more than this many rows of
-# int64 hash temporaries at once.
-_INIT_CHUNK_ROWS = 1 << 16
+# Elements initialized per chunk: the int64/float64 hash temporaries of a chunk stay in cache, and
+# building a shard never holds more than a chunk of them.
+_INIT_CHUNK_ELEMENTS = 1 << 16
 
 # What a rank sends beside its split sizes in every lookup (see ``ids_to_owners``):
 # [error code, offending value, table index, active]. The error code lets all ranks fail
@@ -179,8 +179,9 @@ class SparseEmbedding(nn.Module):
     def _init_rows(self, global_ids: Tensor) -> Tensor:
         shard = torch.empty(len(global_ids), self.embedding_dim, dtype=self._shard.dtype, device=self._shard.device)
         with torch.no_grad():
-            for start in range(0, len(global_ids), _INIT_CHUNK_ROWS):
-                chunk = global_ids[start : start + _INIT_CHUNK_ROWS]
+            rows_per_chunk = max(1, _INIT_CHUNK_ELEMENTS // self.embedding_dim)
+            for start in range(0, len(global_ids), rows_per_chunk):
+                chunk = global_ids[start : start + rows_per_chunk]
                 rows = self._init(chunk, self.embedding_dim, self.seed)
                 if tuple(rows.shape) != (len(chunk), self.embedding_dim):
                     raise ValueError(

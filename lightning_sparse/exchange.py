@@ -30,7 +30,10 @@ ProcessGroup = dist.ProcessGroup
 
 @dataclass
 class ExchangeStats:
-    """Running totals of what the sparse path sent, received and spent; reset by the reader."""
+    """Running totals of what the sparse path sent, received and spent; reset by the reader.
+
+    Bytes count what crossed to or from other ranks (headers included), not a rank's split to itself.
+    """
 
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -63,7 +66,9 @@ def _collective(name: str, call, *args, **kwargs) -> None:
         ) from err
 
 
-def exchange_counts(send: Tensor, group: ProcessGroup | None, world_size: int) -> Tensor:
+def exchange_counts(
+    send: Tensor, group: ProcessGroup | None, world_size: int, stats: ExchangeStats | None = None
+) -> Tensor:
     """Row ``j`` of ``send`` ([W, K] int64) goes to rank ``j``; row ``i`` of the result came from rank ``i``.
 
     Collective: every rank of ``group`` must call it with the same ``K``.
@@ -72,11 +77,20 @@ def exchange_counts(send: Tensor, group: ProcessGroup | None, world_size: int) -
         return send
     recv = torch.empty_like(send)
     _collective("split sizes", dist.all_to_all_single, recv, send.contiguous(), group=group)
+    if stats is not None:  # what crossed to other ranks: all rows but our own
+        row = send[0].numel() * send.element_size()
+        stats.bytes_sent += row * (world_size - 1)
+        stats.bytes_received += row * (world_size - 1)
     return recv
 
 
 def exchange_values(
-    values: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: ProcessGroup | None, world_size: int
+    values: Tensor,
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    group: ProcessGroup | None,
+    world_size: int,
+    stats: ExchangeStats | None = None,
 ) -> Tensor:
     """Uneven all-to-all along dim 0: ``send_splits[j]`` leading rows go to rank ``j``.
 
@@ -89,11 +103,12 @@ def exchange_values(
         "values", dist.all_to_all_single, recv, values.contiguous(),
         output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=group,
     )  # fmt: skip
+    if stats is not None:  # what crossed to other ranks: our own split stays here
+        rank = dist.get_rank(group)
+        row = values[0].numel() * values.element_size() if len(values) else 0
+        stats.bytes_sent += (sum(send_splits) - send_splits[rank]) * row
+        stats.bytes_received += (sum(recv_splits) - recv_splits[rank]) * row
     return recv
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 @dataclass
@@ -129,14 +144,12 @@ def ids_to_owners(
         order = torch.argsort(owners, stable=True)
         send_counts = torch.bincount(owners, minlength=world_size)
         header = torch.cat([send_counts.view(-1, 1), flags.view(1, -1).expand(world_size, -1)], dim=1)
-        peers = exchange_counts(header, group, world_size)
+        peers = exchange_counts(header, group, world_size, stats)
         send_splits, recv_splits = send_counts.tolist(), peers[:, 0].tolist()
         route = IdRoute(order, send_splits, recv_splits, received_ids=ids, peer_flags=peers[:, 1:])
         if not bool((route.peer_flags[:, 0] != 0).any()):
-            route.received_ids = exchange_values(ids[order], send_splits, recv_splits, group, world_size)
+            route.received_ids = exchange_values(ids[order], send_splits, recv_splits, group, world_size, stats)
     if stats is not None and world_size > 1:
-        stats.bytes_sent += _nbytes(header) + _nbytes(ids)
-        stats.bytes_received += _nbytes(peers) + _nbytes(route.received_ids)
         stats.exchange_seconds += time.perf_counter() - start
     return route
 
@@ -152,12 +165,10 @@ def rows_to_requesters(
         return rows
     start = time.perf_counter()
     with record_function("lightning_sparse.rows_to_requesters"):
-        received = exchange_values(rows, route.recv_splits, route.send_splits, group, world_size)
+        received = exchange_values(rows, route.recv_splits, route.send_splits, group, world_size, stats)
         out = torch.empty_like(received)
         out[route.order] = received
-    if stats is not None and world_size > 1:
-        stats.bytes_sent += _nbytes(rows)
-        stats.bytes_received += _nbytes(received)
+    if stats is not None:
         stats.exchange_seconds += time.perf_counter() - start
     return out
 
@@ -204,7 +215,7 @@ def grads_to_owners(
         send = torch.stack(send_counts, dim=1)  # [W, T]
         touched = torch.tensor([b.touched for b in batches], dtype=torch.int64, device=send.device)
         header = torch.cat([send, touched.view(1, -1).expand(world_size, -1)], dim=1)  # [W, 2T]
-        recv_header = exchange_counts(header, group, world_size)
+        recv_header = exchange_counts(header, group, world_size, stats)
         recv, touched_anywhere = recv_header[:, : len(batches)], recv_header[:, len(batches) :].any(dim=0).tolist()
         send_l, recv_l = send.tolist(), recv.tolist()
 
@@ -214,13 +225,14 @@ def grads_to_owners(
         ids_out = torch.cat([id_chunks[t][d] for d in range(world_size) for t in tables])
         values_out = torch.cat([value_chunks[t][d] for d in range(world_size) for t in tables])
 
-        ids_in = exchange_values(ids_out, [sum(r) for r in send_l], [sum(r) for r in recv_l], group, world_size)
+        ids_in = exchange_values(ids_out, [sum(r) for r in send_l], [sum(r) for r in recv_l], group, world_size, stats)
         values_in = exchange_values(
             values_out,
             [sum(c * w for c, w in zip(r, widths)) for r in send_l],
             [sum(c * w for c, w in zip(r, widths)) for r in recv_l],
             group,
             world_size,
+            stats,
         )
         # Regroup what arrived (source-major, table-minor) by table.
         ids_parts = ids_in.split([c for r in recv_l for c in r])
@@ -232,7 +244,5 @@ def grads_to_owners(
             values_t = torch.cat([value_parts[i] for i in picks]).view(-1, widths[t]).to(batches[t].values.dtype)
             out.append(GradBatch(ids_t, values_t, touched=touched_anywhere[t]))
     if stats is not None:
-        stats.bytes_sent += _nbytes(header) + _nbytes(ids_out) + _nbytes(values_out)
-        stats.bytes_received += _nbytes(recv_header) + _nbytes(ids_in) + _nbytes(values_in)
         stats.exchange_seconds += time.perf_counter() - start
     return out

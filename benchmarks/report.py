@@ -140,7 +140,7 @@ def results_markdown(doc: dict, results_path: str, png_name: str) -> str:
     if ours_runs:
         out += ["", "Where lightning_sparse's step goes (mean per step over the measured steps, mean over ranks; "
                 "exchange times include waiting for the other rank):", "",
-                "| rows | unique ids per rank | ExchangeStats bytes sent (lookup + grads) | of which to the other rank | "
+                "| rows | unique ids per rank | ExchangeStats bytes sent (lookup + grads) | computed from the ids | "
                 "lookup exchange (ms) | grad exchange (ms) | row update (ms) |",
                 "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in sorted(ours_runs, key=lambda r: r["rows"]):

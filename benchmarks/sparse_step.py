@@ -90,12 +90,12 @@ def build_ours(cfg: dict, num_rows: int, proj: torch.Tensor):
 
     def stats(rank, ids, steps):
         return {
-            # ExchangeStats count everything handed to all_to_all_single, the slice a rank "sends" to
-            # itself (a local copy) included; what crosses to the other rank is computed from the ids.
+            # What crosses to the other rank, computed independently from the ids; the table's and
+            # optimizer's ExchangeStats (which count the same thing) are reported beside it.
             "bytes_sent_per_step": ours_bytes_to_peer(rank, ids, cfg["dim"], steps),
             "bytes_source": "computed from the ids: unique ids the peer owns (8 B out, 8 + 4*dim B of gradient), "
-            "rows the peer asked this rank for (4*dim B), split-size headers; the ExchangeStats figures below also "
-            "count the slice each rank passes to itself",
+            "rows the peer asked this rank for (4*dim B), split-size headers; the ExchangeStats figures below "
+            "count the same bytes",
             "stats_bytes_sent_per_step": (emb.stats.bytes_sent + opt.stats.bytes_sent) / steps,
             "stats_bytes_received_per_step": (emb.stats.bytes_received + opt.stats.bytes_received) / steps,
             "lookup_bytes_sent_per_step": emb.stats.bytes_sent / steps,

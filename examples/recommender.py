@@ -140,7 +140,12 @@ class EpochSummary(Callback):
 
 def main() -> None:
     torch.set_num_threads(1)
-    LightningCLI(Recommender, SyntheticInteractions, save_config_callback=None)
+    try:
+        LightningCLI(Recommender, SyntheticInteractions, save_config_callback=None)
+    finally:
+        # A rank that exits with a live process group occasionally aborts at exit.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

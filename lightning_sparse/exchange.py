@@ -191,10 +191,12 @@ def grads_to_owners(
 ) -> list[GradBatch]:
     """Stage 3: send each table's row gradients to the rows' owners, all tables in one round.
 
-    Tables may differ in width; values travel as one flat buffer in their promoted dtype.
-    Returns, per table, the ids and values this rank received (grouped by source rank, so one
-    id may appear once per source; the caller coalesces them) and whether any rank had a
-    gradient for the table (``touched``), which rides along with the split sizes.
+    Two collectives for any number of tables: the header (rows per owner and table, plus whether
+    this rank had a gradient for each table), then one flat buffer in the tables' promoted dtype
+    in which each row carries its id (the id's 8 bytes reinterpreted in that dtype, so nothing is
+    rounded) followed by its gradient. Returns, per table, the ids and values this rank received
+    (grouped by source rank, so one id may appear once per source; the caller coalesces them)
+    and whether any rank had a gradient for the table (``touched``).
 
     Collective: every rank of ``group`` must call it with the same number of tables.
     """
@@ -205,13 +207,16 @@ def grads_to_owners(
         wire_dtype = batches[0].values.dtype
         for b in batches[1:]:
             wire_dtype = torch.promote_types(wire_dtype, b.values.dtype)
-        widths = [b.values.shape[1] for b in batches]
-        sorted_ids, sorted_values, send_counts = [], [], []
+        id_width = torch.empty(0, dtype=torch.int64).element_size() // torch.empty(0, dtype=wire_dtype).element_size()
+        widths = [id_width + b.values.shape[1] for b in batches]  # per row: id, then gradient
+        chunks, send_counts = [], []
         for b in batches:
             order = torch.argsort(b.owners, stable=True)
-            sorted_ids.append(b.ids[order])
-            sorted_values.append(b.values[order].to(wire_dtype))
-            send_counts.append(torch.bincount(b.owners, minlength=world_size))
+            ids_as_wire = b.ids[order].contiguous().view(wire_dtype).view(-1, id_width)
+            rows = torch.cat([ids_as_wire, b.values[order].to(wire_dtype)], dim=1)
+            counts = torch.bincount(b.owners, minlength=world_size)
+            chunks.append(rows.reshape(-1).split([c * rows.shape[1] for c in counts.tolist()]))
+            send_counts.append(counts)
         send = torch.stack(send_counts, dim=1)  # [W, T]
         touched = torch.tensor([b.touched for b in batches], dtype=torch.int64, device=send.device)
         header = torch.cat([send, touched.view(1, -1).expand(world_size, -1)], dim=1)  # [W, 2T]
@@ -219,13 +224,8 @@ def grads_to_owners(
         recv, touched_anywhere = recv_header[:, : len(batches)], recv_header[:, len(batches) :].any(dim=0).tolist()
         send_l, recv_l = send.tolist(), recv.tolist()
 
-        id_chunks = [ids.split(send[:, t].tolist()) for t, ids in enumerate(sorted_ids)]
-        value_chunks = [v.reshape(-1).split([c * widths[t] for c in send[:, t].tolist()]) for t, v in enumerate(sorted_values)]
         tables = range(len(batches))
-        ids_out = torch.cat([id_chunks[t][d] for d in range(world_size) for t in tables])
-        values_out = torch.cat([value_chunks[t][d] for d in range(world_size) for t in tables])
-
-        ids_in = exchange_values(ids_out, [sum(r) for r in send_l], [sum(r) for r in recv_l], group, world_size, stats)
+        values_out = torch.cat([chunks[t][d] for d in range(world_size) for t in tables])
         values_in = exchange_values(
             values_out,
             [sum(c * w for c, w in zip(r, widths)) for r in send_l],
@@ -234,14 +234,14 @@ def grads_to_owners(
             world_size,
             stats,
         )
-        # Regroup what arrived (source-major, table-minor) by table.
-        ids_parts = ids_in.split([c for r in recv_l for c in r])
-        value_parts = values_in.split([c * w for r in recv_l for c, w in zip(r, widths)])
+        # Regroup what arrived (source-major, table-minor) by table, and split ids from gradients.
+        parts = values_in.split([c * w for r in recv_l for c, w in zip(r, widths)])
         out = []
         for t in tables:
             picks = range(t, world_size * len(batches), len(batches))
-            ids_t = torch.cat([ids_parts[i] for i in picks])
-            values_t = torch.cat([value_parts[i] for i in picks]).view(-1, widths[t]).to(batches[t].values.dtype)
+            rows = torch.cat([parts[i] for i in picks]).view(-1, widths[t])
+            ids_t = rows[:, :id_width].flatten().view(torch.int64)
+            values_t = rows[:, id_width:].to(batches[t].values.dtype)
             out.append(GradBatch(ids_t, values_t, touched=touched_anywhere[t]))
     if stats is not None:
         stats.exchange_seconds += time.perf_counter() - start

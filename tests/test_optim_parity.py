@@ -232,3 +232,31 @@ def test_full_optimizer_state_moves_between_world_sizes(rank_pools):
         torch.testing.assert_close(weights, reference[0], rtol=1e-6, atol=1e-7)
         for key, value in reference[1]["state"][0].items():
             torch.testing.assert_close(state["state"][0][key], value, rtol=1e-6, atol=1e-7)
+
+
+def _mixed_dtypes() -> tuple[torch.Tensor, torch.Tensor]:
+    rank = torch.distributed.get_rank()
+    # Id 31745 is 0x7C01: as a float16 it is a NaN bit pattern, which must still arrive intact.
+    ids = torch.tensor([[31745, 5, 40_000 - 1], [31745, 7, 12]])[rank]
+    wide = ls.SparseEmbedding(40_000, 2, dtype=torch.float64, seed=1)
+    half = ls.SparseEmbedding(40_000, 3, dtype=torch.float16, seed=2, sharding="range")
+    together = ls.SparseSGD([wide, half], lr=0.5)  # wire dtype float64
+    alone = ls.SparseSGD([ls.SparseEmbedding(40_000, 2, dtype=torch.float16, seed=3)], lr=0.5)  # wire float16
+    (wide(ids).sum() + half(ids).float().sum() + alone.tables[0](ids).float().sum()).backward()
+    together.step()
+    alone.step()
+    return torch.stack([wide.full_weight()[ids[0]].float().sum(), half.full_weight()[ids[0]].float().sum(),
+                        alone.tables[0].full_weight()[ids[0]].float().sum()])  # fmt: skip
+
+
+def test_tables_of_mixed_dtypes_share_one_round(rank_pools):
+    got = rank_pools(2).run(_mixed_dtypes)
+    expected = []
+    for dtype, seed, dim in [(torch.float64, 1, 2), (torch.float16, 2, 3), (torch.float16, 3, 2)]:
+        table = ls.init.normal()(torch.arange(40_000), dim, seed).to(dtype)
+        counts = torch.zeros(40_000, dtype=dtype)
+        counts.index_add_(0, torch.tensor([31745, 5, 39_999, 31745, 7, 12]), torch.ones(6, dtype=dtype))
+        table -= 0.5 * (counts / 2).unsqueeze(1)  # gradient 1 per occurrence, averaged over 2 ranks
+        expected.append(table[31745].float().sum())
+    for result in got:
+        torch.testing.assert_close(result, torch.stack(expected), rtol=1e-3, atol=1e-3)

@@ -98,11 +98,15 @@ class TwoTower(pl.LightningModule):
         return DataLoader(dataset(16, seed=1), batch_size=self.batch_size)
 
 
-def lightning_env(rank: int, world_size: int) -> None:
-    """Tell Lightning the processes already exist (it then launches nothing and reuses the group)."""
+def lightning_env(rank: int, world_size: int, num_nodes: int = 1) -> None:
+    """Tell Lightning the processes already exist (it then launches nothing and reuses the group).
+
+    With ``num_nodes > 1`` the ranks pose as ``num_nodes`` machines of ``world_size // num_nodes`` devices.
+    """
+    per_node = world_size // num_nodes
     os.environ.update(
-        {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world_size), "RANK": str(rank),
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"}
+        {"LOCAL_RANK": str(rank % per_node), "NODE_RANK": str(rank // per_node), "WORLD_SIZE": str(world_size),
+         "RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"}
     )  # fmt: skip
 
 

@@ -21,9 +21,14 @@ def _rank() -> int:
 
 
 def _fit(world_size: int, module_kwargs: dict, trainer_kwargs: dict) -> dict[str, torch.Tensor]:
-    lm.lightning_env(_rank(), world_size)
+    num_nodes = trainer_kwargs.get("num_nodes", 1)
+    lm.lightning_env(_rank(), world_size, num_nodes)
     module = lm.TwoTower(**module_kwargs)
-    lm.trainer(world_size, **trainer_kwargs).fit(module)
+    if isinstance(trainer_kwargs.get("strategy"), dict):  # DDP options
+        trainer_kwargs = {**trainer_kwargs, "strategy": ls.SparseDDPStrategy(**trainer_kwargs["strategy"])}
+    trainer = lm.trainer(world_size // num_nodes, **trainer_kwargs)
+    trainer.fit(module)
+    assert trainer.world_size == world_size and trainer.num_nodes == num_nodes
     return lm.state(module)
 
 
@@ -33,6 +38,13 @@ CASES = {
     "clip": (dict(dense_lr=0.5), dict(gradient_clip_val=0.05), dict(dense_lr=0.5, clip_norm=0.05)),
     "manual": (dict(manual=True), dict(), dict()),
     "scheduler": (dict(scheduler=True), dict(), dict(scheduler=True)),
+    "two-nodes": (dict(), dict(num_nodes=2), dict()),
+    "ddp-options": (
+        dict(),
+        dict(strategy=dict(find_unused_parameters=True, gradient_as_bucket_view=True, bucket_cap_mb=1)),
+        dict(),
+    ),
+    "static-graph": (dict(), dict(strategy=dict(static_graph=True)), dict()),
     "adam-global": (
         dict(sparse="SparseAdam", sparse_kwargs=dict(lr=0.05, bias_correction="global")),
         dict(),
@@ -42,7 +54,7 @@ CASES = {
 
 
 @pytest.mark.parametrize(
-    "world_size, case", [(2, case) for case in CASES] + [(3, "automatic"), (3, "accumulate")]
+    "world_size, case", [(2, case) for case in CASES] + [(1, "automatic"), (3, "automatic"), (3, "accumulate")]
 )
 def test_fit_matches_plain_torch_reference(rank_pools, world_size, case):
     module_kwargs, trainer_kwargs, reference_kwargs = CASES[case]

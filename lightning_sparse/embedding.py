@@ -244,28 +244,27 @@ class SparseEmbedding(nn.Module):
             return empty, self._flags(_BAD_DTYPE, int(ids.dtype == torch.bool))
         flat = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
         if flat.numel():
-            low, high = flat.min(), flat.max()
-            if bool(low < 0) or bool(high >= self.num_embeddings):
-                return empty, self._flags(_BAD_ID, int(low if bool(low < 0) else high))
+            low, high = torch.stack(torch.aminmax(flat)).tolist()  # one host sync
+            if low < 0 or high >= self.num_embeddings:
+                return empty, self._flags(_BAD_ID, low if low < 0 else high)
         return flat, self._flags(_OK, 0)
 
     def _flags(self, code: int, value: int, active: bool = True) -> Tensor:
         return torch.tensor([code, value, self.table_index, int(active)], dtype=torch.int64, device=self.device)
 
-    def _raise_if_bad(self, peer_flags: Tensor, ids_dtype: torch.dtype | None) -> None:
-        active = peer_flags[:, _ACTIVE] == 1
-        tables = peer_flags[active, _TABLE].unique()
+    def _raise_if_bad(self, peer_flags: list[list[int]], ids_dtype: torch.dtype | None) -> None:
+        tables = sorted({flags[_TABLE] for flags in peer_flags if flags[_ACTIVE] == 1})
         if len(tables) > 1:
             raise RuntimeError(
-                f"Ranks looked up different tables in the same round (table indices {tables.tolist()}, "
+                f"Ranks looked up different tables in the same round (table indices {tables}, "
                 f"this rank: {self.name}). HINT: every rank must call its SparseEmbeddings in the same order, "
                 f"every step, also with empty ids."
             )
-        bad = (peer_flags[:, _CODE] != _OK).nonzero()
-        if len(bad) == 0:
+        bad = [rank for rank, flags in enumerate(peer_flags) if flags[_CODE] != _OK]
+        if not bad:
             return
-        rank = int(bad[0])
-        code, value = peer_flags[rank, _CODE].item(), peer_flags[rank, _VALUE].item()
+        rank = bad[0]
+        code, value = peer_flags[rank][_CODE], peer_flags[rank][_VALUE]
         where = "this rank" if rank == self._rank else f"rank {rank}"
         if code == _BAD_DTYPE:
             mine = rank == self._rank and ids_dtype is not None
@@ -426,10 +425,10 @@ def serve_lookups(tables: list[SparseEmbedding]) -> int:
         idle = torch.empty(0, dtype=torch.int64, device=first.device)
         flags = torch.tensor([_OK, 0, -1, 0], dtype=torch.int64, device=first.device)
         route = ids_to_owners(idle, idle, flags, first.process_group, first.world_size, first.stats)
-        active = route.peer_flags[:, _ACTIVE] == 1
-        if not bool(active.any()):
+        active = [flags[_TABLE] for flags in route.peer_flags if flags[_ACTIVE] == 1]
+        if not active:
             return rounds
-        table = tables[int(route.peer_flags[active, _TABLE][0])]
+        table = tables[active[0]]
         table._raise_if_bad(route.peer_flags, None)
         table._answer(route)
         rounds += 1

@@ -119,7 +119,7 @@ class IdRoute:
     send_splits: list[int]  # ids sent to each owner
     recv_splits: list[int]  # ids received from each requester
     received_ids: Tensor  # ids this rank owns, grouped by requesting rank
-    peer_flags: Tensor  # [W, F] the ``flags`` each rank sent along
+    peer_flags: list[list[int]]  # [W][F] the ``flags`` each rank sent along (read to the host once)
 
 
 def ids_to_owners(
@@ -145,9 +145,10 @@ def ids_to_owners(
         send_counts = torch.bincount(owners, minlength=world_size)
         header = torch.cat([send_counts.view(-1, 1), flags.view(1, -1).expand(world_size, -1)], dim=1)
         peers = exchange_counts(header, group, world_size, stats)
-        send_splits, recv_splits = send_counts.tolist(), peers[:, 0].tolist()
-        route = IdRoute(order, send_splits, recv_splits, received_ids=ids, peer_flags=peers[:, 1:])
-        if not bool((route.peer_flags[:, 0] != 0).any()):
+        send_splits, peer_rows = send_counts.tolist(), peers.tolist()  # the stage's only host syncs
+        recv_splits = [row[0] for row in peer_rows]
+        route = IdRoute(order, send_splits, recv_splits, received_ids=ids, peer_flags=[row[1:] for row in peer_rows])
+        if not any(flags[0] for flags in route.peer_flags):
             route.received_ids = exchange_values(ids[order], send_splits, recv_splits, group, world_size, stats)
     if stats is not None and world_size > 1:
         stats.exchange_seconds += time.perf_counter() - start

@@ -261,7 +261,8 @@ def load_module(path: str | os.PathLike, module: nn.Module, strict: bool = True)
     stored = _stored(path)
     distributed = dist.is_available() and dist.is_initialized()
     state = module.state_dict()
-    dense = {k: v for k, v in state.items() if isinstance(v, Tensor) and not _is_table_key(module, k)}
+    table_keys = {prefix + name for prefix, _ in _tables(module) for name in ("shard", "_extra_state")}
+    dense = {k: v for k, v in state.items() if isinstance(v, Tensor) and k not in table_keys}
     if strict:
         for key, value in dense.items():
             _check(stored, f"state_dict.{key}", tuple(value.shape), path, f"tensor {key}")
@@ -276,10 +277,6 @@ def load_module(path: str | os.PathLike, module: nn.Module, strict: bool = True)
             from_row_block(table, block, out=table.shard)
     if dense:
         _dcp_load({"state_dict": dense}, path, "the dense tensors", distributed)
-
-
-def _is_table_key(module: nn.Module, key: str) -> bool:
-    return any(key in (prefix + "shard", prefix + "_extra_state") for prefix, _ in _tables(module))
 
 
 def load_sparse_optimizer(path: str | os.PathLike, key: str, optimizer: SparseOptimizer, param_groups: list[dict]) -> None:

@@ -261,16 +261,15 @@ class SparseDDPStrategy(DDPStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options: it writes with DCP.")
         path = Path(self.broadcast(filepath))
         tensors, rest = checkpoint.split_tensors({"state_dict": checkpoint_dict.pop("state_dict", {})})
-        meta = {**checkpoint_dict, "state_dict_rest": (rest or {}).get("state_dict", {})}
-        optimizer_rest = []
         tensors = tensors or {}
-        for index, state in enumerate(checkpoint_dict.pop("optimizer_states", None) or []):
-            state_tensors, state_rest = checkpoint.split_tensors(state)
-            tensors[f"optimizer_{index}"] = state_tensors or {}
-            optimizer_rest.append(state_rest or {})
-            meta.pop("optimizer_states", None)
-        if optimizer_rest:
-            meta["optimizer_states_rest"] = optimizer_rest
+        optimizer_states = checkpoint_dict.pop("optimizer_states", None)
+        meta = {**checkpoint_dict, "state_dict_rest": (rest or {}).get("state_dict", {})}
+        if optimizer_states is not None:
+            meta["optimizer_states_rest"] = []
+            for index, state in enumerate(optimizer_states):
+                state_tensors, state_rest = checkpoint.split_tensors(state)
+                tensors[f"optimizer_{index}"] = state_tensors or {}
+                meta["optimizer_states_rest"].append(state_rest or {})
         meta["sparse_tables"] = {t.name: [t.num_embeddings, t.embedding_dim] for t in self._tables}
         checkpoint.save(path, tensors, meta)
 

@@ -145,7 +145,9 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         received = grads_to_owners(batches, tables[0].process_group if tables else None, tables[0].world_size if tables else 1, self.stats)
         out = []
         for (group, p), table, batch in zip(entries, tables, received):
-            ids, values = coalesce(batch.ids, batch.values)
+            ids, values = batch.ids, batch.values
+            if table.world_size > 1:  # one id may have come from several ranks
+                ids, values = coalesce(ids, values)
             if group["duplicate_grads"] == "mean":
                 grad = values[:, :-1] / values[:, -1:]
             else:

@@ -5,7 +5,8 @@ Importing the package registers ``Trainer(strategy="sparse_ddp")``.
 
 from lightning_sparse import init
 from lightning_sparse.callbacks import SparseStatsMonitor
-from lightning_sparse.embedding import SparseEmbedding, full_state_dict, serve_lookups
+from lightning_sparse.embedding import SparseEmbedding, full_state_dict
+from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseRowWiseAdagrad, SparseSGD
 from lightning_sparse.sharding import RowSharding
 from lightning_sparse.strategy import SparseDDPStrategy  # registers strategy="sparse_ddp"

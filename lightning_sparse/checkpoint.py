@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.exchange import PeerFailure, exchange_counts, exchange_values
+from lightning_sparse.exchange import PeerFailure, SortedKeys, exchange_counts, exchange_values
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.sharding import RowSharding
 
@@ -66,20 +66,20 @@ def move_rows(
     if out is None:
         out = values.new_empty(target.num_local_rows(rank), *values.shape[1:])
     if world == 1:
-        out[target.to_local(global_ids)] = values
-        return out
+        return out.index_copy_(0, target.to_local(global_ids), values)
+    group, boundaries = table.process_group, target.key_boundaries(global_ids.device)
     for ids_part, values_part in zip(global_ids.tensor_split(MOVE_ROUNDS), values.tensor_split(MOVE_ROUNDS)):
-        owners = target.owner(ids_part)
-        if len(owners) > 1 and not bool((owners[1:] >= owners[:-1]).all()):
-            order = torch.argsort(owners, stable=True)
-            ids_part, values_part, owners = ids_part[order], values_part[order], owners[order]
-        # else already grouped by owner (always so from "mod" to row blocks): sent without a copy
-        send = torch.bincount(owners, minlength=world)
-        recv = exchange_counts(send.view(-1, 1), table.process_group, world).view(-1)
-        send_splits, recv_splits = send.tolist(), recv.tolist()
-        ids = exchange_values(ids_part, send_splits, recv_splits, table.process_group, world)
-        rows = exchange_values(values_part, send_splits, recv_splits, table.process_group, world)
-        out[target.to_local(ids)] = rows
+        keys = target.key(ids_part)
+        runs = SortedKeys(keys)
+        if not torch.equal(runs.sorted, keys):  # else already grouped by owner (always so from "mod" to row blocks)
+            ids_part, values_part = ids_part.index_select(0, runs.perm), values_part.index_select(0, runs.perm)
+        below = runs.counts_below(boundaries)
+        send = (below[1:] - below[:-1]).view(-1, 1)
+        recv = exchange_counts(send, group, world).view(-1)
+        send_splits, recv_splits = send.view(-1).tolist(), recv.tolist()
+        ids = exchange_values(ids_part, send_splits, recv_splits, group, world, rank)
+        rows = exchange_values(values_part, send_splits, recv_splits, group, world, rank)
+        out.index_copy_(0, target.to_local(ids), rows)
     return out
 
 

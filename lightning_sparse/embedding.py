@@ -1,46 +1,28 @@
 """SparseEmbedding: a row-sharded table whose lookups travel to the rows' owners.
 
-Forward, on each rank: validate ids -> dedup -> ``ids_to_owners`` -> owners gather local rows
--> ``rows_to_requesters`` -> expand with the inverse index. The rows that come back are a leaf
-tensor with ``requires_grad=True``; backward accumulates into its ``.grad`` and communicates
-nothing. A sparse optimizer's ``step()`` later collects these pending gradients
-(see ``lightning_sparse/optim/base.py``).
+This module holds the table: its arguments, where its rows live (``materialize``), the shard
+itself and its state dict. A lookup is in ``lightning_sparse/lookup.py``; the gradients it
+leaves for the optimizer in ``lightning_sparse/pending.py``; the optimizer step in
+``lightning_sparse/optim/base.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sparse import init as row_init
-from lightning_sparse.exchange import ExchangeStats, IdRoute, ids_to_owners, rows_to_requesters
+from lightning_sparse.exchange import ExchangeStats
+from lightning_sparse.lookup import lookup
+from lightning_sparse.pending import PendingGrads
 from lightning_sparse.sharding import SCHEMES, RowSharding
 
 # Elements initialized per chunk: the int64/float64 hash temporaries of a chunk stay in cache, and
 # building a shard never holds more than a chunk of them.
 _INIT_CHUNK_ELEMENTS = 1 << 16
-
-# What a rank sends beside its split sizes in every lookup (see ``ids_to_owners``):
-# [error code, offending value, table index, active]. The error code lets all ranks fail
-# together; the table index and the active bit let a rank that has run out of batches answer
-# the lookups of the others (``serve_lookups``) and catch ranks that call tables out of order.
-_OK, _BAD_DTYPE, _BAD_ID, _TABLES_OUT_OF_ORDER = 0, 1, 2, 3
-_CODE, _VALUE, _TABLE, _ACTIVE = range(4)
-_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-@dataclass
-class PendingLookup:
-    """One differentiable lookup awaiting the optimizer step."""
-
-    ids: Tensor  # unique global ids looked up
-    counts: Tensor  # occurrences of each id in the lookup
-    rows: Tensor  # leaf [len(ids), dim]; backward fills rows.grad
-
 
 class SparseEmbedding(nn.Module):
     """An embedding table whose rows are sharded over the ranks of a process group.
@@ -66,6 +48,10 @@ class SparseEmbedding(nn.Module):
     rank, averaged over ranks, as DDP scales dense gradients; see the optimizers'
     ``duplicate_grads`` for DGL's mean over occurrences.
     """
+
+    # Called with the table on its first lookup; the strategy adds its check here, so that this
+    # module knows nothing of Lightning.
+    first_lookup_checks: ClassVar[list[Callable[["SparseEmbedding"], None]]] = []
 
     def __init__(
         self,
@@ -103,12 +89,12 @@ class SparseEmbedding(nn.Module):
         # Before materialization an empty placeholder records the dtype and device that
         # ``.to()`` asks for; after, it is the shard itself (same tensor object for life).
         self._shard = torch.empty(0, embedding_dim, dtype=dtype, device=device)
-        self._pending: list[PendingLookup] = []
+        self.pending = PendingGrads()
         self.stats = ExchangeStats()
         # Set by a strategy that shards this table: its position among the module's tables,
         # which every rank sends along with each lookup.
         self.table_index = -1
-        self._strategy_checked = False
+        self._first_lookup_checked = False
 
     # ------------------------------------------------------------------ placement
     @property
@@ -170,7 +156,7 @@ class SparseEmbedding(nn.Module):
         self._group, self._rank, self._world_size = group, rank, world_size
         global_ids = self.sharding.global_ids(rank, device=self._shard.device)
         if self._materialized:  # a full local table becomes this rank's shard
-            self._shard.data = self._shard.data[global_ids].clone()
+            self._shard.data = self._shard.data.index_select(0, global_ids)
         else:
             self._shard.data = self._init_rows(global_ids)
             self._materialized = True
@@ -207,97 +193,31 @@ class SparseEmbedding(nn.Module):
 
         Collective: every rank of the group must call it (with possibly empty ``ids``), the same
         number of times and in the same order as the other tables it shares the group with.
-        Differentiable with respect to the looked-up rows when grad mode is on.
+        Differentiable with respect to the looked-up rows when grad mode is on; the gradient
+        waits for a sparse optimizer's ``step()`` and backward communicates nothing.
         """
-        if not self._strategy_checked:
-            _check_not_under_foreign_strategy(self)
-            self._strategy_checked = True
+        if not self._first_lookup_checked:
+            for check in self.first_lookup_checks:
+                check(self)
+            self._first_lookup_checked = True
         self.materialize()
-        if not isinstance(ids, Tensor):
-            raise TypeError(f"{self.name} expects a tensor of ids, got {type(ids).__name__}. HINT: wrap it in torch.tensor(...).")
-        flat, flags = self._validate(ids)
-        unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
-        self.stats.ids_looked_up += flat.numel()
-        self.stats.unique_ids += unique.numel()
-        rows = self._lookup(unique, flags, ids.dtype)
-        if torch.is_grad_enabled():
-            rows.requires_grad_(True)
-            self._pending.append(PendingLookup(unique, counts, rows))
-        return rows[inverse].view(*ids.shape, self.embedding_dim)
-
-    def _lookup(self, unique: Tensor, flags: Tensor, ids_dtype: torch.dtype | None) -> Tensor:
-        """The two exchanges of a lookup, shared by ``forward`` and ``serve_lookups``."""
-        route = ids_to_owners(unique, self.sharding.owner(unique), flags, self._group, self._world_size, self.stats)
-        self._raise_if_bad(route.peer_flags, ids_dtype)
-        return self._answer(route)
-
-    def _answer(self, route: IdRoute) -> Tensor:
-        """Gather the rows other ranks asked this rank for and exchange them; returns our requested rows."""
-        with torch.no_grad():
-            local_rows = self._shard[self.sharding.to_local(route.received_ids)]
-        return rows_to_requesters(local_rows, route, self._group, self._world_size, self.stats)
-
-    def _validate(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """Flat int64 ids on the table's device and this rank's flags (see ``_CODE`` ...)."""
-        empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        if ids.dtype not in _ID_DTYPES:
-            return empty, self._flags(_BAD_DTYPE, int(ids.dtype == torch.bool))
-        flat = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
-        if flat.numel():
-            low, high = torch.stack(torch.aminmax(flat)).tolist()  # one host sync
-            if low < 0 or high >= self.num_embeddings:
-                return empty, self._flags(_BAD_ID, low if low < 0 else high)
-        return flat, self._flags(_OK, 0)
-
-    def _flags(self, code: int, value: int, active: bool = True) -> Tensor:
-        return torch.tensor([code, value, self.table_index, int(active)], dtype=torch.int64, device=self.device)
-
-    def _raise_if_bad(self, peer_flags: list[list[int]], ids_dtype: torch.dtype | None) -> None:
-        tables = sorted({flags[_TABLE] for flags in peer_flags if flags[_ACTIVE] == 1})
-        if len(tables) > 1:
-            raise RuntimeError(
-                f"Ranks looked up different tables in the same round (table indices {tables}, "
-                f"this rank: {self.name}). HINT: every rank must call its SparseEmbeddings in the same order, "
-                f"every step, also with empty ids."
-            )
-        bad = [rank for rank, flags in enumerate(peer_flags) if flags[_CODE] != _OK]
-        if not bad:
-            return
-        rank = bad[0]
-        code, value = peer_flags[rank][_CODE], peer_flags[rank][_VALUE]
-        where = "this rank" if rank == self._rank else f"rank {rank}"
-        if code == _BAD_DTYPE:
-            mine = rank == self._rank and ids_dtype is not None
-            got = str(ids_dtype) if mine else ("torch.bool" if value else "a floating-point or complex dtype")
-            raise TypeError(
-                f"{self.name} got ids of dtype {got} on {where}; ids must be integers (int64 or int32). "
-                f"HINT: convert them with ids.long()."
-            )
-        raise IndexError(
-            f"{self.name} got id {value} on {where}; valid ids are 0..{self.num_embeddings - 1} "
-            f"(num_embeddings={self.num_embeddings}). HINT: remap ids into range or enlarge the table."
-        )
+        return lookup(self, ids)
 
     # ------------------------------------------------------------------ pending gradients
-    def pop_pending(self) -> list[PendingLookup]:
-        """Lookups that received a gradient since the last call; forgets all pending lookups."""
-        pending, self._pending = self._pending, []
-        return [p for p in pending if p.rows.grad is not None]
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients accumulated so far. Lookups still awaiting their backward stay."""
-        self._pending = [p for p in self._pending if p.rows.grad is None]
+        """Drop the gradients received so far. Lookups still awaiting their backward stay."""
+        self.pending.zero_grad()
 
     def pending_grads(self) -> list[Tensor]:
-        """The row gradients accumulated since the last step (for unscaling, clipping, inspection)."""
-        return [p.rows.grad for p in self._pending if p.rows.grad is not None]
+        """The row gradients received since the last step (for unscaling, clipping, inspection)."""
+        return self.pending.grads()
 
     def adopt(self, name: str, table_index: int) -> None:
         """Called by the strategy that shards this table: its module path and position among the tables."""
         if not self.has_given_name:
             self.name = name
         self.table_index = table_index
-        self._strategy_checked = True
+        self._first_lookup_checked = True
 
     # ------------------------------------------------------------------ whole table
     def full_weight(self) -> Tensor:
@@ -326,13 +246,13 @@ class SparseEmbedding(nn.Module):
         out = local.new_empty(self.num_embeddings, *local.shape[1:])
         for rank, part in enumerate(gathered):
             ids = sharding.global_ids(rank, device=out.device)
-            out[ids] = part[: len(ids)]
+            out.index_copy_(0, ids, part[: len(ids)])
         return out
 
     def local_rows(self, full: Tensor) -> Tensor:
         """This rank's rows of a full per-row tensor (the inverse of :meth:`gather_rows`)."""
         self.materialize()
-        return full[self.sharding.global_ids(self._rank, device=full.device)]
+        return full.index_select(0, self.sharding.global_ids(self._rank, device=full.device))
 
     # ------------------------------------------------------------------ state dict
     def get_extra_state(self) -> dict[str, Any]:
@@ -405,56 +325,3 @@ def full_state_dict(module: nn.Module, state_dict: dict[str, Any] | None = None)
             state_dict.pop(prefix + "_extra_state", None)
             state_dict[prefix + "weight"] = sub.full_weight()
     return state_dict
-
-
-def serve_lookups(tables: list[SparseEmbedding]) -> int:
-    """Answer the other ranks' lookups until every rank of the group has called this.
-
-    A Join for lookups: a rank that has run out of batches (uneven validation, test or predict
-    loaders) calls this and keeps serving the rows it owns to ranks that still have batches,
-    taking part in each of their lookup rounds with no ids of its own. Returns, with the number
-    of rounds served, once every rank is serving. ``tables[i]`` must have ``table_index == i``
-    on every rank (the strategy sets it).
-
-    Collective: every rank of the group must call it once it has no lookups left to make.
-    """
-    if not tables or tables[0].world_size == 1:
-        return 0
-    first, rounds = tables[0], 0
-    while True:
-        idle = torch.empty(0, dtype=torch.int64, device=first.device)
-        flags = torch.tensor([_OK, 0, -1, 0], dtype=torch.int64, device=first.device)
-        route = ids_to_owners(idle, idle, flags, first.process_group, first.world_size, first.stats)
-        active = [flags[_TABLE] for flags in route.peer_flags if flags[_ACTIVE] == 1]
-        if not active:
-            return rounds
-        table = tables[active[0]]
-        table._raise_if_bad(route.peer_flags, None)
-        table._answer(route)
-        rounds += 1
-
-
-def _check_not_under_foreign_strategy(table: SparseEmbedding) -> None:
-    """Refuse to run inside a Lightning strategy other than SparseDDPStrategy (once per table).
-
-    Under plain ``ddp`` or a single-device strategy nothing would ever step the table: training
-    would silently leave it untouched. The running strategy is found on the call stack, so that
-    plain PyTorch use pays nothing but this one look.
-    """
-    import sys
-
-    if "lightning.pytorch" not in sys.modules:
-        return
-    from lightning.pytorch.strategies import Strategy
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Strategy):
-            if not getattr(owner, "manages_sparse_embeddings", False):
-                raise RuntimeError(
-                    f"{table.name} is used under Lightning's {type(owner).__name__}, which does not shard or step "
-                    f"SparseEmbeddings. HINT: pass strategy=\"sparse_ddp\" to the Trainer (import lightning_sparse first)."
-                )
-            return
-        frame = frame.f_back

@@ -2,26 +2,37 @@
 
 A lookup and an optimizer step move data in three stages:
 
-1. ``ids_to_owners``: each rank sends the unique ids it looks up to the ranks that own them;
-2. ``rows_to_requesters``: owners gather those rows and send them back;
-3. ``grads_to_owners``: at the optimizer step, row gradients go to the owners (all tables of one
-   optimizer share one round).
+1. ``ids_to_owners``: each rank sends the distinct rows it looks up to the ranks that own them
+   (as local row indices), after a header of split sizes and input checks (:class:`LookupHeader`);
+2. ``rows_to_requesters``: owners gather those rows and send them back in the order the ids
+   came, so the requester reorders nothing;
+3. ``grads_to_owners``: at the optimizer step, row gradients go to the owners. The gradients of
+   a table's last lookup go back along that lookup's :class:`Route`: the owner already knows
+   which rows it sent, so neither ids nor split sizes travel (the *routed* round). Gradients of
+   other lookups (accumulation, a table looked up twice) take the *general* round: a header,
+   then ids and values. All tables of one optimizer share each round.
 
 Every stage is a collective: **every rank of the group must call it, in the same order**, even a
-rank with nothing to send (it sends empty tensors). Each uses two ``all_to_all_single`` calls:
-split sizes first (a tiny int64 exchange), then values with uneven splits. With one rank there is
-nothing to exchange and the stages return their input. Each stage runs under a
-``torch.profiler.record_function`` label ``lightning_sparse.<stage>`` so profiles read as the data path.
+rank with nothing to send (it sends empty tensors). Values move with ``all_to_all_single`` and
+uneven splits. With one rank nothing is exchanged. Each stage runs under a
+``torch.profiler.record_function`` label ``lightning_sparse.<stage>``, reads the host at most
+once, and counts what crossed to other ranks in :class:`ExchangeStats`.
+
+Grouping by owner takes one sort: :class:`SortedKeys` sorts owner-major keys
+(:meth:`lightning_sparse.sharding.RowSharding.key`), which deduplicates and groups in one go and
+yields the runs that a segment sum (``F.embedding_bag``) adds up.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import astuple, dataclass
+from itertools import accumulate
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 from torch.profiler import record_function
 
@@ -32,7 +43,8 @@ ProcessGroup = dist.ProcessGroup
 class ExchangeStats:
     """Running totals of what the sparse path sent, received and spent; reset by the reader.
 
-    Bytes count what crossed to or from other ranks (headers included), not a rank's split to itself.
+    Bytes count what crossed to or from other ranks (headers included), not a rank's split to
+    itself; ``collectives`` counts the all-to-all calls.
     """
 
     bytes_sent: int = 0
@@ -41,6 +53,7 @@ class ExchangeStats:
     update_seconds: float = 0.0
     ids_looked_up: int = 0
     unique_ids: int = 0
+    collectives: int = 0
 
     def add(self, other: "ExchangeStats") -> None:
         for name in self.__dataclass_fields__:
@@ -55,7 +68,7 @@ class PeerFailure(RuntimeError):
     """A collective of the sparse path failed: a peer rank died, hung or timed out."""
 
 
-def _collective(name: str, call, *args, **kwargs) -> None:
+def _collective(name: str, call: Callable[..., object], *args: object, **kwargs: object) -> None:
     try:
         call(*args, **kwargs)
     except RuntimeError as err:  # DistBackendError and gloo/NCCL errors
@@ -66,9 +79,73 @@ def _collective(name: str, call, *args, **kwargs) -> None:
         ) from err
 
 
-def exchange_counts(
-    send: Tensor, group: ProcessGroup | None, world_size: int, stats: ExchangeStats | None = None
-) -> Tensor:
+# ---------------------------------------------------------------------------- one sort: dedup and group
+class SortedKeys:
+    """One stable sort of keys, and the runs of equal keys it forms.
+
+    Sorting owner-major keys gives everything the sparse path needs from a batch: the distinct
+    keys in ascending order (so grouped by owner), how many go to each owner
+    (:meth:`counts_below`), where each input landed (:meth:`inverse`), and the runs a segment
+    sum adds up (:meth:`segment_sum`). Only :meth:`finish` may read the host (the number of
+    distinct keys), and not when the caller already knows it.
+
+    >>> runs = SortedKeys(torch.tensor([7, 3, 7, 9])).finish()
+    >>> runs.unique.tolist(), runs.inverse().tolist(), runs.counts().tolist()
+    ([3, 7, 9], [1, 0, 1, 2], [1, 2, 1])
+    >>> runs.segment_sum(torch.tensor([[1.0], [2.0], [3.0], [4.0]])).view(-1).tolist()
+    [2.0, 4.0, 4.0]
+    """
+
+    def __init__(self, keys: Tensor) -> None:
+        self.sorted, self.perm = torch.sort(keys, stable=True)
+        is_first = torch.ones_like(self.sorted, dtype=torch.bool)
+        if len(keys) > 1:
+            torch.ne(self.sorted[1:], self.sorted[:-1], out=is_first[1:])
+        self._is_first = is_first
+        self._run = torch.cumsum(is_first, 0)  # 1 + index of the run each sorted position belongs to
+        self.unique = self.offsets = keys.new_empty(0)
+
+    def counts_below(self, boundaries: Tensor) -> Tensor:
+        """How many distinct keys are smaller than each boundary (no host read)."""
+        positions = torch.searchsorted(self.sorted, boundaries)
+        return torch.cat([self._run.new_zeros(1), self._run]).index_select(0, positions)
+
+    def finish(self, num_unique: int | None = None) -> "SortedKeys":
+        """Materialize ``unique`` and ``offsets`` (where each run starts in sorted order)."""
+        if num_unique is not None and self._is_first.is_cuda:  # no host read for the output size
+            self.offsets = torch.nonzero_static(self._is_first, size=num_unique).view(-1)
+        else:
+            self.offsets = torch.nonzero(self._is_first).view(-1)
+        self.unique = self.sorted.index_select(0, self.offsets)
+        return self
+
+    def inverse(self) -> Tensor:
+        """For each input position, the index of its key in ``unique``."""
+        return torch.empty_like(self.perm).index_copy_(0, self.perm, self._run - 1)
+
+    def counts(self) -> Tensor:
+        """Occurrences of each distinct key."""
+        ends = torch.cat([self.offsets[1:], self.offsets.new_full((1,), len(self.sorted))])
+        return ends - self.offsets
+
+    def segment_sum(self, values: Tensor) -> Tensor:
+        """Add up the rows of ``values`` (one per input key) that share a key: ``[len(unique), width]``."""
+        return F.embedding_bag(self.perm, values.contiguous(), self.offsets, mode="sum")
+
+
+def coalesce(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """Sum the rows of ``values`` that share a key; returns (ascending distinct keys, their sums)."""
+    runs = SortedKeys(keys).finish()
+    return runs.unique, runs.segment_sum(values)
+
+
+def split_starts(splits: Sequence[int]) -> list[int]:
+    """``[0, s0, s0 + s1, ...]``: where each split starts (and, last, the total)."""
+    return [0, *accumulate(splits)]
+
+
+# ---------------------------------------------------------------------------- primitives
+def exchange_counts(send: Tensor, group: ProcessGroup | None, world_size: int, stats: ExchangeStats | None = None) -> Tensor:
     """Row ``j`` of ``send`` ([W, K] int64) goes to rank ``j``; row ``i`` of the result came from rank ``i``.
 
     Collective: every rank of ``group`` must call it with the same ``K``.
@@ -81,6 +158,7 @@ def exchange_counts(
         row = send[0].numel() * send.element_size()
         stats.bytes_sent += row * (world_size - 1)
         stats.bytes_received += row * (world_size - 1)
+        stats.collectives += 1
     return recv
 
 
@@ -90,6 +168,7 @@ def exchange_values(
     recv_splits: Sequence[int],
     group: ProcessGroup | None,
     world_size: int,
+    rank: int,
     stats: ExchangeStats | None = None,
 ) -> Tensor:
     """Uneven all-to-all along dim 0: ``send_splits[j]`` leading rows go to rank ``j``.
@@ -104,146 +183,305 @@ def exchange_values(
         output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=group,
     )  # fmt: skip
     if stats is not None:  # what crossed to other ranks: our own split stays here
-        rank = dist.get_rank(group)
         row = values[0].numel() * values.element_size() if len(values) else 0
         stats.bytes_sent += (sum(send_splits) - send_splits[rank]) * row
         stats.bytes_received += (sum(recv_splits) - recv_splits[rank]) * row
+        stats.collectives += 1
     return recv
 
 
-@dataclass
-class IdRoute:
-    """How one lookup's unique ids travelled to their owners, kept to send the rows back."""
-
-    order: Tensor  # permutation that sorts the requester's unique ids by owner rank
-    send_splits: list[int]  # ids sent to each owner
-    recv_splits: list[int]  # ids received from each requester
-    received_ids: Tensor  # ids this rank owns, grouped by requesting rank
-    peer_flags: list[list[int]]  # [W][F] the ``flags`` each rank sent along (read to the host once)
+# ---------------------------------------------------------------------------- stage 1: ids to owners
+# Error codes a rank reports in its lookup header; every rank raises the same error for them.
+OK, BAD_DTYPE = 0, 1
 
 
-def ids_to_owners(
-    ids: Tensor,
-    owners: Tensor,
-    flags: Tensor,
+@dataclass(frozen=True)
+class LookupHeader:
+    """What one rank tells every rank before the ids of a lookup move: one row of the header.
+
+    ``count`` differs per destination (the ids sent to it); the other fields are the same in
+    every row a rank sends. ``error`` is a code (``OK``, ``BAD_DTYPE``) with an argument in
+    ``detail``; ``id_min``/``id_max`` let every rank check every rank's ids against the table
+    (both 0 when a rank has none); ``table`` and ``active`` let a rank that has run out of
+    batches answer the others (``serve_lookups``) and catch ranks that call tables out of
+    order; ``record`` says the rank records the lookup for a gradient (grad mode is on).
+    """
+
+    count: int = 0
+    error: int = OK
+    detail: int = 0
+    id_min: int = 0
+    id_max: int = 0
+    table: int = -1
+    active: int = 1
+    record: int = 0
+
+    WIDTH = 8
+
+    def to_rows(self, counts: Tensor, id_range: Tensor | None = None) -> Tensor:
+        """The ``[W, 8]`` int64 header this rank sends: to rank ``j``, ``counts[j]`` and the other fields.
+
+        ``id_range`` (a device tensor ``[min, max]``) replaces ``id_min``/``id_max`` without a host read.
+        """
+        fields = torch.tensor(astuple(self)[1:], dtype=torch.int64, device=counts.device)
+        if id_range is not None:
+            fields[2:4] = id_range
+        return torch.cat([counts.view(-1, 1), fields.view(1, -1).expand(len(counts), -1)], dim=1)
+
+
+def exchange_headers(
+    counts: Tensor,
+    header: LookupHeader,
     group: ProcessGroup | None,
     world_size: int,
+    id_range: Tensor | None = None,
     stats: ExchangeStats | None = None,
-) -> IdRoute:
-    """Stage 1: send ``ids`` (unique global ids) to their ``owners``.
+) -> tuple[list[int], list[LookupHeader]]:
+    """Stage 1a: every rank tells every rank what it is about to send; returns (send splits, every rank's header).
 
-    ``flags`` (a small int64 vector) travels to every rank beside the split sizes at no extra
-    cost. ``flags[0]`` is an error code: if any rank sends a nonzero one, no ids are exchanged,
-    so that all ranks can fail together instead of leaving the healthy ones blocked in the next
-    collective. The other entries are the caller's (see ``SparseEmbedding``).
+    ``counts[j]`` (a device tensor) is what goes to rank ``j``. Every rank gets the same list of
+    headers, so a check of the headers that raises does so on every rank before any id moves,
+    and the group stays usable. One host read, also with one rank (it carries the id range).
 
     Collective: every rank of ``group`` must call it.
     """
     start = time.perf_counter()
-    with record_function("lightning_sparse.ids_to_owners"):
-        order = torch.argsort(owners, stable=True)
-        send_counts = torch.bincount(owners, minlength=world_size)
-        header = torch.cat([send_counts.view(-1, 1), flags.view(1, -1).expand(world_size, -1)], dim=1)
-        peers = exchange_counts(header, group, world_size, stats)
-        send_splits, peer_rows = send_counts.tolist(), peers.tolist()  # the stage's only host syncs
-        recv_splits = [row[0] for row in peer_rows]
-        route = IdRoute(order, send_splits, recv_splits, received_ids=ids, peer_flags=[row[1:] for row in peer_rows])
-        if not any(flags[0] for flags in route.peer_flags):
-            route.received_ids = exchange_values(ids[order], send_splits, recv_splits, group, world_size, stats)
+    with record_function("lightning_sparse.ids_to_owners.header"):
+        sent = header.to_rows(counts, id_range)
+        peers = exchange_counts(sent, group, world_size, stats)
+        host = torch.cat([sent[:, 0], peers.reshape(-1)]).tolist()  # the stage's one host read
+    width = LookupHeader.WIDTH
+    headers = [LookupHeader(*host[world_size + width * r : world_size + width * (r + 1)]) for r in range(world_size)]
     if stats is not None and world_size > 1:
         stats.exchange_seconds += time.perf_counter() - start
-    return route
+    return host[:world_size], headers
 
 
+@dataclass
+class Route:
+    """How one lookup's ids travelled, kept to send the rows back and, later, their gradients.
+
+    On the requester, ids went in ascending owner-major key order, ``send_splits[j]`` of them
+    to rank ``j``; rows come back in that order. On the owner, ``received`` holds the local row
+    indices that each requester asked for, grouped by requester (``recv_splits``), each group
+    ascending. ``headers`` are every rank's :class:`LookupHeader` (the same on every rank).
+    """
+
+    send_splits: list[int]
+    recv_splits: list[int]
+    received: Tensor
+    headers: list[LookupHeader]
+
+    @property
+    def records(self) -> bool:
+        """Whether any rank records this lookup for a gradient (the same answer on every rank)."""
+        return any(h.record for h in self.headers)
+
+
+def ids_to_owners(
+    local_ids: Tensor,
+    send_splits: list[int],
+    headers: list[LookupHeader],
+    group: ProcessGroup | None,
+    world_size: int,
+    rank: int,
+    stats: ExchangeStats | None = None,
+) -> Route:
+    """Stage 1b: send ``local_ids`` (grouped by owner, ``send_splits[j]`` to rank ``j``) after the headers.
+
+    Collective: every rank of ``group`` must call it. No host read.
+    """
+    recv_splits = [h.count for h in headers]
+    if world_size == 1:
+        return Route(send_splits, recv_splits, local_ids, headers)
+    start = time.perf_counter()
+    with record_function("lightning_sparse.ids_to_owners"):
+        received = exchange_values(local_ids, send_splits, recv_splits, group, world_size, rank, stats)
+    if stats is not None:
+        stats.exchange_seconds += time.perf_counter() - start
+    return Route(send_splits, recv_splits, received, headers)
+
+
+# ---------------------------------------------------------------------------- stage 2: rows to requesters
 def rows_to_requesters(
-    rows: Tensor, route: IdRoute, group: ProcessGroup | None, world_size: int, stats: ExchangeStats | None = None
+    rows: Tensor, route: Route, group: ProcessGroup | None, world_size: int, rank: int, stats: ExchangeStats | None = None
 ) -> Tensor:
-    """Stage 2: send the rows for ``route.received_ids`` back; returns rows in the requester's id order.
+    """Stage 2: send the rows for ``route.received`` back; returns the requested rows in key order.
 
-    Collective: every rank of ``group`` must call it.
+    Collective: every rank of ``group`` must call it. No host read: the splits are the route's.
     """
     if world_size == 1:
         return rows
     start = time.perf_counter()
     with record_function("lightning_sparse.rows_to_requesters"):
-        received = exchange_values(rows, route.recv_splits, route.send_splits, group, world_size, stats)
-        out = torch.empty_like(received)
-        out[route.order] = received
+        out = exchange_values(rows, route.recv_splits, route.send_splits, group, world_size, rank, stats)
     if stats is not None:
         stats.exchange_seconds += time.perf_counter() - start
     return out
 
 
+# ---------------------------------------------------------------------------- stage 3: grads to owners
 @dataclass
-class GradBatch:
-    """Row gradients of one table: ``values[i]`` belongs to global row ``ids[i]``."""
+class OutgoingGrads:
+    """One table's row gradients on the requester, ready for :func:`grads_to_owners`.
 
-    ids: Tensor
-    values: Tensor
-    owners: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    touched: bool = True  # in a result: whether any rank had a gradient for this table
+    ``route`` is the table's last lookup (``None`` if no lookup since the last step recorded
+    gradients) and ``routed`` this rank's gradient rows for it, in the route's order (``None``
+    if this rank has none). ``others`` holds any other gradient rows as (local row index, values)
+    grouped by owner, ``counts[j]`` of them for rank ``j``; ``None`` if there are none.
+    """
+
+    route: "Route | None"
+    routed: Tensor | None
+    width: int
+    others: tuple[Tensor, Tensor, Tensor] | None = None  # (local ids, values, counts per owner)
+
+
+@dataclass
+class IncomingGrads:
+    """One table's gradient rows as received by the owner: pieces of (local rows, values).
+
+    Each piece from the routed round (or kept locally) holds distinct rows; a row may appear in
+    several pieces, and repeat within the piece of the general round (``merged``).
+    """
+
+    rows: list[Tensor]
+    values: list[Tensor]
+    touched: bool = False  # whether any rank had a gradient for the table
+    merged: bool = False  # a piece holds rows from several ranks
+
+    @property
+    def distinct(self) -> bool:
+        """Whether the rows are distinct as they are (one piece, from one source)."""
+        return len(self.rows) == 1 and not self.merged
+
+
+# Control code per table that rides with the routed rows to every destination.
+_HAS_ROUTED, _HAS_OTHERS = 1, 2
 
 
 def grads_to_owners(
-    batches: Sequence[GradBatch],
+    tables: Sequence[OutgoingGrads],
     group: ProcessGroup | None,
     world_size: int,
+    rank: int,
+    wire_dtype: torch.dtype,
+    device: torch.device,
     stats: ExchangeStats | None = None,
-) -> list[GradBatch]:
-    """Stage 3: send each table's row gradients to the rows' owners, all tables in one round.
+) -> list[IncomingGrads]:
+    """Stage 3: send every table's row gradients to the rows' owners.
 
-    Two collectives for any number of tables: the header (rows per owner and table, plus whether
-    this rank had a gradient for each table), then one flat buffer in the tables' promoted dtype
-    in which each row carries its id (the id's 8 bytes reinterpreted in that dtype, so nothing is
-    rounded) followed by its gradient. Returns, per table, the ids and values this rank received
-    (grouped by source rank, so one id may appear once per source; the caller coalesces them)
-    and whether any rank had a gradient for the table (``touched``).
+    The routed round always runs: its sizes follow from the routes, which every rank knows.
+    To each destination it carries each table's routed rows, then one control code per table
+    (whether this rank had routed rows, whether it has others). Every rank thereby learns what
+    every rank has; if any rank has other rows, the general round follows (a header of counts,
+    then ids and values). One host read per round: the control codes, the header.
 
-    Collective: every rank of ``group`` must call it with the same number of tables.
+    Collective: every rank of ``group`` must call it with the same tables in the same order.
     """
     if world_size == 1:
-        return [GradBatch(b.ids, b.values, touched=b.touched) for b in batches]
+        return [_keep_local(t) for t in tables]
     start = time.perf_counter()
     with record_function("lightning_sparse.grads_to_owners"):
-        wire_dtype = batches[0].values.dtype
-        for b in batches[1:]:
-            wire_dtype = torch.promote_types(wire_dtype, b.values.dtype)
-        id_width = torch.empty(0, dtype=torch.int64).element_size() // torch.empty(0, dtype=wire_dtype).element_size()
-        widths = [id_width + b.values.shape[1] for b in batches]  # per row: id, then gradient
-        chunks, send_counts = [], []
-        for b in batches:
-            order = torch.argsort(b.owners, stable=True)
-            ids_as_wire = b.ids[order].contiguous().view(wire_dtype).view(-1, id_width)
-            rows = torch.cat([ids_as_wire, b.values[order].to(wire_dtype)], dim=1)
-            counts = torch.bincount(b.owners, minlength=world_size)
-            chunks.append(rows.reshape(-1).split([c * rows.shape[1] for c in counts.tolist()]))
-            send_counts.append(counts)
-        send = torch.stack(send_counts, dim=1)  # [W, T]
-        touched = torch.tensor([b.touched for b in batches], dtype=torch.int64, device=send.device)
-        header = torch.cat([send, touched.view(1, -1).expand(world_size, -1)], dim=1)  # [W, 2T]
-        recv_header = exchange_counts(header, group, world_size, stats)
-        recv, touched_anywhere = recv_header[:, : len(batches)], recv_header[:, len(batches) :].any(dim=0).tolist()
-        send_l, recv_l = send.tolist(), recv.tolist()
-
-        tables = range(len(batches))
-        values_out = torch.cat([chunks[t][d] for d in range(world_size) for t in tables])
-        values_in = exchange_values(
-            values_out,
-            [sum(c * w for c, w in zip(r, widths)) for r in send_l],
-            [sum(c * w for c, w in zip(r, widths)) for r in recv_l],
-            group,
-            world_size,
-            stats,
-        )
-        # Regroup what arrived (source-major, table-minor) by table, and split ids from gradients.
-        parts = values_in.split([c * w for r in recv_l for c, w in zip(r, widths)])
-        out = []
-        for t in tables:
-            picks = range(t, world_size * len(batches), len(batches))
-            rows = torch.cat([parts[i] for i in picks]).view(-1, widths[t])
-            ids_t = rows[:, :id_width].flatten().view(torch.int64)
-            values_t = rows[:, id_width:].to(batches[t].values.dtype)
-            out.append(GradBatch(ids_t, values_t, touched=touched_anywhere[t]))
+        incoming, codes = _routed_round(tables, group, world_size, rank, wire_dtype, device, stats)
+        if any(code & _HAS_OTHERS for row in codes for code in row):
+            general = _general_round(tables, group, world_size, rank, wire_dtype, device, stats)
+            for table, (rows, values) in zip(incoming, general):
+                if len(rows):
+                    table.rows.append(rows)
+                    table.values.append(values)
+                    table.merged = True
     if stats is not None:
         stats.exchange_seconds += time.perf_counter() - start
+    return incoming
+
+
+def _keep_local(table: OutgoingGrads) -> IncomingGrads:
+    incoming = IncomingGrads([], [])
+    if table.routed is not None:
+        incoming.rows.append(table.route.received)
+        incoming.values.append(table.routed)
+    if table.others is not None:
+        incoming.rows.append(table.others[0])
+        incoming.values.append(table.others[1])
+    incoming.touched = bool(incoming.rows)
+    return incoming
+
+
+def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) -> tuple[list[IncomingGrads], list[list[int]]]:
+    codes = [_HAS_ROUTED * (t.routed is not None) + _HAS_OTHERS * (t.others is not None) for t in tables]
+    code_values = torch.tensor(codes, dtype=wire_dtype, device=device)
+    send_starts = [split_starts(t.route.send_splits) if t.route else None for t in tables]
+    pieces, send_sizes, recv_sizes = [], [], []
+    for dest in range(world_size):
+        send_size, recv_size = len(tables), len(tables)
+        for table, starts in zip(tables, send_starts):
+            if table.route is None:
+                continue
+            rows = table.route.send_splits[dest]
+            if table.routed is not None:
+                pieces.append(table.routed.narrow(0, starts[dest], rows).to(wire_dtype).reshape(-1))
+            else:  # no gradient here for this lookup: placeholders, marked unused by the control code
+                pieces.append(torch.empty(rows * table.width, dtype=wire_dtype, device=device))
+            send_size += rows * table.width
+            recv_size += table.route.recv_splits[dest] * table.width
+        pieces.append(code_values)
+        send_sizes.append(send_size)
+        recv_sizes.append(recv_size)
+    recv = exchange_values(torch.cat(pieces), send_sizes, recv_sizes, group, world_size, rank, stats)
+
+    # Per source: each table's rows, then the source's control codes.
+    blocks, code_slices, offset = [], [], 0
+    for source in range(world_size):
+        for index, table in enumerate(tables):
+            if table.route is not None:
+                rows = table.route.recv_splits[source]
+                blocks.append((source, index, offset, rows))
+                offset += rows * table.width
+        code_slices.append(recv.narrow(0, offset, len(tables)))
+        offset += len(tables)
+    all_codes = torch.stack(code_slices).to(torch.int64).tolist()  # [W][T], the round's one host read
+    incoming = [IncomingGrads([], [], touched=any(row[i] for row in all_codes)) for i in range(len(tables))]
+    recv_starts = [split_starts(t.route.recv_splits) if t.route else None for t in tables]
+    for source, index, offset, rows in blocks:
+        if rows and all_codes[source][index] & _HAS_ROUTED:
+            table = tables[index]
+            incoming[index].rows.append(table.route.received.narrow(0, recv_starts[index][source], rows))
+            incoming[index].values.append(recv.narrow(0, offset, rows * table.width).view(rows, table.width))
+    return incoming, all_codes
+
+
+def _general_round(tables, group, world_size, rank, wire_dtype, device, stats) -> list[tuple[Tensor, Tensor]]:
+    """A header of counts per (owner, table), then rows of (local id, values) of every table in one buffer."""
+    empty_counts = torch.zeros(world_size, dtype=torch.int64, device=device)
+    counts = torch.stack([t.others[2] if t.others is not None else empty_counts for t in tables], dim=1)  # [W, T]
+    recv_counts = exchange_counts(counts, group, world_size, stats)
+    host = torch.cat([counts, recv_counts]).tolist()  # the round's one host read
+    send_l, recv_l = host[:world_size], host[world_size:]
+    id_width = 8 // torch.empty(0, dtype=wire_dtype).element_size()
+    widths = [id_width + t.width for t in tables]
+    pieces = []
+    wire = []
+    for t in tables:
+        if t.others is None:
+            wire.append(torch.empty(0, id_width + t.width, dtype=wire_dtype, device=device))
+            continue
+        ids, values = t.others[0], t.others[1]
+        # Each row: its local id's 8 bytes reinterpreted in the wire dtype (exact), then its values.
+        wire.append(torch.cat([ids.contiguous().view(wire_dtype).view(-1, id_width), values.to(wire_dtype)], dim=1))
+    starts = [split_starts(row[i] for row in send_l) for i in range(len(tables))]
+    for dest in range(world_size):
+        for i in range(len(tables)):
+            pieces.append(wire[i].narrow(0, starts[i][dest], send_l[dest][i]).reshape(-1))
+    recv = exchange_values(
+        torch.cat(pieces),
+        [sum(c * w for c, w in zip(row, widths)) for row in send_l],
+        [sum(c * w for c, w in zip(row, widths)) for row in recv_l],
+        group, world_size, rank, stats,
+    )  # fmt: skip
+    parts = recv.split([c * w for row in recv_l for c, w in zip(row, widths)])
+    out = []
+    for i in range(len(tables)):
+        rows = torch.cat([parts[source * len(tables) + i] for source in range(world_size)]).view(-1, widths[i])
+        out.append((rows[:, :id_width].reshape(-1).view(torch.int64), rows[:, id_width:]))
     return out

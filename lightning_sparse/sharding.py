@@ -18,6 +18,15 @@ Two schemes:
 [1, 4, 7]
 >>> RowSharding(10, world_size=3, scheme="range").global_ids(2).tolist()
 [8, 9]
+
+The *owner-major key* of a row, ``owner * block_size + local index``, sorts rows by owner and,
+within an owner, by local index. One sort of the keys of a batch therefore both deduplicates
+the ids and groups them by the rank they go to; under ``"range"`` the key is the id itself.
+
+>>> s.key(torch.tensor([0, 1, 2, 3, 9])).tolist()
+[0, 4, 8, 1, 3]
+>>> s.local_of_key(s.key(torch.tensor([9]))).tolist(), s.owner_of_key(s.key(torch.tensor([9]))).tolist()
+([3], [0])
 """
 
 from __future__ import annotations
@@ -62,6 +71,28 @@ class RowSharding:
         if self.scheme == "mod":
             return torch.div(ids, self.world_size, rounding_mode="floor")
         return torch.remainder(ids, self.block_size)
+
+    def key(self, ids: Tensor) -> Tensor:
+        """Owner-major key of each global id: ``owner * block_size + local index`` (the id under ``"range"``)."""
+        if self.scheme == "range":
+            return ids
+        return torch.remainder(ids, self.world_size) * self.block_size + torch.div(ids, self.world_size, rounding_mode="floor")
+
+    def owner_of_key(self, keys: Tensor) -> Tensor:
+        return torch.div(keys, self.block_size, rounding_mode="floor")
+
+    def local_of_key(self, keys: Tensor) -> Tensor:
+        return torch.remainder(keys, self.block_size)
+
+    def global_of_key(self, keys: Tensor) -> Tensor:
+        """Inverse of :meth:`key`."""
+        if self.scheme == "range":
+            return keys
+        return self.local_of_key(keys) * self.world_size + self.owner_of_key(keys)
+
+    def key_boundaries(self, device: torch.device | str | None = None) -> Tensor:
+        """``[W + 1]`` keys: rank ``r`` owns the keys in ``[boundaries[r], boundaries[r + 1])``."""
+        return torch.arange(self.world_size + 1, device=device) * self.block_size
 
     def num_local_rows(self, rank: int) -> int:
         """Number of rows that ``rank`` holds."""

@@ -20,6 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import sys
+
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
@@ -32,7 +34,7 @@ from lightning.pytorch.core.optimizer import (
     _validate_scheduler_api,
 )
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -43,7 +45,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse import checkpoint
-from lightning_sparse.embedding import SparseEmbedding, serve_lookups
+from lightning_sparse.embedding import SparseEmbedding
+from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.exchange import ExchangeStats
 from lightning_sparse.optim.base import SparseOptimizer
 
@@ -52,8 +55,6 @@ class SparseDDPStrategy(DDPStrategy):
     """DDP for dense parameters; row-sharded SparseEmbedding tables updated by sparse optimizers."""
 
     strategy_name = "sparse_ddp"
-    # Read by SparseEmbedding to refuse running under strategies that would never step it.
-    manages_sparse_embeddings = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -352,4 +353,25 @@ def _make_scaler_skip(optimizer: Optimizer) -> None:
                 return
 
 
+def _refuse_foreign_strategy(table: SparseEmbedding) -> None:
+    """Refuse to run inside a Lightning strategy other than SparseDDPStrategy (once per table).
+
+    Under plain ``ddp`` or a single-device strategy nothing would ever step the table: training
+    would silently leave it untouched. The running strategy is found on the call stack, so that
+    plain PyTorch use pays nothing but this one look.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Strategy):
+            if not isinstance(owner, SparseDDPStrategy):
+                raise RuntimeError(
+                    f"{table.name} is used under Lightning's {type(owner).__name__}, which does not shard or step "
+                    f"SparseEmbeddings. HINT: pass strategy=\"sparse_ddp\" to the Trainer (import lightning_sparse first)."
+                )
+            return
+        frame = frame.f_back
+
+
 SparseDDPStrategy.register_strategies(StrategyRegistry)
+SparseEmbedding.first_lookup_checks.append(_refuse_foreign_strategy)

@@ -61,9 +61,7 @@ class SparseAdagrad(SparseOptimizer):
 
     def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> None:
         clr = group["lr"] / (1 + (int(state["step"]) - 1) * group["lr_decay"])
-        shard[rows], state["sum"][rows] = F.adagrad(
-            shard[rows], grad, state["sum"][rows], clr=clr, weight_decay=group["weight_decay"], eps=group["eps"]
-        )
+        F.adagrad_(shard, state["sum"], rows, grad, clr=clr, weight_decay=group["weight_decay"], eps=group["eps"])
 
 
 class SparseRowWiseAdagrad(SparseOptimizer):
@@ -102,6 +100,4 @@ class SparseRowWiseAdagrad(SparseOptimizer):
         }
 
     def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> None:
-        shard[rows], state["sum"][rows] = F.rowwise_adagrad(
-            shard[rows], grad, state["sum"][rows], lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"]
-        )
+        F.rowwise_adagrad_(shard, state["sum"], rows, grad, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"])

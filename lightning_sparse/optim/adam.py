@@ -24,8 +24,8 @@ class SparseAdam(SparseOptimizer):
     ``row -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``.
     ``weight_decay`` adds L2 to the gradient or, with ``decoupled_weight_decay=True``, scales the
     row by ``1 - lr * weight_decay`` (AdamW); either way only touched rows decay.
-    State per table: ``exp_avg``, ``exp_avg_sq`` (like the shard), ``row_step`` (int64 per row)
-    and ``step`` (int64 scalar).
+    State per table: ``exp_avg``, ``exp_avg_sq`` (like the shard) and ``step`` (int64 scalar);
+    with ``bias_correction="row"`` also ``row_step`` (int64 per row).
     """
 
     def __init__(
@@ -60,19 +60,20 @@ class SparseAdam(SparseOptimizer):
 
     def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
         shard = table.shard
-        return {
-            "step": torch.zeros((), dtype=torch.int64),
-            "row_step": torch.zeros(shard.shape[0], dtype=torch.int64, device=shard.device),
-            "exp_avg": torch.zeros_like(shard),
-            "exp_avg_sq": torch.zeros_like(shard),
-        }
+        state = {"step": torch.zeros((), dtype=torch.int64), "exp_avg": torch.zeros_like(shard), "exp_avg_sq": torch.zeros_like(shard)}
+        if group["bias_correction"] == "row":
+            state["row_step"] = torch.zeros(shard.shape[0], dtype=torch.int64, device=shard.device)
+        return state
 
     def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> None:
-        state["row_step"][rows] += 1
+        if group["bias_correction"] == "row":
+            step = state["row_step"].index_select(0, rows).add_(1)
+            state["row_step"].index_copy_(0, rows, step)
+        else:
+            step = int(state["step"])
         beta1, beta2 = group["betas"]
-        step = state["step"] if group["bias_correction"] == "global" else state["row_step"][rows]
-        shard[rows], state["exp_avg"][rows], state["exp_avg_sq"][rows] = F.adam(
-            shard[rows], grad, state["exp_avg"][rows], state["exp_avg_sq"][rows], step,
+        F.adam_(
+            shard, state["exp_avg"], state["exp_avg_sq"], rows, grad, step=step,
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-            decoupled_weight_decay=group["decoupled_weight_decay"], bias_correction=group["bias_correction"],
+            decoupled_weight_decay=group["decoupled_weight_decay"],
         )  # fmt: skip

@@ -3,12 +3,16 @@
 Subclasses declare their hyperparameters (validated in ``__init__``), the state of one table
 (``init_state``) and the arithmetic for the touched rows (``update``). ``step()`` here:
 
-1. takes each table's pending lookups that received a gradient and sums duplicates locally;
-2. sends the sums to the rows' owners, all tables of the optimizer in one round
-   (:func:`lightning_sparse.exchange.grads_to_owners`);
-3. on the owner, coalesces what arrived from all ranks and scales it:
-   ``duplicate_grads="sum"`` (default) divides the sum by the world size (DDP's scaling of dense
-   gradients), ``"mean"`` divides by the number of occurrences over all ranks (DGL's semantics);
+1. takes each table's pending gradients (:mod:`lightning_sparse.pending`): those of the table's
+   last lookup, already summed per distinct row in the order the lookup sent its ids, and any
+   others (several backward passes, a table looked up twice), which it coalesces by row;
+2. sends them to the rows' owners, all tables of the optimizer at once
+   (:func:`lightning_sparse.exchange.grads_to_owners`); the last lookup's rows go back along
+   its route, with no ids on the wire;
+3. on the owner, coalesces what arrived from several ranks (one sort and a segment sum) and
+   scales it: ``duplicate_grads="sum"`` (default) divides the sum by the world size (DDP's
+   scaling of dense gradients), ``"mean"`` divides by the number of occurrences over all ranks
+   (DGL's semantics);
 4. calls the subclass's ``update`` with only the touched rows and their state.
 """
 
@@ -21,21 +25,13 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.profiler import record_function
 
 from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.exchange import ExchangeStats, GradBatch, grads_to_owners
+from lightning_sparse.exchange import ExchangeStats, IncomingGrads, OutgoingGrads, SortedKeys, coalesce, grads_to_owners
+from lightning_sparse.pending import LookupRecord
 
 DUPLICATE_GRADS = ("sum", "mean")
-
-
-def coalesce(ids: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-    """Sum the rows of ``values`` that share an id; returns (sorted unique ids, sums)."""
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    if len(unique) == len(ids):  # already unique: reorder only
-        out = values.new_empty(values.shape)
-        out[inverse] = values
-        return unique, out
-    return unique, values.new_zeros(len(unique), values.shape[1]).index_add_(0, inverse, values)
 
 
 class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
@@ -110,50 +106,33 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
             with torch.enable_grad():
                 loss = closure()
         entries = [(group, p) for group in self.param_groups for p in group["params"]]
-        grads = self._exchange_and_coalesce(entries)
+        grads = self._grads_to_owners(entries)
         start = time.perf_counter()
-        for (group, p), (rows, grad, touched) in zip(entries, grads):
-            if not touched:
-                continue
-            state = self.state[p]
-            if "step" in state:
-                state["step"] += 1
-            if len(rows):
-                self.update(p, rows, grad, state, group)
+        with record_function("lightning_sparse.update"):
+            for (group, p), (rows, grad, touched) in zip(entries, grads):
+                if not touched:
+                    continue
+                state = self.state[p]
+                if "step" in state:
+                    state["step"] += 1
+                if len(rows):
+                    self.update(p, rows, grad, state, group)
         self.stats.update_seconds += time.perf_counter() - start
         return loss
 
-    def _exchange_and_coalesce(self, entries: list[tuple[dict[str, Any], Tensor]]) -> list[tuple[Tensor, Tensor, bool]]:
-        """Per table: (unique local rows this rank owns, their scaled gradient, touched anywhere)."""
-        batches = []
-        for group, p in entries:
-            table = self._tables[p]
-            pending = table.pop_pending()
-            if pending:
-                ids = torch.cat([lookup.ids for lookup in pending])
-                values = torch.cat([lookup.rows.grad for lookup in pending])
-                if group["duplicate_grads"] == "mean":
-                    counts = torch.cat([lookup.counts for lookup in pending]).to(values.dtype)
-                    values = torch.cat([values, counts.unsqueeze(1)], dim=1)
-                ids, values = coalesce(ids, values)
-            else:
-                width = table.embedding_dim + (group["duplicate_grads"] == "mean")
-                ids = torch.empty(0, dtype=torch.int64, device=p.device)
-                values = p.new_empty(0, width)
-            batches.append(GradBatch(ids, values, table.sharding.owner(ids), touched=bool(pending)))
+    def _grads_to_owners(self, entries: list[tuple[dict[str, Any], Tensor]]) -> list[tuple[Tensor, Tensor, bool]]:
+        """Per table: (distinct local rows this rank owns, their scaled gradient, touched on any rank)."""
+        if not entries:
+            return []
         tables = [self._tables[p] for _, p in entries]
-        received = grads_to_owners(batches, tables[0].process_group if tables else None, tables[0].world_size if tables else 1, self.stats)
-        out = []
-        for (group, p), table, batch in zip(entries, tables, received):
-            ids, values = batch.ids, batch.values
-            if table.world_size > 1:  # one id may have come from several ranks
-                ids, values = coalesce(ids, values)
-            if group["duplicate_grads"] == "mean":
-                grad = values[:, :-1] / values[:, -1:]
-            else:
-                grad = values / table.world_size
-            out.append((table.sharding.to_local(ids), grad, batch.touched))
-        return out
+        mean = any(group["duplicate_grads"] == "mean" for group, _ in entries)
+        outgoing = [_outgoing(table, group["duplicate_grads"] == "mean") for (group, _), table in zip(entries, tables)]
+        first = tables[0]
+        incoming = grads_to_owners(
+            outgoing, first.process_group, first.world_size, first.rank,
+            _wire_dtype([t.dtype for t in tables], mean), first.device, self.stats,
+        )  # fmt: skip
+        return [_owned(table, group["duplicate_grads"], grads) for (group, _), table, grads in zip(entries, tables, incoming)]
 
     def full_state_dict(self) -> dict[str, Any]:
         """``state_dict()`` with every per-row state tensor gathered into global row order.
@@ -203,3 +182,48 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
                         f"holds {p.shape[0]} (rank {table.rank} of {table.world_size}, {table.sharding_scheme}). "
                         f"HINT: load optimizer state saved with the same world size and sharding."
                     )
+
+
+def _outgoing(table: SparseEmbedding, mean: bool) -> OutgoingGrads:
+    """A table's pending gradients, taken and laid out for ``grads_to_owners``."""
+    route, routed, others = table.pending.take()
+    out = OutgoingGrads(route, _values(routed, mean) if routed is not None else None, table.embedding_dim + mean)
+    if others:
+        runs = SortedKeys(torch.cat([record.keys for record in others])).finish()
+        values = runs.segment_sum(torch.cat([_values(record, mean) for record in others]))
+        below = runs.counts_below(table.sharding.key_boundaries(table.device))
+        out.others = (table.sharding.local_of_key(runs.unique), values, below[1:] - below[:-1])
+    return out
+
+
+def _owned(table: SparseEmbedding, duplicate_grads: str, grads: IncomingGrads) -> tuple[Tensor, Tensor, bool]:
+    """The received gradient rows of a table, coalesced by row and scaled: (local rows, gradient, touched)."""
+    if not grads.rows:
+        return grads_empty_rows(table), table.shard.new_empty(0, table.embedding_dim), grads.touched
+    if grads.distinct:
+        rows, values = grads.rows[0], grads.values[0]
+    else:  # a row may have come from several ranks or lookups
+        rows, values = coalesce(torch.cat(grads.rows), torch.cat(grads.values))
+    values = values.to(table.dtype)
+    if duplicate_grads == "mean":
+        return rows, values[:, :-1] / values[:, -1:], grads.touched
+    return rows, values / table.world_size if table.world_size > 1 else values, grads.touched
+
+
+def _values(record: LookupRecord, mean: bool) -> Tensor:
+    """A record's gradient rows, with each row's occurrence count as a last column for ``"mean"``."""
+    if not mean:
+        return record.grad
+    return torch.cat([record.grad, record.counts().to(record.grad.dtype).unsqueeze(1)], dim=1)
+
+
+def _wire_dtype(dtypes: list[torch.dtype], mean: bool) -> torch.dtype:
+    """One dtype for all tables' gradients on the wire; at least float32 when occurrence counts ride along."""
+    wire = torch.float32 if mean else dtypes[0]
+    for dtype in dtypes:
+        wire = torch.promote_types(wire, dtype)
+    return wire
+
+
+def grads_empty_rows(table: SparseEmbedding) -> Tensor:
+    return torch.empty(0, dtype=torch.int64, device=table.device)

@@ -1,9 +1,11 @@
-"""Pure update kernels on the touched rows.
+"""Update kernels: gather the touched rows, update them in place, scatter them back.
 
-Each kernel takes the current values of the touched rows, their (coalesced, scaled) gradients
-and their optimizer state, and returns the new values; it never sees the rest of the table.
+Each kernel takes the table's shard and its state tensors, the touched rows (distinct local
+indices) and their coalesced, scaled gradient, and updates only those rows: ``index_select``
+gathers them into a compact buffer, in-place arithmetic updates it, ``index_copy_`` writes it
+back. The rest of the table is never read. ``grad`` is consumed (it may be modified in place).
 Hyperparameters are keyword-only. The arithmetic follows torch.optim where an equivalent exists
-(``torch.optim.SGD``, ``Adagrad`` and ``SparseAdam`` applied to sparse gradients).
+(``SGD``, ``Adagrad`` and ``SparseAdam`` applied to sparse gradients).
 """
 
 from __future__ import annotations
@@ -12,70 +14,85 @@ import torch
 from torch import Tensor
 
 
-def sgd(rows: Tensor, grad: Tensor, *, lr: float, weight_decay: float) -> Tensor:
-    """``rows - lr * (grad + weight_decay * rows)``."""
+def sgd_(param: Tensor, rows: Tensor, grad: Tensor, *, lr: float, weight_decay: float) -> None:
+    """``row -= lr * (grad + weight_decay * row)``."""
+    values = param.index_select(0, rows)
     if weight_decay:
-        grad = grad.add(rows, alpha=weight_decay)
-    return rows.add(grad, alpha=-lr)
+        grad.add_(values, alpha=weight_decay)
+    values.add_(grad, alpha=-lr)
+    param.index_copy_(0, rows, values)
 
 
-def adagrad(
-    rows: Tensor, grad: Tensor, state_sum: Tensor, *, clr: float, weight_decay: float, eps: float
-) -> tuple[Tensor, Tensor]:
-    """torch.optim.Adagrad: ``sum += g^2; rows -= clr * g / (sqrt(sum) + eps)``. Returns (rows, sum)."""
+def adagrad_(
+    param: Tensor, state_sum: Tensor, rows: Tensor, grad: Tensor, *, clr: float, weight_decay: float, eps: float
+) -> None:
+    """torch.optim.Adagrad: ``sum += g^2; row -= clr * g / (sqrt(sum) + eps)``."""
+    values = param.index_select(0, rows)
+    sums = state_sum.index_select(0, rows)
     if weight_decay:
-        grad = grad.add(rows, alpha=weight_decay)
-    state_sum = state_sum.addcmul(grad, grad)
-    return rows.addcdiv(grad, state_sum.sqrt().add_(eps), value=-clr), state_sum
+        grad.add_(values, alpha=weight_decay)
+    sums.addcmul_(grad, grad)
+    state_sum.index_copy_(0, rows, sums)
+    values.addcdiv_(grad, sums.sqrt_().add_(eps), value=-clr)
+    param.index_copy_(0, rows, values)
 
 
-def rowwise_adagrad(
-    rows: Tensor, grad: Tensor, state_sum: Tensor, *, lr: float, weight_decay: float, eps: float
-) -> tuple[Tensor, Tensor]:
-    """One accumulator per row: ``sum += mean_j(g_j^2); rows -= lr * g / (sqrt(sum) + eps)``.
+def rowwise_adagrad_(
+    param: Tensor, state_sum: Tensor, rows: Tensor, grad: Tensor, *, lr: float, weight_decay: float, eps: float
+) -> None:
+    """One accumulator per row: ``sum += mean_j(g_j^2); row -= lr * g / (sqrt(sum) + eps)``.
 
-    FBGEMM's EXACT_ROWWISE_ADAGRAD and PyTorch-BigGraph's RowAdagrad. ``state_sum`` is ``[n]``.
+    FBGEMM's EXACT_ROWWISE_ADAGRAD and PyTorch-BigGraph's RowAdagrad. ``state_sum`` is ``[rows]``.
     """
+    values = param.index_select(0, rows)
     if weight_decay:
-        grad = grad.add(rows, alpha=weight_decay)
-    state_sum = state_sum + grad.pow(2).mean(dim=1)
-    return rows.addcmul(grad, (state_sum.sqrt().add_(eps)).reciprocal().unsqueeze(1), value=-lr), state_sum
+        grad.add_(values, alpha=weight_decay)
+    sums = state_sum.index_select(0, rows)
+    sums.add_(torch.linalg.vector_norm(grad, dim=1).square_().div_(grad.shape[1]))
+    state_sum.index_copy_(0, rows, sums)
+    values.addcmul_(grad, sums.sqrt_().add_(eps).reciprocal_().unsqueeze(1), value=-lr)
+    param.index_copy_(0, rows, values)
 
 
-def adam(
-    rows: Tensor,
-    grad: Tensor,
+def adam_(
+    param: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
-    step: Tensor,
+    rows: Tensor,
+    grad: Tensor,
     *,
+    step: int | Tensor,
     lr: float,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
     decoupled_weight_decay: bool,
-    bias_correction: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Lazy Adam on the touched rows. Returns (rows, exp_avg, exp_avg_sq).
+) -> None:
+    """Lazy Adam on the touched rows.
 
-    ``step`` is a 0-d tensor (``bias_correction="global"``: torch.optim.SparseAdam's formula
-    ``rows -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``) or one count per row
-    (``"row"``: DGL's ``rows -= lr * m_hat / (sqrt(v_hat) + eps)`` with per-row ``t``).
+    ``step`` is an int (torch.optim.SparseAdam's global bias correction:
+    ``row -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``) or a tensor of per-row
+    counts (DGL's ``row -= lr * m_hat / (sqrt(v_hat) + eps)`` with each row's own ``t``).
     ``weight_decay`` is L2 added to the gradient, or with ``decoupled_weight_decay`` AdamW's
-    ``rows *= 1 - lr * weight_decay``.
+    ``row *= 1 - lr * weight_decay``.
     """
+    values = param.index_select(0, rows)
+    m = exp_avg.index_select(0, rows)
+    v = exp_avg_sq.index_select(0, rows)
     if weight_decay and decoupled_weight_decay:
-        rows = rows.mul(1 - lr * weight_decay)
+        values.mul_(1 - lr * weight_decay)
     elif weight_decay:
-        grad = grad.add(rows, alpha=weight_decay)
-    exp_avg = exp_avg + (grad - exp_avg).mul_(1 - beta1)
-    exp_avg_sq = exp_avg_sq + (grad * grad - exp_avg_sq).mul_(1 - beta2)
-    if bias_correction == "global":
-        t = float(step)
-        step_size = lr * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
-        return rows - step_size * (exp_avg / exp_avg_sq.sqrt().add_(eps)), exp_avg, exp_avg_sq
-    t = step.to(rows.dtype).unsqueeze(1)
-    m_hat = exp_avg / (1 - torch.pow(beta1, t))
-    v_hat = exp_avg_sq / (1 - torch.pow(beta2, t))
-    return rows - lr * m_hat / (v_hat.sqrt().add_(eps)), exp_avg, exp_avg_sq
+        grad.add_(values, alpha=weight_decay)
+    m.lerp_(grad, 1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    exp_avg.index_copy_(0, rows, m)
+    exp_avg_sq.index_copy_(0, rows, v)
+    if isinstance(step, Tensor):  # per row: bias corrections are [rows, 1] columns
+        t = step.to(values.dtype).unsqueeze(1)
+        denom = v.div_(1 - torch.pow(beta2, t)).sqrt_().add_(eps).mul_(1 - torch.pow(beta1, t))
+        values.addcdiv_(m, denom, value=-lr)
+    else:
+        step_size = lr * (1 - beta2**step) ** 0.5 / (1 - beta1**step)
+        values.addcdiv_(m, v.sqrt_().add_(eps), value=-step_size)
+    param.index_copy_(0, rows, values)

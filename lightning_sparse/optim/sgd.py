@@ -37,4 +37,4 @@ class SparseSGD(SparseOptimizer):
         return {"step": torch.zeros((), dtype=torch.int64)}
 
     def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> None:
-        shard[rows] = F.sgd(shard[rows], grad, lr=group["lr"], weight_decay=group["weight_decay"])
+        F.sgd_(shard, rows, grad, lr=group["lr"], weight_decay=group["weight_decay"])

@@ -1,0 +1,165 @@
+"""A lookup, step by step: check ids -> one sort -> ids to owners -> gather -> rows to requesters -> expand.
+
+1. **Check.** Ids are flattened to int64 on the table's device; their dtype verdict and their
+   ``[min, max]`` go into this rank's :class:`~lightning_sparse.exchange.LookupHeader`.
+2. **One sort.** Sorting the ids' owner-major keys deduplicates them and groups them by owner
+   (:class:`~lightning_sparse.exchange.SortedKeys`); counts per owner come from a binary search,
+   with no host read.
+3. **Ids to owners.** The headers go first; every rank checks every rank's header, so bad input
+   raises on every rank before any id moves. Then the distinct ids go to their owners as local
+   row indices (the one host read of the stage is the header).
+4. **Gather and send back.** Owners ``index_select`` the requested rows and send them back in
+   the order they were asked for, so they arrive as the requester's distinct rows in key order.
+5. **Expand.** The output is ``rows.index_select(0, inverse)``; with one rank it is gathered
+   straight from the shard. Its backward adds up the gradient per distinct row with one segment
+   sum and keeps it for the optimizer (:mod:`lightning_sparse.pending`); it communicates nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.exchange import (
+    BAD_DTYPE,
+    OK,
+    LookupHeader,
+    SortedKeys,
+    exchange_headers,
+    ids_to_owners,
+    rows_to_requesters,
+)
+from lightning_sparse.pending import LookupRecord
+
+if TYPE_CHECKING:
+    from lightning_sparse.embedding import SparseEmbedding
+
+ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+# Dtypes are named across ranks by their position here (a header carries integers only).
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128, torch.bool,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+)  # fmt: skip
+
+
+class _Lookup(torch.autograd.Function):
+    """The autograd node of a lookup: forward gathers rows, backward hands their gradient to the record."""
+
+    @staticmethod
+    def forward(ctx: Any, token: Tensor, source: Tensor, index: Tensor, record: LookupRecord) -> Tensor:
+        ctx.record = record
+        return source.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[None, None, None, None]:
+        ctx.record.add_grad(grad_output)
+        return None, None, None, None
+
+
+def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
+    """Rows of ``table`` for ``ids`` -> ``[*ids.shape, embedding_dim]``. Collective (see ``SparseEmbedding.forward``)."""
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"{table.name} expects a tensor of ids, got {type(ids).__name__}. HINT: wrap it in torch.tensor(...).")
+    shard, sharding, device = table.shard, table.sharding, table.device
+    group, world_size, rank, stats = table.process_group, table.world_size, table.rank, table.stats
+    recording = torch.is_grad_enabled()
+    header = LookupHeader(table=table.table_index, record=int(recording))
+    if ids.dtype in ID_DTYPES:
+        flat = ids.reshape(-1).to(device=device, dtype=torch.int64)
+    else:
+        flat = torch.empty(0, dtype=torch.int64, device=device)
+        header = LookupHeader(error=BAD_DTYPE, detail=_DTYPES.index(ids.dtype) if ids.dtype in _DTYPES else -1,
+                              table=table.table_index, record=int(recording))  # fmt: skip
+    id_range = torch.stack(torch.aminmax(flat)) if flat.numel() else None
+    stats.ids_looked_up += flat.numel()
+
+    if world_size == 1 and not recording:  # nothing to deduplicate for: check, then one gather
+        _, headers = exchange_headers(flat.new_full((1,), flat.numel()), header, group, 1, id_range)
+        check_headers(table, headers, ids.dtype)
+        stats.unique_ids += flat.numel()
+        return shard.index_select(0, flat).view(*ids.shape, table.embedding_dim)
+
+    runs = SortedKeys(sharding.key(flat))
+    boundaries = runs.counts_below(sharding.key_boundaries(device))
+    counts = boundaries[1:] - boundaries[:-1]
+    send_splits, headers = exchange_headers(counts, header, group, world_size, id_range, stats)
+    check_headers(table, headers, ids.dtype)
+    runs.finish(sum(send_splits))
+    stats.unique_ids += len(runs.unique)
+    route = ids_to_owners(sharding.local_of_key(runs.unique), send_splits, headers, group, world_size, rank, stats)
+    if world_size == 1:
+        source, index = shard, flat
+    else:
+        with torch.no_grad():
+            rows = shard.index_select(0, route.received)
+        source, index = rows_to_requesters(rows, route, group, world_size, rank, stats), runs.inverse()
+    if route.records:
+        table.pending.route = route
+    if not recording:
+        return source.index_select(0, index).view(*ids.shape, table.embedding_dim)
+    record = table.pending.new_record(route, runs.unique, runs.perm, runs.offsets)
+    token = torch.empty(0, device=device, requires_grad=True)
+    return _Lookup.apply(token, source, index, record).view(*ids.shape, table.embedding_dim)
+
+
+def serve_lookups(tables: list["SparseEmbedding"]) -> int:
+    """Answer the other ranks' lookups until every rank of the group has called this.
+
+    A Join for lookups: a rank that has run out of batches (uneven validation, test or predict
+    loaders) calls this and keeps serving the rows it owns to ranks that still have batches,
+    taking part in each of their lookup rounds with no ids of its own. Returns, with the number
+    of rounds served, once every rank is serving. ``tables[i]`` must have ``table_index == i``
+    on every rank (the strategy sets it).
+
+    Collective: every rank of the group must call it once it has no lookups left to make.
+    """
+    if not tables or tables[0].world_size == 1:
+        return 0
+    first, rounds = tables[0], 0
+    group, world_size, rank = first.process_group, first.world_size, first.rank
+    while True:
+        nothing = torch.zeros(world_size, dtype=torch.int64, device=first.device)
+        send_splits, headers = exchange_headers(nothing, LookupHeader(active=0), group, world_size, None, first.stats)
+        active = [h.table for h in headers if h.active]
+        if not active:
+            return rounds
+        table = tables[active[0]]
+        check_headers(table, headers, None)
+        route = ids_to_owners(nothing[:0], send_splits, headers, group, world_size, rank, table.stats)
+        with torch.no_grad():
+            rows = table.shard.index_select(0, route.received)
+        rows_to_requesters(rows, route, group, world_size, rank, table.stats)
+        if route.records:
+            table.pending.route = route
+        rounds += 1
+
+
+def check_headers(table: "SparseEmbedding", headers: list[LookupHeader], own_dtype: torch.dtype | None) -> None:
+    """Raise, on every rank alike, if any rank's header shows bad input or a different table."""
+    tables = sorted({h.table for h in headers if h.active})
+    if len(tables) > 1:
+        raise RuntimeError(
+            f"Ranks looked up different tables in the same round (table indices {tables}, "
+            f"this rank: {table.name}). HINT: every rank must call its SparseEmbeddings in the same order, "
+            f"every step, also with empty ids."
+        )
+    for rank, h in enumerate(headers):
+        where = "this rank" if rank == table.rank else f"rank {rank}"
+        if h.error == BAD_DTYPE:
+            dtype = own_dtype if rank == table.rank and own_dtype is not None else _DTYPES[h.detail] if h.detail >= 0 else "?"
+            raise TypeError(
+                f"{table.name} got ids of dtype {dtype} on {where}; ids must be integers (int64 or int32). "
+                f"HINT: convert them with ids.long()."
+            )
+        if h.error != OK:
+            raise RuntimeError(f"{table.name}: rank {rank} reported error code {h.error}.")
+    for rank, h in enumerate(headers):
+        if h.id_min < 0 or h.id_max >= table.num_embeddings:
+            where = "this rank" if rank == table.rank else f"rank {rank}"
+            value = h.id_min if h.id_min < 0 else h.id_max
+            raise IndexError(
+                f"{table.name} got id {value} on {where}; valid ids are 0..{table.num_embeddings - 1} "
+                f"(num_embeddings={table.num_embeddings}). HINT: remap ids into range or enlarge the table."
+            )

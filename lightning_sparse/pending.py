@@ -1,0 +1,87 @@
+"""Pending row gradients: what a table's lookups received in backward, until a sparse optimizer takes them.
+
+Each differentiable lookup makes a :class:`LookupRecord`, owned by the autograd graph (the
+lookup's backward node holds it). Its backward adds up the output's gradient per distinct row
+(a segment sum, ``F.embedding_bag``) and hands the record to the table's :class:`PendingGrads`.
+So a lookup whose graph is freed without a backward (evaluation without ``torch.no_grad()``)
+leaves nothing behind, and memory stays bounded by what has actually received a gradient.
+
+The table also keeps the :class:`~lightning_sparse.exchange.Route` of its last recorded lookup,
+so that the optimizer can send that lookup's gradients back the way its ids came.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_sparse.exchange import Route
+
+
+class LookupRecord:
+    """One differentiable lookup: what its backward needs, then the gradient of each distinct row it read.
+
+    ``keys`` are the distinct rows' owner-major keys, ascending: the order in which the lookup
+    sent its ids (``route``). ``grad`` is ``[len(keys), dim]`` in the same order.
+    """
+
+    __slots__ = ("route", "keys", "perm", "offsets", "grad", "_pending", "_listed")
+
+    def __init__(self, pending: "PendingGrads", route: Route, keys: Tensor, perm: Tensor, offsets: Tensor) -> None:
+        self.route, self.keys, self.perm, self.offsets = route, keys, perm, offsets
+        self.grad: Tensor | None = None
+        self._pending = pending
+        self._listed = False  # in ``pending.received``: its gradient has not been taken or zeroed
+
+    def add_grad(self, grad_output: Tensor) -> None:
+        """Called by the lookup's backward: sum the output's gradient rows per distinct row."""
+        rows = F.embedding_bag(self.perm, grad_output.contiguous(), self.offsets, mode="sum")  # [ids, dim] -> [rows, dim]
+        if self._listed:
+            self.grad.add_(rows)
+        else:  # the first backward, or one after a step or zero_grad took the previous gradient
+            self.grad, self._listed = rows, True
+            self._pending.received.append(self)
+
+    def counts(self) -> Tensor:
+        """How often the lookup read each distinct row."""
+        ends = self.offsets.new_empty(len(self.offsets))
+        ends[:-1] = self.offsets[1:]
+        ends[-1:] = len(self.perm)
+        return ends - self.offsets
+
+
+class PendingGrads:
+    """A table's lookups that received a gradient since the last step, and its last recorded route."""
+
+    def __init__(self) -> None:
+        self.received: list[LookupRecord] = []
+        self.route: Route | None = None
+
+    def new_record(self, route: Route, keys: Tensor, perm: Tensor, offsets: Tensor) -> LookupRecord:
+        return LookupRecord(self, route, keys, perm, offsets)
+
+    def grads(self) -> list[Tensor]:
+        """The row gradients received so far (for unscaling, clipping, inspection)."""
+        return [record.grad for record in self.received]
+
+    def zero_grad(self) -> None:
+        """Drop the gradients received so far. Lookups still awaiting their backward are unaffected."""
+        for record in self.received:
+            record.grad, record._listed = None, False
+        self.received = []
+
+    def take(self) -> tuple[Route | None, LookupRecord | None, list[LookupRecord]]:
+        """Hand over everything: (last route, this rank's record of it, the other records with gradients).
+
+        Forgets the received gradients and the route. Every rank of the table's group must take
+        at the same point (an optimizer step), so that all agree on which route is in use.
+        """
+        route, routed, others = self.route, None, []
+        for record in self.received:
+            record._listed = False
+            if routed is None and record.route is route:
+                routed = record
+            else:
+                others.append(record)
+        self.received, self.route = [], None
+        return route, routed, others

@@ -80,6 +80,8 @@ def _collective(name: str, call: Callable[..., object], *args: object, **kwargs:
 
 
 # ---------------------------------------------------------------------------- one sort: dedup and group
+_INT32_LIMIT = 2**31 - 1
+
 class SortedKeys:
     """One stable sort of keys, and the runs of equal keys it forms.
 
@@ -96,7 +98,10 @@ class SortedKeys:
     [2.0, 4.0, 4.0]
     """
 
-    def __init__(self, keys: Tensor) -> None:
+    def __init__(self, keys: Tensor, bound: int | None = None) -> None:
+        """``bound``: all keys are below it. Below 2**31 the sort runs on int32 keys, a third faster."""
+        if bound is not None and bound <= _INT32_LIMIT and keys.dtype == torch.int64:
+            keys = keys.to(torch.int32)
         self.sorted, self.perm = torch.sort(keys, stable=True)
         is_first = torch.ones_like(self.sorted, dtype=torch.bool)
         if len(keys) > 1:
@@ -107,7 +112,7 @@ class SortedKeys:
 
     def counts_below(self, boundaries: Tensor) -> Tensor:
         """How many distinct keys are smaller than each boundary (no host read)."""
-        positions = torch.searchsorted(self.sorted, boundaries)
+        positions = torch.searchsorted(self.sorted, boundaries.to(self.sorted.dtype))
         return torch.cat([self._run.new_zeros(1), self._run]).index_select(0, positions)
 
     def finish(self, num_unique: int | None = None) -> "SortedKeys":
@@ -116,7 +121,7 @@ class SortedKeys:
             self.offsets = torch.nonzero_static(self._is_first, size=num_unique).view(-1)
         else:
             self.offsets = torch.nonzero(self._is_first).view(-1)
-        self.unique = self.sorted.index_select(0, self.offsets)
+        self.unique = self.sorted.index_select(0, self.offsets).to(torch.int64)
         return self
 
     def inverse(self) -> Tensor:
@@ -133,9 +138,9 @@ class SortedKeys:
         return F.embedding_bag(self.perm, values.contiguous(), self.offsets, mode="sum")
 
 
-def coalesce(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+def coalesce(keys: Tensor, values: Tensor, bound: int | None = None) -> tuple[Tensor, Tensor]:
     """Sum the rows of ``values`` that share a key; returns (ascending distinct keys, their sums)."""
-    runs = SortedKeys(keys).finish()
+    runs = SortedKeys(keys, bound).finish()
     return runs.unique, runs.segment_sum(values)
 
 

@@ -10,9 +10,12 @@
    row indices (the one host read of the stage is the header).
 4. **Gather and send back.** Owners ``index_select`` the requested rows and send them back in
    the order they were asked for, so they arrive as the requester's distinct rows in key order.
-5. **Expand.** The output is ``rows.index_select(0, inverse)``; with one rank it is gathered
-   straight from the shard. Its backward adds up the gradient per distinct row with one segment
-   sum and keeps it for the optimizer (:mod:`lightning_sparse.pending`); it communicates nothing.
+5. **Expand.** The output is ``rows.index_select(0, inverse)``. Its backward adds up the
+   gradient per distinct row with one segment sum and keeps it for the optimizer
+   (:mod:`lightning_sparse.pending`); it communicates nothing.
+
+With one rank there is nothing to exchange: a lookup checks the ids and gathers straight from
+the shard, as ``nn.Embedding`` does; its backward sorts the ids for the segment sum.
 """
 
 from __future__ import annotations
@@ -75,13 +78,13 @@ def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
     id_range = torch.stack(torch.aminmax(flat)) if flat.numel() else None
     stats.ids_looked_up += flat.numel()
 
-    if world_size == 1 and not recording:  # nothing to deduplicate for: check, then one gather
+    if world_size == 1:  # nothing to exchange: check, then one gather
         _, headers = exchange_headers(flat.new_full((1,), flat.numel()), header, group, 1, id_range)
         check_headers(table, headers, ids.dtype)
-        stats.unique_ids += flat.numel()
-        return shard.index_select(0, flat).view(*ids.shape, table.embedding_dim)
+        record = table.pending.new_record(None, flat, bound=table.num_embeddings) if recording else None
+        return _rows(table, shard, flat, ids.shape, record)
 
-    runs = SortedKeys(sharding.key(flat))
+    runs = SortedKeys(sharding.key(flat), sharding.key_bound)
     boundaries = runs.counts_below(sharding.key_boundaries(device))
     counts = boundaries[1:] - boundaries[:-1]
     send_splits, headers = exchange_headers(counts, header, group, world_size, id_range, stats)
@@ -89,19 +92,21 @@ def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
     runs.finish(sum(send_splits))
     stats.unique_ids += len(runs.unique)
     route = ids_to_owners(sharding.local_of_key(runs.unique), send_splits, headers, group, world_size, rank, stats)
-    if world_size == 1:
-        source, index = shard, flat
-    else:
-        with torch.no_grad():
-            rows = shard.index_select(0, route.received)
-        source, index = rows_to_requesters(rows, route, group, world_size, rank, stats), runs.inverse()
+    with torch.no_grad():
+        rows = shard.index_select(0, route.received)
+    rows = rows_to_requesters(rows, route, group, world_size, rank, stats)
     if route.records:
         table.pending.route = route
-    if not recording:
-        return source.index_select(0, index).view(*ids.shape, table.embedding_dim)
-    record = table.pending.new_record(route, runs.unique, runs.perm, runs.offsets)
-    token = torch.empty(0, device=device, requires_grad=True)
-    return _Lookup.apply(token, source, index, record).view(*ids.shape, table.embedding_dim)
+    record = table.pending.new_record(route, runs.unique, runs.perm, runs.offsets) if recording else None
+    return _rows(table, rows, runs.inverse(), ids.shape, record)
+
+
+def _rows(table: "SparseEmbedding", source: Tensor, index: Tensor, shape: torch.Size, record: LookupRecord | None) -> Tensor:
+    """``source.index_select(0, index)`` shaped like the ids; differentiable through ``record`` if given."""
+    if record is None:
+        return source.index_select(0, index).view(*shape, table.embedding_dim)
+    token = torch.empty(0, device=source.device, requires_grad=True)
+    return _Lookup.apply(token, source, index, record).view(*shape, table.embedding_dim)
 
 
 def serve_lookups(tables: list["SparseEmbedding"]) -> int:

@@ -1,10 +1,12 @@
 """Pending row gradients: what a table's lookups received in backward, until a sparse optimizer takes them.
 
 Each differentiable lookup makes a :class:`LookupRecord`, owned by the autograd graph (the
-lookup's backward node holds it). Its backward adds up the output's gradient per distinct row
-(a segment sum, ``F.embedding_bag``) and hands the record to the table's :class:`PendingGrads`.
-So a lookup whose graph is freed without a backward (evaluation without ``torch.no_grad()``)
-leaves nothing behind, and memory stays bounded by what has actually received a gradient.
+lookup's backward node holds it). Its backward sums the output's gradient per distinct row (a
+segment sum, ``F.embedding_bag``) and hands the record to the table's :class:`PendingGrads`.
+With one rank, the forward never deduplicated (nothing is exchanged), so the backward sorts
+the ids first. A lookup whose graph is freed without a backward (evaluation without
+``torch.no_grad()``) leaves nothing behind, so memory stays bounded by what has actually
+received a gradient.
 
 The table also keeps the :class:`~lightning_sparse.exchange.Route` of its last recorded lookup,
 so that the optimizer can send that lookup's gradients back the way its ids came.
@@ -15,26 +17,39 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_sparse.exchange import Route
+from lightning_sparse.exchange import Route, SortedKeys
 
 
 class LookupRecord:
     """One differentiable lookup: what its backward needs, then the gradient of each distinct row it read.
 
     ``keys`` are the distinct rows' owner-major keys, ascending: the order in which the lookup
-    sent its ids (``route``). ``grad`` is ``[len(keys), dim]`` in the same order.
+    sent its ids along ``route``; ``grad`` is ``[len(keys), dim]`` in that order. A lookup that
+    did not deduplicate (one rank) is made with its ids as ``keys`` and no ``perm``/``offsets``;
+    its first backward sorts them.
     """
 
-    __slots__ = ("route", "keys", "perm", "offsets", "grad", "_pending", "_listed")
+    __slots__ = ("route", "keys", "perm", "offsets", "bound", "grad", "_pending", "_listed")
 
-    def __init__(self, pending: "PendingGrads", route: Route, keys: Tensor, perm: Tensor, offsets: Tensor) -> None:
-        self.route, self.keys, self.perm, self.offsets = route, keys, perm, offsets
+    def __init__(
+        self,
+        pending: "PendingGrads",
+        route: Route | None,
+        keys: Tensor,
+        perm: Tensor | None,
+        offsets: Tensor | None,
+        bound: int | None = None,
+    ) -> None:
+        self.route, self.keys, self.perm, self.offsets, self.bound = route, keys, perm, offsets, bound
         self.grad: Tensor | None = None
         self._pending = pending
         self._listed = False  # in ``pending.received``: its gradient has not been taken or zeroed
 
     def add_grad(self, grad_output: Tensor) -> None:
-        """Called by the lookup's backward: sum the output's gradient rows per distinct row."""
+        """Called by the lookup's backward with the gradient of its ``[ids, dim]`` output."""
+        if self.perm is None:
+            runs = SortedKeys(self.keys, self.bound).finish()
+            self.keys, self.perm, self.offsets = runs.unique, runs.perm, runs.offsets
         rows = F.embedding_bag(self.perm, grad_output.contiguous(), self.offsets, mode="sum")  # [ids, dim] -> [rows, dim]
         if self._listed:
             self.grad.add_(rows)
@@ -57,8 +72,16 @@ class PendingGrads:
         self.received: list[LookupRecord] = []
         self.route: Route | None = None
 
-    def new_record(self, route: Route, keys: Tensor, perm: Tensor, offsets: Tensor) -> LookupRecord:
-        return LookupRecord(self, route, keys, perm, offsets)
+    def new_record(
+        self,
+        route: Route | None,
+        keys: Tensor,
+        perm: Tensor | None = None,
+        offsets: Tensor | None = None,
+        bound: int | None = None,
+    ) -> LookupRecord:
+        """A record of one lookup; without ``perm``/``offsets`` its backward sorts ``keys`` (all below ``bound``)."""
+        return LookupRecord(self, route, keys, perm, offsets, bound)
 
     def grads(self) -> list[Tensor]:
         """The row gradients received so far (for unscaling, clipping, inspection)."""
@@ -79,7 +102,7 @@ class PendingGrads:
         route, routed, others = self.route, None, []
         for record in self.received:
             record._listed = False
-            if routed is None and record.route is route:
+            if routed is None and route is not None and record.route is route:
                 routed = record
             else:
                 others.append(record)

@@ -90,6 +90,11 @@ class RowSharding:
             return keys
         return self.local_of_key(keys) * self.world_size + self.owner_of_key(keys)
 
+    @property
+    def key_bound(self) -> int:
+        """Every key is below this."""
+        return self.world_size * self.block_size
+
     def key_boundaries(self, device: torch.device | str | None = None) -> Tensor:
         """``[W + 1]`` keys: rank ``r`` owns the keys in ``[boundaries[r], boundaries[r + 1])``."""
         return torch.arange(self.world_size + 1, device=device) * self.block_size

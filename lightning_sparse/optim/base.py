@@ -185,14 +185,21 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
 
 
 def _outgoing(table: SparseEmbedding, mean: bool) -> OutgoingGrads:
-    """A table's pending gradients, taken and laid out for ``grads_to_owners``."""
+    """A table's pending gradients, taken and laid out for ``grads_to_owners``.
+
+    The last lookup's gradient rows go as they are (routed); the others are coalesced by row
+    first, with one sort, which also groups them by owner.
+    """
     route, routed, others = table.pending.take()
     out = OutgoingGrads(route, _values(routed, mean) if routed is not None else None, table.embedding_dim + mean)
     if others:
-        runs = SortedKeys(torch.cat([record.keys for record in others])).finish()
-        values = runs.segment_sum(torch.cat([_values(record, mean) for record in others]))
-        below = runs.counts_below(table.sharding.key_boundaries(table.device))
-        out.others = (table.sharding.local_of_key(runs.unique), values, below[1:] - below[:-1])
+        if len(others) == 1:  # already distinct and ascending
+            keys, values = others[0].keys, _values(others[0], mean)
+        else:
+            runs = SortedKeys(torch.cat([record.keys for record in others]), table.sharding.key_bound).finish()
+            keys, values = runs.unique, runs.segment_sum(torch.cat([_values(record, mean) for record in others]))
+        below = torch.searchsorted(keys, table.sharding.key_boundaries(table.device))
+        out.others = (table.sharding.local_of_key(keys), values, below[1:] - below[:-1])
     return out
 
 

@@ -1,11 +1,13 @@
-"""Update kernels: gather the touched rows, update them in place, scatter them back.
+"""Update kernels: only the touched rows of a table and of its state are read and written.
 
 Each kernel takes the table's shard and its state tensors, the touched rows (distinct local
-indices) and their coalesced, scaled gradient, and updates only those rows: ``index_select``
-gathers them into a compact buffer, in-place arithmetic updates it, ``index_copy_`` writes it
-back. The rest of the table is never read. ``grad`` is consumed (it may be modified in place).
-Hyperparameters are keyword-only. The arithmetic follows torch.optim where an equivalent exists
-(``SGD``, ``Adagrad`` and ``SparseAdam`` applied to sparse gradients).
+indices) and their coalesced, scaled gradient (which it may overwrite). It computes each row's
+change and applies it in one pass over the table: ``shard.index_add_(0, rows, delta)``, a
+read-modify-write of just those rows. Only weight decay needs the rows' current values: then
+they are gathered (``index_select``), updated in place and written back (``index_copy_``).
+State rows are gathered, updated in place and written back. Hyperparameters are keyword-only.
+The arithmetic follows torch.optim where an equivalent exists (``SGD``, ``Adagrad`` and
+``SparseAdam`` applied to sparse gradients).
 """
 
 from __future__ import annotations
@@ -14,27 +16,32 @@ import torch
 from torch import Tensor
 
 
+def _apply(param: Tensor, rows: Tensor, delta: Tensor, values: Tensor | None = None) -> None:
+    """``param[rows] += delta``: one read-modify-write pass, or a write if ``values`` (the rows' current values) were gathered."""
+    if values is None:
+        param.index_add_(0, rows, delta)
+    else:
+        param.index_copy_(0, rows, values.add_(delta))
+
+
 def sgd_(param: Tensor, rows: Tensor, grad: Tensor, *, lr: float, weight_decay: float) -> None:
     """``row -= lr * (grad + weight_decay * row)``."""
-    values = param.index_select(0, rows)
-    if weight_decay:
+    values = param.index_select(0, rows) if weight_decay else None
+    if values is not None:
         grad.add_(values, alpha=weight_decay)
-    values.add_(grad, alpha=-lr)
-    param.index_copy_(0, rows, values)
+    _apply(param, rows, grad.mul_(-lr), values)
 
 
 def adagrad_(
     param: Tensor, state_sum: Tensor, rows: Tensor, grad: Tensor, *, clr: float, weight_decay: float, eps: float
 ) -> None:
     """torch.optim.Adagrad: ``sum += g^2; row -= clr * g / (sqrt(sum) + eps)``."""
-    values = param.index_select(0, rows)
-    sums = state_sum.index_select(0, rows)
-    if weight_decay:
+    values = param.index_select(0, rows) if weight_decay else None
+    if values is not None:
         grad.add_(values, alpha=weight_decay)
-    sums.addcmul_(grad, grad)
+    sums = state_sum.index_select(0, rows).addcmul_(grad, grad)
     state_sum.index_copy_(0, rows, sums)
-    values.addcdiv_(grad, sums.sqrt_().add_(eps), value=-clr)
-    param.index_copy_(0, rows, values)
+    _apply(param, rows, grad.div_(sums.sqrt_().add_(eps)).mul_(-clr), values)
 
 
 def rowwise_adagrad_(
@@ -44,14 +51,14 @@ def rowwise_adagrad_(
 
     FBGEMM's EXACT_ROWWISE_ADAGRAD and PyTorch-BigGraph's RowAdagrad. ``state_sum`` is ``[rows]``.
     """
-    values = param.index_select(0, rows)
-    if weight_decay:
+    values = param.index_select(0, rows) if weight_decay else None
+    if values is not None:
         grad.add_(values, alpha=weight_decay)
     sums = state_sum.index_select(0, rows)
     sums.add_(torch.linalg.vector_norm(grad, dim=1).square_().div_(grad.shape[1]))
     state_sum.index_copy_(0, rows, sums)
-    values.addcmul_(grad, sums.sqrt_().add_(eps).reciprocal_().unsqueeze(1), value=-lr)
-    param.index_copy_(0, rows, values)
+    scale = sums.sqrt_().add_(eps).reciprocal_().mul_(-lr)
+    _apply(param, rows, grad.mul_(scale.unsqueeze(1)), values)
 
 
 def adam_(
@@ -77,22 +84,20 @@ def adam_(
     ``weight_decay`` is L2 added to the gradient, or with ``decoupled_weight_decay`` AdamW's
     ``row *= 1 - lr * weight_decay``.
     """
-    values = param.index_select(0, rows)
-    m = exp_avg.index_select(0, rows)
-    v = exp_avg_sq.index_select(0, rows)
-    if weight_decay and decoupled_weight_decay:
+    values = param.index_select(0, rows) if weight_decay else None
+    if values is not None and decoupled_weight_decay:
         values.mul_(1 - lr * weight_decay)
-    elif weight_decay:
+    elif values is not None:
         grad.add_(values, alpha=weight_decay)
-    m.lerp_(grad, 1 - beta1)
-    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    m = exp_avg.index_select(0, rows).lerp_(grad, 1 - beta1)
+    v = exp_avg_sq.index_select(0, rows).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     exp_avg.index_copy_(0, rows, m)
     exp_avg_sq.index_copy_(0, rows, v)
     if isinstance(step, Tensor):  # per row: bias corrections are [rows, 1] columns
-        t = step.to(values.dtype).unsqueeze(1)
+        t = step.to(v.dtype).unsqueeze(1)
         denom = v.div_(1 - torch.pow(beta2, t)).sqrt_().add_(eps).mul_(1 - torch.pow(beta1, t))
-        values.addcdiv_(m, denom, value=-lr)
+        delta = m.div_(denom).mul_(-lr)
     else:
         step_size = lr * (1 - beta2**step) ** 0.5 / (1 - beta1**step)
-        values.addcdiv_(m, v.sqrt_().add_(eps), value=-step_size)
-    param.index_copy_(0, rows, values)
+        delta = m.div_(v.sqrt_().add_(eps)).mul_(-step_size)
+    _apply(param, rows, delta, values)

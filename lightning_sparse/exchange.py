@@ -144,6 +144,13 @@ def coalesce(keys: Tensor, values: Tensor, bound: int | None = None) -> tuple[Te
     return runs.unique, runs.segment_sum(values)
 
 
+def host_tensor(values: Sequence[int | float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small tensor of Python values on ``device``; to a GPU through pinned memory, without blocking."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def split_starts(splits: Sequence[int]) -> list[int]:
     """``[0, s0, s0 + s1, ...]``: where each split starts (and, last, the total)."""
     return [0, *accumulate(splits)]
@@ -228,7 +235,7 @@ class LookupHeader:
 
         ``id_range`` (a device tensor ``[min, max]``) replaces ``id_min``/``id_max`` without a host read.
         """
-        fields = torch.tensor(astuple(self)[1:], dtype=torch.int64, device=counts.device)
+        fields = host_tensor(astuple(self)[1:], torch.int64, counts.device)
         if id_range is not None:
             fields[2:4] = id_range
         return torch.cat([counts.view(-1, 1), fields.view(1, -1).expand(len(counts), -1)], dim=1)
@@ -415,7 +422,7 @@ def _keep_local(table: OutgoingGrads) -> IncomingGrads:
 
 def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) -> tuple[list[IncomingGrads], list[list[int]]]:
     codes = [_HAS_ROUTED * (t.routed is not None) + _HAS_OTHERS * (t.others is not None) for t in tables]
-    code_values = torch.tensor(codes, dtype=wire_dtype, device=device)
+    code_values = host_tensor(codes, wire_dtype, device)
     send_starts = [split_starts(t.route.send_splits) if t.route else None for t in tables]
     pieces, send_sizes, recv_sizes = [], [], []
     for dest in range(world_size):

@@ -29,7 +29,7 @@ class LookupRecord:
     its first backward sorts them.
     """
 
-    __slots__ = ("route", "keys", "perm", "offsets", "bound", "grad", "_pending", "_listed")
+    __slots__ = ("route", "keys", "perm", "offsets", "bound", "grad", "_pending", "_listed", "__weakref__")
 
     def __init__(
         self,

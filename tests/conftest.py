@@ -13,15 +13,16 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def rank_pools():
-    """Pools of spawned gloo ranks, one per world size, started on first use and kept for the session."""
-    pools: dict[int, RankPool] = {}
+    """Pools of spawned ranks, one per (world size, device), started on first use and kept for the session."""
+    pools: dict[tuple[int, str], RankPool] = {}
 
-    def get(world_size: int) -> RankPool:
-        if world_size in pools and pools[world_size].broken:
-            pools.pop(world_size).close()
-        if world_size not in pools:
-            pools[world_size] = RankPool(world_size)
-        return pools[world_size]
+    def get(world_size: int, device: str = "cpu") -> RankPool:
+        key = (world_size, device)
+        if key in pools and pools[key].broken:
+            pools.pop(key).close()
+        if key not in pools:
+            pools[key] = RankPool(world_size, device)
+        return pools[key]
 
     yield get
     for pool in pools.values():

@@ -1,8 +1,11 @@
-"""A pool of spawned gloo ranks that run the same function on request, for multi-process tests.
+"""A pool of spawned ranks that run the same function on request, for multi-process tests.
 
 Spawning W processes costs seconds; a test that checks dozens of hypothesis examples instead
 sends each example to a pool that stays up for the whole session. Every rank of the pool runs
 the function (so it may call collectives) and sends back its result or its error.
+
+CPU pools use gloo. CUDA pools give rank ``r`` GPU ``r % device_count`` and use NCCL when
+every rank has a GPU of its own, else gloo (which moves CUDA tensors through the host).
 """
 
 from __future__ import annotations
@@ -17,9 +20,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Tests that can run on a GPU are parametrized with these: CPU (gloo) always, CUDA when present.
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
 
 # Collectives give up after this long, so a test never hangs on a lost peer.
 COLLECTIVE_TIMEOUT_S = 30
@@ -46,11 +56,19 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank: int, world_size: int, port: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
+def backend_for(device: str, world_size: int) -> str:
+    if device == "cuda" and world_size <= torch.cuda.device_count():
+        return "nccl"
+    return "gloo"
+
+
+def _worker(rank: int, world_size: int, port: int, device: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo",
+        backend_for(device, world_size),
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
@@ -74,16 +92,16 @@ def free_port() -> int:
 
 
 class RankPool:
-    """``world_size`` spawned ranks in one gloo group; ``run(fn, *args)`` runs ``fn`` on every rank."""
+    """``world_size`` spawned ranks in one group; ``run(fn, *args)`` runs ``fn`` on every rank."""
 
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
+    def __init__(self, world_size: int, device: str = "cpu") -> None:
+        self.world_size, self.device = world_size, device
         ctx = mp.get_context("spawn")
         port = free_port()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         self._outbox = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(rank, world_size, port, self._inboxes[rank], self._outbox), daemon=True)
+            ctx.Process(target=_worker, args=(rank, world_size, port, device, self._inboxes[rank], self._outbox), daemon=True)
             for rank in range(world_size)
         ]
         for p in self._procs:

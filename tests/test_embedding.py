@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lightning_sparse as ls
-from rank_pool import RankError
+from rank_pool import DEVICES, RankError
 
 
 def _rank() -> tuple[int, int]:
@@ -18,15 +18,15 @@ def _rank() -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------- lookups and one step, as properties
-def _lookup_and_step(num_embeddings, dim, scheme, ids_per_rank, coefs_per_rank, id_dtype, duplicate_grads):
+def _lookup_and_step(num_embeddings, dim, scheme, ids_per_rank, coefs_per_rank, id_dtype, duplicate_grads, device):
     rank, world = _rank()
-    emb = ls.SparseEmbedding(num_embeddings, dim, sharding=scheme, seed=5)
+    emb = ls.SparseEmbedding(num_embeddings, dim, sharding=scheme, seed=5, device=device)
     opt = ls.SparseSGD([emb], lr=1.0, duplicate_grads=duplicate_grads)
-    ids = ids_per_rank[rank].to(id_dtype)
+    ids = ids_per_rank[rank].to(device=device, dtype=id_dtype)
     out = emb(ids)
-    (out * coefs_per_rank[rank]).sum().backward()
+    (out * coefs_per_rank[rank].to(device)).sum().backward()
     opt.step()
-    return out.detach(), emb.full_weight()
+    return out.detach().cpu(), emb.full_weight().cpu()
 
 
 @st.composite
@@ -68,15 +68,16 @@ def _expected(num_embeddings, dim, ids_per_rank, coefs_per_rank, duplicate_grads
     return table, table - grad
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_lookup_and_step_properties(rank_pools, world_size):
-    pool = rank_pools(world_size)
+def test_lookup_and_step_properties(rank_pools, world_size, device):
+    pool = rank_pools(world_size, device)
 
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
     @given(case=lookup_cases(world_size))
     def check(case):
         num_embeddings, dim, scheme, ids_per_rank, coefs_per_rank, id_dtype, duplicate_grads = case
-        results = pool.run(_lookup_and_step, *case)
+        results = pool.run(_lookup_and_step, *case, device)
         table, stepped = _expected(num_embeddings, dim, ids_per_rank, coefs_per_rank, duplicate_grads)
         for rank, (out, full) in enumerate(results):
             ids = ids_per_rank[rank]
@@ -149,10 +150,10 @@ def test_follows_to_and_keeps_shard_identity():
 
 
 # ---------------------------------------------------------------- bad input fails on every rank
-def _bad_lookup(bad_rank, bad_ids):
+def _bad_lookup(bad_rank, bad_ids, device="cpu"):
     rank, _ = _rank()
-    emb = ls.SparseEmbedding(10, 2, name="items")
-    ids = bad_ids if rank == bad_rank else torch.tensor([1, 2])
+    emb = ls.SparseEmbedding(10, 2, name="items", device=device)
+    ids = bad_ids.to(device) if rank == bad_rank else torch.tensor([1, 2], device=device)
     start = time.monotonic()
     try:
         emb(ids)
@@ -161,11 +162,12 @@ def _bad_lookup(bad_rank, bad_ids):
     return None
 
 
-def _healthy_lookup():
-    return ls.SparseEmbedding(10, 2)(torch.tensor([1, 9])).shape
+def _healthy_lookup(device="cpu"):
+    return ls.SparseEmbedding(10, 2, device=device)(torch.tensor([1, 9], device=device)).shape
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize(
     "bad_ids, error, message",
@@ -176,10 +178,10 @@ def _healthy_lookup():
         (torch.tensor([True]), "TypeError", "got ids of dtype torch.bool"),
     ],
 )
-def test_bad_ids_raise_on_every_rank(rank_pools, world_size, bad_ids, error, message):
-    pool = rank_pools(world_size)
+def test_bad_ids_raise_on_every_rank(rank_pools, world_size, bad_ids, error, message, device):
+    pool = rank_pools(world_size, device)
     bad_rank = world_size - 1
-    results = pool.run(_bad_lookup, bad_rank, bad_ids)
+    results = pool.run(_bad_lookup, bad_rank, bad_ids, device)
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} did not raise"
         name, text, seconds = result
@@ -189,7 +191,7 @@ def test_bad_ids_raise_on_every_rank(rank_pools, world_size, bad_ids, error, mes
         assert "items" in text and "HINT:" in text
         assert seconds < 10
     # The group is still usable: nothing is left half-way in a collective.
-    assert pool.run(_healthy_lookup) == [torch.Size([2, 2])] * world_size
+    assert pool.run(_healthy_lookup, device) == [torch.Size([2, 2])] * world_size
 
 
 def test_bad_ids_without_process_group():

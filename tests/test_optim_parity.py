@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import lightning_sparse as ls
+from rank_pool import DEVICES
 from references import batch_loss, reference_train
 
 N, D, STEPS, GLOBAL_BATCH, BAG = 23, 4, 5, 6, 3
@@ -35,31 +36,32 @@ def make_batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return batches
 
 
-def train_sharded(name: str, kwargs: dict, scheme: str, batches) -> torch.Tensor:
+def train_sharded(name: str, kwargs: dict, scheme: str, batches, device: str = "cpu") -> torch.Tensor:
     """One rank's part of the run: its slice of each global batch, a loss scaled as in the README."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    emb = ls.SparseEmbedding(N, D, sharding=scheme, seed=SEED)
+    emb = ls.SparseEmbedding(N, D, sharding=scheme, seed=SEED, device=device)
     opt = getattr(ls, name)([emb], **kwargs)
     for ids, target in batches:
         mine = torch.tensor_split(torch.arange(len(ids)), world)[rank]
         # Each rank's loss is a mean over its own samples; equal slices make the average over
         # ranks equal to the global mean.
-        loss = batch_loss(emb(ids[mine]), target[mine]).mean()
+        loss = batch_loss(emb(ids[mine].to(device)), target[mine].to(device)).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return emb.full_weight()
+    return emb.full_weight().cpu()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("scheme", ["mod", "range"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_parity_with_single_process_reference(rank_pools, world_size, scheme, case):
+def test_parity_with_single_process_reference(rank_pools, world_size, scheme, case, device):
     name, kwargs = CASES[case]
     batches = make_batches()
     initial = ls.init.normal()(torch.arange(N), D, SEED)
     expected = reference_train(name, kwargs, initial, batches)
-    results = rank_pools(world_size).run(train_sharded, name, kwargs, scheme, batches)
+    results = rank_pools(world_size, device).run(train_sharded, name, kwargs, scheme, batches, device)
     for got in results:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert not torch.equal(expected, initial), "the run must actually train"
@@ -79,28 +81,29 @@ def test_local_table_without_process_group_matches_reference():
     torch.testing.assert_close(emb.full_weight(), expected, rtol=1e-5, atol=1e-6)
 
 
-def _accumulate_and_multi_table(world_size_unused=None):
+def _accumulate_and_multi_table(device: str = "cpu"):
     """Two tables (different widths) in one optimizer, two backward passes per step."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    a = ls.SparseEmbedding(13, 3, seed=1, sharding="range")
-    b = ls.SparseEmbedding(7, 5, seed=2)
+    a = ls.SparseEmbedding(13, 3, seed=1, sharding="range", device=device)
+    b = ls.SparseEmbedding(7, 5, seed=2, device=device)
     opt = ls.SparseSGD([a, b], lr=0.1)
     gen = torch.Generator().manual_seed(5)
     for _ in range(3):
         for _micro in range(2):
             ids_a = torch.randint(0, 13, (4 * world,), generator=gen)
             ids_b = torch.randint(0, 7, (2 * world,), generator=gen)
-            mine_a, mine_b = ids_a.chunk(world)[rank], ids_b.chunk(world)[rank]
+            mine_a, mine_b = ids_a.chunk(world)[rank].to(device), ids_b.chunk(world)[rank].to(device)
             loss = a(mine_a).pow(2).sum() + (b(mine_b) * 3).sum()
             loss.backward()
         opt.step()
         opt.zero_grad()
-    return a.full_weight(), b.full_weight(), opt.stats.bytes_sent
+    return a.full_weight().cpu(), b.full_weight().cpu(), opt.stats.bytes_sent
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_gradient_accumulation_and_two_tables(rank_pools, world_size):
-    results = rank_pools(world_size).run(_accumulate_and_multi_table)
+def test_gradient_accumulation_and_two_tables(rank_pools, world_size, device):
+    results = rank_pools(world_size, device).run(_accumulate_and_multi_table, device)
     a = torch.nn.Embedding(13, 3, sparse=True)
     b = torch.nn.Embedding(7, 5, sparse=True)
     with torch.no_grad():
@@ -234,23 +237,24 @@ def test_full_optimizer_state_moves_between_world_sizes(rank_pools):
             torch.testing.assert_close(state["state"][0][key], value, rtol=1e-6, atol=1e-7)
 
 
-def _mixed_dtypes() -> tuple[torch.Tensor, torch.Tensor]:
+def _mixed_dtypes(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     rank = torch.distributed.get_rank()
     # Id 31745 is 0x7C01: as a float16 it is a NaN bit pattern, which must still arrive intact.
-    ids = torch.tensor([[31745, 5, 40_000 - 1], [31745, 7, 12]])[rank]
-    wide = ls.SparseEmbedding(40_000, 2, dtype=torch.float64, seed=1)
-    half = ls.SparseEmbedding(40_000, 3, dtype=torch.float16, seed=2, sharding="range")
+    ids = torch.tensor([[31745, 5, 40_000 - 1], [31745, 7, 12]])[rank].to(device)
+    wide = ls.SparseEmbedding(40_000, 2, dtype=torch.float64, seed=1, device=device)
+    half = ls.SparseEmbedding(40_000, 3, dtype=torch.float16, seed=2, sharding="range", device=device)
     together = ls.SparseSGD([wide, half], lr=0.5)  # wire dtype float64
-    alone = ls.SparseSGD([ls.SparseEmbedding(40_000, 2, dtype=torch.float16, seed=3)], lr=0.5)  # wire float16
+    alone = ls.SparseSGD([ls.SparseEmbedding(40_000, 2, dtype=torch.float16, seed=3, device=device)], lr=0.5)  # wire float16
     (wide(ids).sum() + half(ids).float().sum() + alone.tables[0](ids).float().sum()).backward()
     together.step()
     alone.step()
     return torch.stack([wide.full_weight()[ids[0]].float().sum(), half.full_weight()[ids[0]].float().sum(),
-                        alone.tables[0].full_weight()[ids[0]].float().sum()])  # fmt: skip
+                        alone.tables[0].full_weight()[ids[0]].float().sum()]).cpu()  # fmt: skip
 
 
-def test_tables_of_mixed_dtypes_share_one_round(rank_pools):
-    got = rank_pools(2).run(_mixed_dtypes)
+@pytest.mark.parametrize("device", DEVICES)
+def test_tables_of_mixed_dtypes_share_one_round(rank_pools, device):
+    got = rank_pools(2, device).run(_mixed_dtypes, device)
     expected = []
     for dtype, seed, dim in [(torch.float64, 1, 2), (torch.float16, 2, 3), (torch.float16, 3, 2)]:
         table = ls.init.normal()(torch.arange(40_000), dim, seed).to(dtype)

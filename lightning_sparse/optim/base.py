@@ -210,7 +210,7 @@ def _owned(table: SparseEmbedding, duplicate_grads: str, grads: IncomingGrads) -
     if grads.distinct:
         rows, values = grads.rows[0], grads.values[0]
     else:  # a row may have come from several ranks or lookups
-        rows, values = coalesce(torch.cat(grads.rows), torch.cat(grads.values))
+        rows, values = coalesce(torch.cat(grads.rows), torch.cat(grads.values), table.sharding.block_size)
     values = values.to(table.dtype)
     if duplicate_grads == "mean":
         return rows, values[:, :-1] / values[:, -1:], grads.touched

@@ -1,0 +1,198 @@
+"""The exchange protocol: one sort per lookup, collectives and host reads per stage, routed gradients, pending lookups."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+
+import lightning_sparse as ls
+from lightning_sparse.exchange import SortedKeys, coalesce
+from rank_pool import DEVICES
+
+HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "equal"}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts calls that copy a tensor's values to the host (a device sync on a GPU)."""
+
+    def __init__(self, ignore: list[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self._ignore = {id(t) for t in ignore}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS and not (args and id(args[0]) in self._ignore):
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+# ---------------------------------------------------------------- one sort
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.integers(0, 50), max_size=40), use_bound=st.booleans())
+def test_sorted_keys_dedup_group_and_segment_sum(values, use_bound):
+    keys = torch.tensor(values, dtype=torch.int64)
+    runs = SortedKeys(keys, bound=51 if use_bound else None).finish()
+    unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    assert runs.unique.dtype == torch.int64
+    assert runs.unique.tolist() == unique.tolist()
+    assert runs.inverse().tolist() == inverse.tolist()
+    assert runs.counts().tolist() == counts.tolist()
+    values_2d = torch.randn(len(values), 3, dtype=torch.float64)
+    expected = torch.zeros(len(unique), 3, dtype=torch.float64).index_add_(0, inverse, values_2d)
+    torch.testing.assert_close(runs.segment_sum(values_2d), expected)
+    boundaries = torch.tensor([0, 10, 25, 51])
+    below = runs.counts_below(boundaries).tolist()
+    assert below == [int((unique < b).sum()) for b in boundaries.tolist()]
+    ids, sums = coalesce(keys, values_2d)
+    assert ids.tolist() == unique.tolist()
+    torch.testing.assert_close(sums, expected)
+
+
+# ---------------------------------------------------------------- collectives and host reads
+def _count_per_stage(accumulate: bool, device: str = "cpu"):
+    rank = torch.distributed.get_rank()
+    emb = ls.SparseEmbedding(1000, 8, device=device)
+    opt = ls.SparseAdagrad([emb], lr=0.1)
+    ids = torch.arange(rank, 1000, 7, device=device)
+    lookups = 2 if accumulate else 1
+    with HostReads() as forward_reads:
+        outs = [emb(ids + i) for i in range(lookups)]
+    with HostReads() as backward_reads:
+        sum(out.sum() for out in outs).backward()
+    with HostReads(ignore=[opt.state[emb.shard]["step"]]) as step_reads:
+        opt.step()
+    return (emb.stats.collectives, opt.stats.collectives, len(forward_reads.calls), len(backward_reads.calls),
+            len(step_reads.calls), opt.stats.bytes_sent)  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_collectives_and_host_reads_per_stage(rank_pools, device):
+    # One lookup: header, ids, rows; the step sends the gradients back along the lookup's route.
+    for lookup_collectives, step_collectives, forward_reads, backward_reads, step_reads, sent in rank_pools(2, device).run(
+        _count_per_stage, False, device
+    ):
+        assert (lookup_collectives, step_collectives) == (3, 1)
+        assert (forward_reads, backward_reads, step_reads) == (1, 0, 1)
+    # Two lookups before a step: the first lookup's gradients take the general round (header + values).
+    for lookup_collectives, step_collectives, forward_reads, backward_reads, step_reads, sent in rank_pools(2, device).run(
+        _count_per_stage, True, device
+    ):
+        assert (lookup_collectives, step_collectives) == (6, 3)
+        assert (forward_reads, step_reads) == (2, 2)
+
+
+def _one_rank_reads():
+    emb = ls.SparseEmbedding(50, 4)
+    opt = ls.SparseAdam([emb], lr=0.1)
+    with HostReads() as forward_reads:
+        out = emb(torch.tensor([3, 1, 3, 49]))
+    with HostReads() as backward_reads:
+        out.sum().backward()
+    with HostReads(ignore=[opt.state[emb.shard]["step"]]) as step_reads:
+        opt.step()
+    return len(forward_reads.calls), len(backward_reads.calls), len(step_reads.calls)
+
+
+def test_one_rank_reads_the_host_once_per_lookup_and_never_in_the_step():
+    assert _one_rank_reads() == (1, 0, 0)  # the id range check
+
+
+def _routed_bytes():
+    rank = torch.distributed.get_rank()
+    dim = 16
+    emb = ls.SparseEmbedding(100, dim)
+    opt = ls.SparseSGD([emb], lr=0.1)
+    ids = torch.tensor([[0, 1, 2, 3, 5, 5], [1, 7, 9, 9, 10, 11]])[rank]
+    emb(ids).sum().backward()
+    opt.step()
+    owned_by_peer = int(torch.unique(ids).remainder(2).ne(rank).sum())  # "mod": row r lives on rank r % 2
+    return opt.stats.bytes_sent, owned_by_peer * dim * 4 + 4  # rows of float32, one control value
+
+
+def test_routed_gradients_carry_no_ids(rank_pools):
+    for sent, expected in rank_pools(2).run(_routed_bytes):
+        assert sent == expected
+
+
+# ---------------------------------------------------------------- pending lookups
+def test_lookups_without_backward_leave_nothing_behind():
+    """Evaluation without torch.no_grad(): nothing accumulates, whatever the number of lookups."""
+    emb = ls.SparseEmbedding(100, 4)
+    out = emb(torch.arange(10))
+    record = weakref.ref(out.grad_fn.next_functions[0][0].record)  # out is a view of the lookup node
+    for _ in range(50):
+        emb(torch.arange(100))
+    del out
+    gc.collect()
+    assert record() is None
+    assert emb.pending.received == [] and emb.pending_grads() == []
+
+
+def _mixed_grad_mode():
+    rank = torch.distributed.get_rank()
+    emb = ls.SparseEmbedding(10, 2, seed=1)
+    opt = ls.SparseSGD([emb], lr=1.0)
+    before = emb.full_weight()
+    with torch.set_grad_enabled(rank == 1):
+        out = emb(torch.tensor([rank, 4]))
+    if out.requires_grad:
+        out.sum().backward()
+    opt.step()
+    return before, emb.full_weight()
+
+
+def test_ranks_that_record_and_ranks_that_do_not_agree_on_the_step(rank_pools):
+    for before, after in rank_pools(2).run(_mixed_grad_mode):
+        expected = before.clone()
+        expected[[1, 4]] -= 0.5  # rank 1's gradient of 1 per row, averaged over 2 ranks
+        torch.testing.assert_close(after, expected)
+
+
+def _gradient_after_a_step(device="cpu"):
+    """forward -> step -> backward -> step: the late gradient counts at the second step, as in torch."""
+    rank = torch.distributed.get_rank()
+    emb = ls.SparseEmbedding(10, 2, seed=1, device=device)
+    opt = ls.SparseSGD([emb], lr=1.0)
+    before = emb.full_weight()
+    out = emb(torch.tensor([rank + 2], device=device))
+    opt.step()
+    unchanged = torch.equal(emb.full_weight(), before)
+    out.sum().backward()
+    opt.step()
+    return unchanged, (before - emb.full_weight()).cpu()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gradient_after_a_step_applies_at_the_next(rank_pools, world_size):
+    for unchanged, change in rank_pools(world_size).run(_gradient_after_a_step):
+        assert unchanged
+        expected = torch.zeros(10, 2)
+        expected[2 : 2 + world_size] = 1.0 / world_size
+        torch.testing.assert_close(change, expected)
+
+
+def test_retain_graph_accumulates_and_a_step_takes_it():
+    emb = ls.SparseEmbedding(5, 2, seed=0)
+    opt = ls.SparseSGD([emb], lr=1.0)
+    before = emb.full_weight()
+    out = emb(torch.tensor([1, 1, 3]))
+    out.sum().backward(retain_graph=True)
+    out.sum().backward(retain_graph=True)
+    opt.step()
+    opt.zero_grad()
+    expected = before.clone()
+    expected[1] -= 4.0
+    expected[3] -= 2.0
+    torch.testing.assert_close(emb.full_weight(), expected)
+    out.sum().backward()  # after the step: a fresh gradient, not added to the one already applied
+    opt.step()
+    expected[1] -= 2.0
+    expected[3] -= 1.0
+    torch.testing.assert_close(emb.full_weight(), expected)

@@ -26,6 +26,7 @@ yields the runs that a segment sum (``F.embedding_bag``) adds up.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import astuple, dataclass
 from itertools import accumulate
 from typing import Callable, Sequence
@@ -35,6 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.profiler import record_function
+
+from lightning_sparse.sharding import RowSharding
 
 ProcessGroup = dist.ProcessGroup
 
@@ -106,9 +109,13 @@ class SortedKeys:
         is_first = torch.ones_like(self.sorted, dtype=torch.bool)
         if len(keys) > 1:
             torch.ne(self.sorted[1:], self.sorted[:-1], out=is_first[1:])
-        self._is_first = is_first
+        self.is_first = is_first  # where each run (distinct key) starts in sorted order
         self._run = torch.cumsum(is_first, 0)  # 1 + index of the run each sorted position belongs to
-        self.unique = self.offsets = keys.new_empty(0)
+        self.unique = self.offsets = keys.new_empty(0, dtype=torch.int64)
+
+    def run_index(self) -> Tensor:
+        """For each sorted position, the index of its key among the distinct keys."""
+        return self._run - 1
 
     def counts_below(self, boundaries: Tensor) -> Tensor:
         """How many distinct keys are smaller than each boundary (no host read)."""
@@ -117,16 +124,16 @@ class SortedKeys:
 
     def finish(self, num_unique: int | None = None) -> "SortedKeys":
         """Materialize ``unique`` and ``offsets`` (where each run starts in sorted order)."""
-        if num_unique is not None and self._is_first.is_cuda:  # no host read for the output size
-            self.offsets = torch.nonzero_static(self._is_first, size=num_unique).view(-1)
+        if num_unique is not None and self.is_first.is_cuda:  # no host read for the output size
+            self.offsets = torch.nonzero_static(self.is_first, size=num_unique).view(-1)
         else:
-            self.offsets = torch.nonzero(self._is_first).view(-1)
+            self.offsets = torch.nonzero(self.is_first).view(-1)
         self.unique = self.sorted.index_select(0, self.offsets).to(torch.int64)
         return self
 
     def inverse(self) -> Tensor:
         """For each input position, the index of its key in ``unique``."""
-        return torch.empty_like(self.perm).index_copy_(0, self.perm, self._run - 1)
+        return torch.empty_like(self.perm).index_copy_(0, self.perm, self.run_index())
 
     def counts(self) -> Tensor:
         """Occurrences of each distinct key."""
@@ -209,14 +216,15 @@ OK, BAD_DTYPE = 0, 1
 
 @dataclass(frozen=True)
 class LookupHeader:
-    """What one rank tells every rank before the ids of a lookup move: one row of the header.
+    """What one rank tells every rank about its part of a lookup round: one row of the header.
 
     ``count`` differs per destination (the ids sent to it); the other fields are the same in
     every row a rank sends. ``error`` is a code (``OK``, ``BAD_DTYPE``) with an argument in
     ``detail``; ``id_min``/``id_max`` let every rank check every rank's ids against the table
     (both 0 when a rank has none); ``table`` and ``active`` let a rank that has run out of
     batches answer the others (``serve_lookups``) and catch ranks that call tables out of
-    order; ``record`` says the rank records the lookup for a gradient (grad mode is on).
+    order; ``record`` says the rank records the lookup for a gradient (grad mode is on);
+    ``most`` is the largest ``count`` the rank sends to anyone, which sizes the next round.
     """
 
     count: int = 0
@@ -227,46 +235,16 @@ class LookupHeader:
     table: int = -1
     active: int = 1
     record: int = 0
+    most: int = 0
 
-    WIDTH = 8
+    WIDTH = 9
 
-    def to_rows(self, counts: Tensor, id_range: Tensor | None = None) -> Tensor:
-        """The ``[W, 8]`` int64 header this rank sends: to rank ``j``, ``counts[j]`` and the other fields.
-
-        ``id_range`` (a device tensor ``[min, max]``) replaces ``id_min``/``id_max`` without a host read.
-        """
-        fields = host_tensor(astuple(self)[1:], torch.int64, counts.device)
+    def fields(self, device: torch.device, id_range: Tensor | None = None) -> Tensor:
+        """The fields after ``count`` as an int64 tensor; ``id_range`` (device ``[min, max]``) fills ``id_min``/``id_max``."""
+        fields = host_tensor(astuple(self)[1:], torch.int64, device)
         if id_range is not None:
             fields[2:4] = id_range
-        return torch.cat([counts.view(-1, 1), fields.view(1, -1).expand(len(counts), -1)], dim=1)
-
-
-def exchange_headers(
-    counts: Tensor,
-    header: LookupHeader,
-    group: ProcessGroup | None,
-    world_size: int,
-    id_range: Tensor | None = None,
-    stats: ExchangeStats | None = None,
-) -> tuple[list[int], list[LookupHeader]]:
-    """Stage 1a: every rank tells every rank what it is about to send; returns (send splits, every rank's header).
-
-    ``counts[j]`` (a device tensor) is what goes to rank ``j``. Every rank gets the same list of
-    headers, so a check of the headers that raises does so on every rank before any id moves,
-    and the group stays usable. One host read, also with one rank (it carries the id range).
-
-    Collective: every rank of ``group`` must call it.
-    """
-    start = time.perf_counter()
-    with record_function("lightning_sparse.ids_to_owners.header"):
-        sent = header.to_rows(counts, id_range)
-        peers = exchange_counts(sent, group, world_size, stats)
-        host = torch.cat([sent[:, 0], peers.reshape(-1)]).tolist()  # the stage's one host read
-    width = LookupHeader.WIDTH
-    headers = [LookupHeader(*host[world_size + width * r : world_size + width * (r + 1)]) for r in range(world_size)]
-    if stats is not None and world_size > 1:
-        stats.exchange_seconds += time.perf_counter() - start
-    return host[:world_size], headers
+        return fields
 
 
 @dataclass
@@ -290,28 +268,125 @@ class Route:
         return any(h.record for h in self.headers)
 
 
+# Id slots per destination in the next lookup round of each process group. Every rank derives it
+# from the same headers (the largest count of the last round, plus a margin), so all ranks agree
+# without a word; a lookup on any table of the group, or a rank serving others, uses it.
+_SLOTS: "weakref.WeakKeyDictionary[ProcessGroup, int]" = weakref.WeakKeyDictionary()
+_SLOT_MARGIN, _SLOT_ALIGN = 1.25, 16
+
+
+def _next_slots(most: int) -> int:
+    return -(-int(most * _SLOT_MARGIN) // _SLOT_ALIGN) * _SLOT_ALIGN if most else 0
+
+
 def ids_to_owners(
-    local_ids: Tensor,
-    send_splits: list[int],
-    headers: list[LookupHeader],
-    group: ProcessGroup | None,
-    world_size: int,
+    runs: SortedKeys,
+    sharding: RowSharding,
+    header: LookupHeader,
+    id_range: Tensor | None,
+    group: ProcessGroup,
     rank: int,
     stats: ExchangeStats | None = None,
+    check: Callable[[list[LookupHeader]], None] | None = None,
 ) -> Route:
-    """Stage 1b: send ``local_ids`` (grouped by owner, ``send_splits[j]`` to rank ``j``) after the headers.
+    """Stage 1: every rank's header and its distinct ids, grouped by owner, in one all-to-all.
 
-    Collective: every rank of ``group`` must call it. No host read.
+    ``runs`` sorted this rank's owner-major keys (ids that fall outside the table go nowhere).
+    Each destination gets a row of ``9 + slots`` int64: the header, then up to ``slots`` ids.
+    ``slots`` is agreed from the previous round; a rank with more ids for someone says so in
+    its header (``most``), and an overflow round sends the rest. ``check`` sees every rank's
+    header before the route is built; every rank sees the same headers, so if it raises, it
+    raises on every rank and the group stays usable. One host read: the headers.
+
+    Collective: every rank of ``group`` must call it.
     """
-    recv_splits = [h.count for h in headers]
-    if world_size == 1:
-        return Route(send_splits, recv_splits, local_ids, headers)
     start = time.perf_counter()
+    world_size, width = sharding.world_size, LookupHeader.WIDTH
+    device = runs.sorted.device
     with record_function("lightning_sparse.ids_to_owners"):
-        received = exchange_values(local_ids, send_splits, recv_splits, group, world_size, rank, stats)
+        slots = _SLOTS.get(group, 0)
+        below = runs.counts_below(sharding.key_boundaries(device))
+        counts = below[1:] - below[:-1]
+        send = _pack(runs, sharding, below, slots, device)
+        rows = send.view(world_size, width + slots)
+        rows[:, 0] = counts
+        rows[:, 1:width] = _fields(header, device, id_range, counts)
+        recv = torch.empty(world_size * (width + slots), dtype=torch.int64, device=device)
+        _collective("ids", dist.all_to_all_single, recv, send, group=group)
+        recv = recv.view(world_size, width + slots)
+        host = torch.cat([counts, recv[:, :width].reshape(-1)]).tolist()  # the stage's one host read
+        send_splits = host[:world_size]
+        headers = [LookupHeader(*host[world_size + width * r : world_size + width * (r + 1)]) for r in range(world_size)]
+        most = max(h.most for h in headers)
+        _SLOTS[group] = _next_slots(most)
+        if check is not None:
+            check(headers)
+        recv_splits = [h.count for h in headers]
+        received = _segments(recv.view(-1), [r * (width + slots) + width for r in range(world_size)],
+                             [min(c, slots) for c in recv_splits])  # fmt: skip
+        if most > slots:  # overflow: the ids beyond the slots, in a second round
+            received = _overflow(runs, sharding, send_splits, recv_splits, slots, received, group, rank, stats)
     if stats is not None:
+        sent = world_size * (width + slots) * 8
+        stats.bytes_sent += sent * (world_size - 1) // world_size
+        stats.bytes_received += sent * (world_size - 1) // world_size
+        stats.collectives += 1
         stats.exchange_seconds += time.perf_counter() - start
     return Route(send_splits, recv_splits, received, headers)
+
+
+def _fields(header: LookupHeader, device: torch.device, id_range: Tensor | None, counts: Tensor) -> Tensor:
+    fields = header.fields(device, id_range)
+    fields[-1] = counts.max() if len(counts) else 0  # ``most``
+    return fields
+
+
+def _pack(runs: SortedKeys, sharding: RowSharding, below: Tensor, slots: int, device: torch.device) -> Tensor:
+    """The send buffer of stage 1: per destination a header (filled by the caller) and ``slots`` ids.
+
+    Built without a host read: each distinct key goes to slot ``its index among its owner's
+    keys``; keys beyond the slots, outside the table, or repeated go to scratch places past
+    the end, which are not sent.
+    """
+    world_size, width = sharding.world_size, LookupHeader.WIDTH + slots
+    n = len(runs.sorted)
+    send = torch.zeros(world_size * width + n, dtype=torch.int64, device=device)
+    if n == 0 or slots == 0:
+        return send[: world_size * width]
+    keys = runs.sorted.to(torch.int64)
+    owner = sharding.owner_of_key(keys)
+    inside = (owner >= 0) & (owner < world_size) & runs.is_first
+    owner.clamp_(0, world_size - 1)
+    within = runs.run_index() - below.index_select(0, owner)
+    place = owner * width + LookupHeader.WIDTH + within
+    scratch = torch.arange(world_size * width, world_size * width + n, device=device)
+    send.index_copy_(0, torch.where(inside & (within < slots), place, scratch), sharding.local_of_key(keys))
+    return send[: world_size * width]
+
+
+def _segments(flat: Tensor, starts: Sequence[int], lengths: Sequence[int]) -> Tensor:
+    """``flat[starts[0] : starts[0] + lengths[0]]``, then the next segment, ... as one tensor (one gather)."""
+    lengths_t, total = torch.tensor(lengths, dtype=torch.int64), sum(lengths)
+    offsets = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64) - (lengths_t.cumsum(0) - lengths_t), lengths_t, output_size=total)
+    index = torch.arange(total) + offsets
+    return flat.index_select(0, index.to(flat.device, non_blocking=True))
+
+
+def _overflow(runs, sharding, send_splits, recv_splits, slots, received, group, rank, stats) -> Tensor:
+    """The second round of stage 1: ids beyond the slots, then every requester's ids in order."""
+    world_size = sharding.world_size
+    runs.finish(sum(send_splits))
+    local = sharding.local_of_key(runs.unique)
+    starts = split_starts(send_splits)
+    extra_send = [max(0, c - slots) for c in send_splits]
+    extra_recv = [max(0, c - slots) for c in recv_splits]
+    extra = _segments(local, [s + slots for s in starts[:-1]], extra_send)
+    extra = exchange_values(extra, extra_send, extra_recv, group, world_size, rank, stats)
+    parts, first, second = [], split_starts([min(c, slots) for c in recv_splits]), split_starts(extra_recv)
+    for source in range(world_size):
+        parts.append(received[first[source] : first[source + 1]])
+        parts.append(extra[second[source] : second[source + 1]])
+    return torch.cat(parts)
 
 
 # ---------------------------------------------------------------------------- stage 2: rows to requesters

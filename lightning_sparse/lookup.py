@@ -5,9 +5,9 @@
 2. **One sort.** Sorting the ids' owner-major keys deduplicates them and groups them by owner
    (:class:`~lightning_sparse.exchange.SortedKeys`); counts per owner come from a binary search,
    with no host read.
-3. **Ids to owners.** The headers go first; every rank checks every rank's header, so bad input
-   raises on every rank before any id moves. Then the distinct ids go to their owners as local
-   row indices (the one host read of the stage is the header).
+3. **Ids to owners.** Every rank's header and its distinct ids (as local row indices) go to
+   the owners in one all-to-all; every rank checks every rank's header, so bad input raises on
+   every rank alike and the group stays usable (the one host read of the stage is the header).
 4. **Gather and send back.** Owners ``index_select`` the requested rows and send them back in
    the order they were asked for, so they arrive as the requester's distinct rows in key order.
 5. **Expand.** The output is ``rows.index_select(0, inverse)``. Its backward adds up the
@@ -20,20 +20,14 @@ the shard, as ``nn.Embedding`` does; its backward sorts the ids for the segment 
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from lightning_sparse.exchange import (
-    BAD_DTYPE,
-    OK,
-    LookupHeader,
-    SortedKeys,
-    exchange_headers,
-    ids_to_owners,
-    rows_to_requesters,
-)
+from lightning_sparse.exchange import BAD_DTYPE, OK, LookupHeader, SortedKeys, ids_to_owners, rows_to_requesters
 from lightning_sparse.pending import LookupRecord
 
 if TYPE_CHECKING:
@@ -79,19 +73,18 @@ def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
     stats.ids_looked_up += flat.numel()
 
     if world_size == 1:  # nothing to exchange: check, then one gather
-        _, headers = exchange_headers(flat.new_full((1,), flat.numel()), header, group, 1, id_range)
-        check_headers(table, headers, ids.dtype)
+        if id_range is not None:
+            low, high = id_range.tolist()  # the one host read
+            header = replace(header, id_min=low, id_max=high)
+        check_headers(table, [header], ids.dtype)
         record = table.pending.new_record(None, flat, bound=table.num_embeddings) if recording else None
         return _rows(table, shard, flat, ids.shape, record)
 
     runs = SortedKeys(sharding.key(flat), sharding.key_bound)
-    boundaries = runs.counts_below(sharding.key_boundaries(device))
-    counts = boundaries[1:] - boundaries[:-1]
-    send_splits, headers = exchange_headers(counts, header, group, world_size, id_range, stats)
-    check_headers(table, headers, ids.dtype)
-    runs.finish(sum(send_splits))
+    check = partial(check_headers, table, own_dtype=ids.dtype)
+    route = ids_to_owners(runs, sharding, header, id_range, group, rank, stats, check)
+    runs.finish(sum(route.send_splits))
     stats.unique_ids += len(runs.unique)
-    route = ids_to_owners(sharding.local_of_key(runs.unique), send_splits, headers, group, world_size, rank, stats)
     with torch.no_grad():
         rows = shard.index_select(0, route.received)
     rows = rows_to_requesters(rows, route, group, world_size, rank, stats)
@@ -123,25 +116,24 @@ def serve_lookups(tables: list["SparseEmbedding"]) -> int:
     if not tables or tables[0].world_size == 1:
         return 0
     first, rounds = tables[0], 0
-    group, world_size, rank = first.process_group, first.world_size, first.rank
+    group, rank = first.process_group, first.rank
+    nothing = SortedKeys(torch.empty(0, dtype=torch.int64, device=first.device))
     while True:
-        nothing = torch.zeros(world_size, dtype=torch.int64, device=first.device)
-        send_splits, headers = exchange_headers(nothing, LookupHeader(active=0), group, world_size, None, first.stats)
-        active = [h.table for h in headers if h.active]
+        route = ids_to_owners(nothing, first.sharding, LookupHeader(active=0), None, group, rank, first.stats)
+        active = [h.table for h in route.headers if h.active]
         if not active:
             return rounds
         table = tables[active[0]]
-        check_headers(table, headers, None)
-        route = ids_to_owners(nothing[:0], send_splits, headers, group, world_size, rank, table.stats)
+        check_headers(table, route.headers, None)
         with torch.no_grad():
             rows = table.shard.index_select(0, route.received)
-        rows_to_requesters(rows, route, group, world_size, rank, table.stats)
+        rows_to_requesters(rows, route, group, table.world_size, rank, table.stats)
         if route.records:
             table.pending.route = route
         rounds += 1
 
 
-def check_headers(table: "SparseEmbedding", headers: list[LookupHeader], own_dtype: torch.dtype | None) -> None:
+def check_headers(table: "SparseEmbedding", headers: list[LookupHeader], own_dtype: torch.dtype | None = None) -> None:
     """Raise, on every rank alike, if any rank's header shows bad input or a different table."""
     tables = sorted({h.table for h in headers if h.active})
     if len(tables) > 1:

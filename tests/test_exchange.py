@@ -62,6 +62,10 @@ def _count_per_stage(accumulate: bool, device: str = "cpu"):
     opt = ls.SparseAdagrad([emb], lr=0.1)
     ids = torch.arange(rank, 1000, 7, device=device)
     lookups = 2 if accumulate else 1
+    emb(ids).sum().backward()  # the first round sizes the id slots of the next ones
+    opt.step()
+    emb.stats.reset()
+    opt.stats.reset()
     with HostReads() as forward_reads:
         outs = [emb(ids + i) for i in range(lookups)]
     with HostReads() as backward_reads:
@@ -74,18 +78,41 @@ def _count_per_stage(accumulate: bool, device: str = "cpu"):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_collectives_and_host_reads_per_stage(rank_pools, device):
-    # One lookup: header, ids, rows; the step sends the gradients back along the lookup's route.
+    # One lookup: headers with ids, then rows; the step sends the gradients back along the lookup's route.
     for lookup_collectives, step_collectives, forward_reads, backward_reads, step_reads, sent in rank_pools(2, device).run(
         _count_per_stage, False, device
     ):
-        assert (lookup_collectives, step_collectives) == (3, 1)
+        assert (lookup_collectives, step_collectives) == (2, 1)
         assert (forward_reads, backward_reads, step_reads) == (1, 0, 1)
     # Two lookups before a step: the first lookup's gradients take the general round (header + values).
     for lookup_collectives, step_collectives, forward_reads, backward_reads, step_reads, sent in rank_pools(2, device).run(
         _count_per_stage, True, device
     ):
-        assert (lookup_collectives, step_collectives) == (6, 3)
+        assert (lookup_collectives, step_collectives) == (4, 3)
         assert (forward_reads, step_reads) == (2, 2)
+
+
+def _growing_lookups(device: str = "cpu"):
+    """Batches that outgrow the agreed id slots take an overflow round and stay exact."""
+    rank = torch.distributed.get_rank()
+    emb = ls.SparseEmbedding(5000, 3, seed=2, device=device)
+    rounds, outs = [], []
+    for size in (10, 10, 400, 400, 3000, 5):
+        emb.stats.reset()
+        ids = torch.randperm(5000, generator=torch.Generator().manual_seed(size + rank))[:size].to(device)
+        outs.append((ids.cpu(), emb(ids).cpu()))
+        rounds.append(emb.stats.collectives)
+    return rounds, outs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_id_slots_follow_the_batch_and_overflow_stays_exact(rank_pools, device):
+    table = ls.init.normal()(torch.arange(5000), 3, 2)
+    for rounds, outs in rank_pools(3, device).run(_growing_lookups, device):
+        assert rounds[1] == 2 and rounds[3] == 2 and rounds[5] == 2  # within the slots: ids + rows
+        assert rounds[2] == 3 and rounds[4] == 3  # outgrown: one overflow round
+        for ids, out in outs:
+            torch.testing.assert_close(out, table[ids], rtol=0, atol=0)
 
 
 def _one_rank_reads():

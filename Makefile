@@ -31,12 +31,12 @@ demo-plain: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
-# Step-time benchmark (3 to 4 minutes on 2 cores): writes benchmarks/results/sparse_step.json,
-# docs/benchmarks.png and the results block of docs/benchmarks.md.
+# The benchmark suite (about 10 minutes on 2 cores; run it on an idle machine): writes
+# benchmarks/results/bench.json, the plots and the results block of docs/benchmarks.md.
+# BENCH_ARGS="--quick" for a smoke run, "--device cuda" to add the GPU section.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS),bench]" "torch==$(TORCH_VERSION)"
-	$(PY) -W ignore benchmarks/sparse_step.py
-	$(PY) benchmarks/report.py
+	$(PY) -W ignore benchmarks/bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,10 +1,10 @@
-"""Turn the JSON of ``benchmarks/sparse_step.py`` into the plot and the numbers of ``docs/benchmarks.md``.
+"""Turn the JSON of ``benchmarks/bench.py`` into the results of ``docs/benchmarks.md``: targets, tables, plots.
 
-The page's prose is written by hand; this script replaces only the part between
-``<!-- results:begin -->`` and ``<!-- results:end -->`` and rewrites the PNG. Run with ``make bench``
-(measure + report) or alone to re-render the last results::
+The page's prose (the performance model) is written by hand; this replaces only the part
+between ``<!-- results:begin -->`` and ``<!-- results:end -->`` and writes the plots beside the
+page. Run with ``make bench``, or alone to re-render the last results::
 
-    python benchmarks/report.py [--results benchmarks/results/sparse_step.json]
+    python benchmarks/report.py [benchmarks/results/bench.json] [--doc docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -13,183 +13,295 @@ import argparse
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-
-LABELS = {
-    "ours": "lightning_sparse: SparseEmbedding(sharding=\"mod\") + SparseAdagrad",
-    "dense_ddp": "replicated dense: nn.Embedding in DDP + torch.optim.Adagrad",
-    "sparse_grad_ddp": "replicated sparse grads: nn.Embedding(sparse=True) in DDP + torch.optim.Adagrad",
-    "dgl": "DGL: dgl.nn.NodeEmbedding + dgl.optim.SparseAdagrad",
+FAMILIES = ("sgd", "adagrad", "rowwise_adagrad", "adam_row", "adam_global")
+FAMILY_LABEL = {"sgd": "SGD", "adagrad": "Adagrad", "rowwise_adagrad": "row-wise Adagrad",
+                "adam_row": "Adam (per-row bias correction)", "adam_global": "Adam (global bias correction)"}  # fmt: skip
+SHORT_FAMILY = {"sgd": "SGD", "adagrad": "Adagrad", "rowwise_adagrad": "row-wise\nAdagrad", "adam_row": "Adam\n(row)",
+                "adam_global": "Adam\n(global)"}  # fmt: skip
+METHOD_LABEL = {
+    "ours": "lightning_sparse (plain loop)",
+    "sparse_ddp": "lightning_sparse in `Trainer(strategy=\"sparse_ddp\")`",
+    "dgl": "DGL `NodeEmbedding` + `dgl.optim.SparseAdagrad`",
+    "sparse_grad_ddp": "`nn.Embedding(sparse=True)` in DDP",
+    "lightning_ddp": "`nn.Embedding` in `Trainer(strategy=\"ddp\")` (dense)",
 }
-SHORT = {"ours": "lightning_sparse", "dense_ddp": "DDP dense", "sparse_grad_ddp": "DDP sparse grads", "dgl": "DGL"}
-STYLE = {"ours": ("tab:red", "o"), "dense_ddp": ("tab:blue", "s"), "sparse_grad_ddp": ("tab:green", "^"), "dgl": ("tab:purple", "D")}
+STYLE = {"ours": ("tab:red", "o"), "sparse_ddp": ("tab:orange", "v"), "dgl": ("tab:purple", "D"),
+         "sparse_grad_ddp": ("tab:green", "^"), "lightning_ddp": ("tab:blue", "s")}  # fmt: skip
 
 
-def human_rows(n: int) -> str:
+# ---------------------------------------------------------------------------- targets
+def _single(doc: dict, device: str = "cpu") -> dict[tuple[str, str], float]:
+    """The first one-process section on ``device``: with glibc's defaults, what users run."""
+    for section in doc.get("single_process", []):
+        if section["device"] == device:
+            return {(r["name"], r["kind"]): r["ms_median"] for r in section["results"]}
+    return {}
+
+
+def targets(doc: dict) -> list[dict]:
+    """Every target of the performance issue, with its measured ratio and whether it is met."""
+    out: list[dict] = []
+
+    def add(name: str, target: str, value: float | None, met: bool | None, unit: str = "x") -> None:
+        measured = "not measured" if value is None else f"{value:.2f}{unit}"
+        out.append({"name": name, "target": target, "measured": measured, "value": value, "met": bool(met) if value is not None else False})
+
+    s = _single(doc)
+    torch_adam = s.get(("torch/adam_global", "step"))
+    for family in ("adam_row", "adam_global"):
+        ours = s.get((f"ours/{family}", "step"))
+        ratio = torch_adam / ours if torch_adam and ours else None
+        add(f"1 process: {FAMILY_LABEL[family]} vs torch SparseAdam, fwd+bwd+step", ">= 3x faster", ratio, ratio and ratio >= 3)
+    ours, theirs = s.get(("ours/adagrad", "step")), s.get(("torch/adagrad", "step"))
+    ratio = theirs / ours if ours and theirs else None
+    add("1 process: Adagrad vs torch Adagrad, fwd+bwd+step", ">= 2x faster", ratio, ratio and ratio >= 2)
+    for family in ("rowwise_adagrad", "sgd"):
+        ours, theirs = s.get((f"ours/{family}", "step")), s.get((f"fbgemm/{family}", "step"))
+        ratio = theirs / ours if ours and theirs else None
+        add(f"1 process: {FAMILY_LABEL[family]} vs FBGEMM CPU TBE, fwd+bwd+step", "no slower (>= 1x)", ratio, ratio and ratio >= 1)
+    for family in FAMILIES:
+        ours, floor = s.get((f"ours/{family}", "update")), s.get((f"floor/gather_scatter/{family}", "floor_gather_scatter"))
+        ratio = ours / floor if ours and floor else None
+        add(f"1 process: {FAMILY_LABEL[family]} step / gather+scatter floor", "<= 1.5x", ratio, ratio and ratio <= 1.5)
+    ours, theirs = s.get(("ours/lookup", "lookup")), s.get(("torch/lookup", "lookup"))
+    ratio = ours / theirs if ours and theirs else None
+    add("1 process: lookup (fwd+bwd) / nn.Embedding(sparse=True)", "<= 1.5x", ratio, ratio and ratio <= 1.5)
+
+    runs = [r for r in doc.get("distributed", {}).get("runs", []) if "error" not in r]
+    by = {(r["method"], r["rows"], r["batch"]): r for r in runs}
+    for (method, rows, batch), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+        if method != "ours":
+            continue
+        ms = r["step_ms_median"]
+        for other, need in (("dgl", 1.3 if batch >= 65536 else 1.0), ("sparse_grad_ddp", 2.0 if batch >= 65536 else None)):
+            if need is None or (other, rows, batch) not in by:
+                continue
+            ratio = by[(other, rows, batch)]["step_ms_median"] / ms
+            label = "no slower" if need == 1.0 else f">= {need}x faster"
+            add(f"2 ranks, {_rows(rows)} rows, {batch} ids/rank: vs {METHOD_LABEL[other]}", label, ratio, ratio >= need)
+        if r.get("lower_bound_bytes_per_step"):
+            ratio = r["bytes_sent_per_step"] / r["lower_bound_bytes_per_step"]
+            add(f"2 ranks, {_rows(rows)} rows, {batch} ids/rank: bytes sent / lower bound", "<= 1.1x", ratio, ratio <= 1.1)
+    gpu = doc.get("gpu", {})
+    for r in gpu.get("results", []):
+        add(f"1 GPU: {FAMILY_LABEL[r['family']]} update bandwidth / device copy", ">= 50%", 100 * r["fraction_of_copy"],
+            r["fraction_of_copy"] >= 0.5, unit="%")
+    if "skipped" in gpu:
+        add("1 GPU: update bandwidth / device copy", ">= 50%", None, None)
+    return out
+
+
+# ---------------------------------------------------------------------------- markdown
+def _rows(n: int) -> str:
     return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}k"
 
 
-def human_bytes(b: float | None) -> str:
+def _bytes(b: float | None) -> str:
     if b is None:
         return "n/a"
-    if b >= 2**30:
-        return f"{b / 2**30:.2f} GiB"
-    if b >= 2**20:
-        return f"{b / 2**20:.2f} MiB"
-    return f"{b / 2**10:.0f} KiB"
+    return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.0f} KiB"
 
 
-def code_line(doc: dict) -> str:
-    code = doc.get("code") or {}
-    before, after = code.get("before", {}), code.get("after", {})
-    if not before:
-        return ""
-    line = f"lightning_sparse at commit `{before.get('commit')}`"
-    if before.get("lightning_sparse_uncommitted"):
-        line += " with uncommitted changes"
-    if after and after != before:
-        line += f" (changed during the run, to `{after.get('commit')}`)"
-    return line + "."
+def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
+    m, v = doc["machine"], doc["versions"]
+    lines = [
+        f"Measured {doc['created']} on {m['cpu_count']} CPU cores ({m['processor']}, {m['memory_gib']} GiB), "
+        f"{m['platform']}; Python {m['python']}, torch {v['torch']}, lightning {v['lightning']}, dgl {v['dgl'] or 'not installed'}, "
+        f"fbgemm_gpu {v['fbgemm_gpu'] or 'not installed'}; lightning_sparse at commit `{doc['code']['commit']}`"
+        f"{' with uncommitted changes' if doc['code']['uncommitted'] else ''}. Threads: {doc['threads']['single_process']} "
+        f"in the one-process section, 1 per rank with 2 ranks. Allocator: "
+        f"{', '.join(f'{k}={val}' for k, val in doc['allocator'].items())}. Whole run: {doc['wall_s']:.0f} s"
+        f"{' (**--quick smoke run: small sizes, not for conclusions**)' if doc['quick'] else ''}.",
+        "",
+        "### Targets",
+        "",
+        "| target | goal | measured | |",
+        "|---|---|---:|---|",
+    ]
+    for t in doc["targets"]:
+        lines.append(f"| {t['name']} | {t['goal'] if 'goal' in t else t['target']} | {t['measured']} | {'met' if t['met'] else '**missed**'} |")
+    for section in doc.get("single_process", []):
+        lines += _single_markdown(section)
+    lines += _distributed_markdown(doc.get("distributed", {}))
+    gpu = doc.get("gpu", {})
+    lines += ["", "### One GPU", ""]
+    if "skipped" in gpu:
+        lines.append(f"Not run: {gpu['skipped']}.")
+    else:
+        lines += [f"{gpu['device_name']}, table {_rows(gpu['table_rows'])} x {gpu['dim']}, {gpu['batch']} ids.", "",
+                  "| optimizer | touched rows | bytes the update must move | update (ms) | GB/s | copy GB/s | fraction |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in gpu["results"]:
+            lines.append(f"| {FAMILY_LABEL[r['family']]} | {r['rows']} | {_bytes(r['bytes'])} | {r['update_ms']:.3f} | "
+                         f"{r['update_gbps']:.0f} | {r['copy_gbps']:.0f} | {100 * r['fraction_of_copy']:.0f}% |")  # fmt: skip
+    lines += [""] + [f"![{name}]({name})" for name in plots] + ["", f"Raw results: `{json_name}`."]
+    return "\n".join(lines)
 
 
-def plot(doc: dict, path: Path) -> None:
+def _single_markdown(section: dict) -> list[str]:
+    r = {(x["name"], x["kind"]): x for x in section["results"]}
+
+    def ms(name: str, kind: str) -> str:
+        x = r.get((name, kind))
+        return f"{x['ms_median']:.2f}" if x else "n/a"
+
+    def ratio(a: tuple[str, str], b: tuple[str, str]) -> str:
+        return f"{r[b]['ms_median'] / r[a]['ms_median']:.2f}x" if a in r and b in r else "n/a"
+
+    lines = [
+        "", f"### One process ({section['device']}, {section.get('allocator', 'glibc defaults')})", "",
+        f"Table {_rows(section['rows'])} x {section['dim']} float32, {section['batch']} ids per step drawn as "
+        f"`(rows * rand() ** 4).long()` ({section['distinct_ids_mean']:.0f} distinct on average), {section['threads']} threads, "
+        f"{section['rounds']} interleaved rounds of {section['steps_per_round']} steps per method; medians in ms.", "",
+        "| optimizer | ours fwd+bwd+step | torch | FBGEMM TBE | torch / ours | FBGEMM / ours | ours step | "
+        "gather+scatter floor | step / floor | copy floor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for family in FAMILIES:
+        torch_name = "torch/adam_global" if family.startswith("adam") else f"torch/{family}"
+        step = (f"ours/{family}", "step")
+        floor = (f"floor/gather_scatter/{family}", "floor_gather_scatter")
+        lines.append(
+            f"| {FAMILY_LABEL[family]} | {ms(*step)} | {ms(torch_name, 'step')} | {ms(f'fbgemm/{family}', 'step')} | "
+            f"{ratio(step, (torch_name, 'step'))} | {ratio(step, (f'fbgemm/{family}', 'step'))} | {ms(f'ours/{family}', 'update')} | "
+            f"{ms(*floor)} | {ratio(floor, (f'ours/{family}', 'update'))} | {ms(f'floor/copy/{family}', 'floor_copy')} |"
+        )
+    lines += ["", f"Lookup (forward + backward, no step): ours {ms('ours/lookup', 'lookup')} ms, "
+              f"`nn.Embedding(sparse=True)` {ms('torch/lookup', 'lookup')} ms. torch has no row-wise Adagrad; its "
+              "SparseAdam is the global-bias-correction one, compared with both of ours."]  # fmt: skip
+    return lines
+
+
+def _distributed_markdown(section: dict) -> list[str]:
+    if not section:
+        return []
+    runs = section["runs"]
+    by = {(r["method"], r["rows"], r["batch"]): r for r in runs}
+    lines = [
+        "", "### Two ranks (gloo, CPU)", "",
+        f"Dim {section['dim']} float32, ids ~ Zipf({section['zipf']}), {section['optimizer']}, 1 thread per rank. "
+        "A step ends when the slower rank finishes it; bytes are per rank per step.", "",
+        "| ids/rank | rows | method | median (ms) | p25-p75 | method / ours | bytes sent | lower bound | sent / bound | "
+        "peak RSS per rank |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for batch in sorted({r["batch"] for r in runs}):
+        for rows in sorted({r["rows"] for r in runs}):
+            ours = by.get(("ours", rows, batch))
+            for method in METHOD_LABEL:
+                r = by.get((method, rows, batch))
+                if r is None:
+                    continue
+                if "error" in r:
+                    lines.append(f"| {batch} | {_rows(rows)} | {METHOD_LABEL[method]} | failed: {r['error']} | | | | | | |")
+                    continue
+                vs = f"{r['step_ms_median'] / ours['step_ms_median']:.2f}x" if ours and "error" not in ours else "n/a"
+                bound = r.get("lower_bound_bytes_per_step")
+                sent = r.get("bytes_sent_per_step")
+                lines.append(
+                    f"| {batch} | {_rows(rows)} | {METHOD_LABEL[method]} | {r['step_ms_median']:.1f} | "
+                    f"{r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f} | {vs} | {_bytes(sent)} | {_bytes(bound)} | "
+                    f"{sent / bound:.2f}x | {'/'.join(f'{x:.0f}' for x in r['peak_rss_mib'])} MiB |"
+                    if sent and bound else
+                    f"| {batch} | {_rows(rows)} | {METHOD_LABEL[method]} | {r['step_ms_median']:.1f} | "
+                    f"{r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f} | {vs} | {_bytes(sent)} | {_bytes(bound)} | n/a | "
+                    f"{'/'.join(f'{x:.0f}' for x in r['peak_rss_mib'])} MiB |"
+                )  # fmt: skip
+    lines += ["", "How the bytes were obtained:", ""]
+    for method in METHOD_LABEL:
+        source = next((r.get("bytes_source") for r in runs if r["method"] == method and r.get("bytes_source")), None)
+        if source:
+            lines.append(f"- {METHOD_LABEL[method]}: {source}.")
+    ours = [r for r in runs if r["method"] == "ours" and "collectives_per_step" in r]
+    if ours:
+        lines.append(f"- lightning_sparse made {ours[0]['collectives_per_step']:.0f} all-to-alls per step "
+                     "(ids with headers, rows, gradients).")  # fmt: skip
+    return lines
+
+
+# ---------------------------------------------------------------------------- plots
+def plots(doc: dict, folder: Path, stem: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in doc["runs"] if "error" not in r]
-    cfg = doc["config"]
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for method in LABELS:
-        mine = sorted((r for r in runs if r["method"] == method), key=lambda r: r["rows"])
-        if not mine:
-            continue
-        color, marker = STYLE[method]
-        rows = [r["rows"] for r in mine]
-        med = [r["step_ms_median"] for r in mine]
-        err = [[m - r["step_ms_p25"] for m, r in zip(med, mine)], [r["step_ms_p75"] - m for m, r in zip(med, mine)]]
-        ax_t.errorbar(rows, med, yerr=err, color=color, marker=marker, capsize=3, label=SHORT[method])
-        sent = [r.get("bytes_sent_per_step") for r in mine]
-        if all(s is not None for s in sent):
-            ax_b.plot(rows, [s / 2**20 for s in sent], color=color, marker=marker, label=SHORT[method])
-    ax_t.set(xscale="log", yscale="log", xlabel="table rows", ylabel="median step time (ms), bars: p25-p75",
-             title=f"step time, {doc['config']['world_size']} gloo ranks on CPU")  # fmt: skip
-    ax_b.set(xscale="log", yscale="log", xlabel="table rows", ylabel="MiB sent to the other rank per step",
-             title="communication per step (measured or computed, see docs)")  # fmt: skip
-    for ax in (ax_t, ax_b):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.suptitle(
-        f"dim {cfg['dim']}, {cfg['batch']} Zipf({cfg['zipf']}) lookups per rank per step, Adagrad, "
-        f"{doc['machine']['cpu_count']}-core CPU, 1 thread per rank",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    names = []
+    for index, section in enumerate(s for s in doc.get("single_process", []) if s["device"] == "cpu"):
+        r = {(x["name"], x["kind"]): x["ms_median"] for x in section["results"]}
+        fig, (ax_step, ax_floor) = plt.subplots(1, 2, figsize=(13, 4.5))
+        width = 0.27
+        for i, family in enumerate(FAMILIES):
+            torch_name = "torch/adam_global" if family.startswith("adam") else f"torch/{family}"
+            for j, (name, color, label) in enumerate(((f"ours/{family}", "tab:red", "lightning_sparse"),
+                                                      (torch_name, "tab:gray", "torch nn.Embedding(sparse=True)"),
+                                                      (f"fbgemm/{family}", "tab:blue", "FBGEMM CPU TBE"))):  # fmt: skip
+                if (name, "step") in r:
+                    ax_step.bar(i + (j - 1) * width, r[(name, "step")], width, color=color, label=label if i == 0 or (j == 2 and family == "sgd") else None)
+            for j, (name, kind, color, label) in enumerate(((f"ours/{family}", "update", "tab:red", "lightning_sparse step"),
+                                                            (f"floor/gather_scatter/{family}", "floor_gather_scatter", "tab:olive", "gather + scatter floor"),
+                                                            (f"floor/copy/{family}", "floor_copy", "tab:cyan", "sequential copy floor"))):  # fmt: skip
+                if (name, kind) in r:
+                    ax_floor.bar(i + (j - 1) * width, r[(name, kind)], width, color=color, label=label if i == 0 else None)
+        for ax, title in ((ax_step, "forward + backward + step"), (ax_floor, "optimizer step alone, against two floors")):
+            ax.set_xticks(range(len(FAMILIES)), [SHORT_FAMILY[f] for f in FAMILIES], fontsize=8)
+            ax.set(ylabel="median ms", title=title)
+            ax.legend(fontsize=8)
+            ax.grid(True, axis="y", alpha=0.3)
+        fig.suptitle(f"one process, {_rows(section['rows'])} x {section['dim']} table, {section['batch']} ids per step, "
+                     f"{section['threads']} threads, {section.get('allocator', 'glibc defaults')}", fontsize=10)  # fmt: skip
+        fig.tight_layout()
+        names.append(f"{stem}-single{'-kept' if index else ''}.png")
+        fig.savefig(folder / names[-1], dpi=100)
+        plt.close(fig)
+    runs = [r for r in doc.get("distributed", {}).get("runs", []) if "error" not in r]
+    batches = sorted({r["batch"] for r in runs})
+    if runs:
+        fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 4.5), squeeze=False)
+        for ax, batch in zip(axes[0], batches):
+            for method in METHOD_LABEL:
+                mine = sorted((r for r in runs if r["method"] == method and r["batch"] == batch), key=lambda r: r["rows"])
+                if not mine:
+                    continue
+                color, marker = STYLE[method]
+                med = [r["step_ms_median"] for r in mine]
+                err = [[m - r["step_ms_p25"] for m, r in zip(med, mine)], [r["step_ms_p75"] - m for m, r in zip(med, mine)]]
+                ax.errorbar([r["rows"] for r in mine], med, yerr=err, color=color, marker=marker, capsize=3, label=METHOD_LABEL[method].replace("`", ""))
+            ax.set(xscale="log", yscale="log", xlabel="table rows", ylabel="median step (ms), bars p25-p75",
+                   title=f"2 gloo ranks, {batch} ids per rank per step")  # fmt: skip
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        names.append(f"{stem}-distributed.png")
+        fig.savefig(folder / names[-1], dpi=100)
+        plt.close(fig)
+    return names
 
 
-def results_markdown(doc: dict, results_path: str, png_name: str) -> str:
-    cfg, machine = doc["config"], doc["machine"]
-    runs = doc["runs"]
-    by_key = {(r["method"], r["rows"]): r for r in runs}
-    sizes = sorted({r["rows"] for r in runs})
-    out = [
-        f"Run: {machine['cpu_count']}-core CPU ({machine['processor']}), {machine['platform']}, Python "
-        f"{machine['python']}, torch {machine['torch']}, dgl {machine['dgl']}; {cfg['world_size']} ranks on "
-        f"{cfg['backend']}, {cfg['threads_per_rank']} thread per rank. Table dim {cfg['dim']} (float32), "
-        f"{cfg['batch']} lookups per rank per step, ids ~ Zipf({cfg['zipf']}), `{cfg['loss']}`, "
-        f"{cfg['optimizer']}. Whole benchmark: {doc['total_wall_s']:.0f} s wall; other processes used "
-        f"{doc.get('other_cpu_s', float('nan')):.0f} CPU-s meanwhile (see caveats). {code_line(doc)}",
-        "",
-        "| rows | method | median step (ms) | p25-p75 (ms) | baseline / ours | sent to the other rank per step | "
-        "peak RSS per rank | setup (s) | steps |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for rows in sizes:
-        ours = by_key.get(("ours", rows))
-        for method in LABELS:
-            r = by_key.get((method, rows))
-            if r is None:
-                continue
-            if "error" in r:
-                out.append(f"| {human_rows(rows)} | {SHORT[method]} | failed: {r['error']} | | | | | | |")
-                continue
-            if method == "ours":
-                ratio = "1 (reference)"
-            elif ours and "error" not in ours:
-                ratio = f"**{r['step_ms_median'] / ours['step_ms_median']:.2f}x**"
-            else:
-                ratio = "n/a"
-            rss = "/".join(f"{m:.0f}" for m in r["peak_rss_mib"]) + " MiB"
-            out.append(
-                f"| {human_rows(rows)} | {SHORT[method]} | {r['step_ms_median']:.1f} | "
-                f"{r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f} | {ratio} | {human_bytes(r.get('bytes_sent_per_step'))} | "
-                f"{rss} | {r['setup_s']:.1f} | {r['measured_steps']} |"
-            )
-    out += ["", "How each byte figure was obtained:", ""]
-    seen = set()
-    for method in LABELS:
-        src = next((r.get("bytes_source") for r in runs if r["method"] == method and r.get("bytes_source")), None)
-        if src and method not in seen:
-            seen.add(method)
-            out.append(f"- {SHORT[method]}: {src}.")
-    ours_runs = [r for r in runs if r["method"] == "ours" and "error" not in r]
-    if ours_runs:
-        out += ["", "Where lightning_sparse's step goes (mean per step over the measured steps, mean over ranks; "
-                "exchange times include waiting for the other rank):", "",
-                "| rows | unique ids per rank | ExchangeStats bytes sent (lookup + grads) | computed from the ids | "
-                "lookup exchange (ms) | grad exchange (ms) | row update (ms) |",
-                "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-        for r in sorted(ours_runs, key=lambda r: r["rows"]):
-            out.append(
-                f"| {human_rows(r['rows'])} | {r['unique_ids_per_step']:.0f} | "
-                f"{human_bytes(r['lookup_bytes_sent_per_step'])} + {human_bytes(r['grad_bytes_sent_per_step'])} | "
-                f"{human_bytes(r['bytes_sent_per_step'])} | {r['lookup_exchange_ms_per_step']:.1f} | "
-                f"{r['grad_exchange_ms_per_step']:.1f} | {r['update_ms_per_step']:.1f} |"
-            )
-    pair = [by_key.get((m, r)) for m in doc.get("lightning_pair", []) for r in sizes if (m, r) in by_key]
-    if len(pair) == 2 and all(p and "error" not in p for p in pair):
-        plain, lit = pair
-        out += ["", f"Lightning overhead ({human_rows(plain['rows'])} rows; the same table plus a {cfg['dim']}-element "
-                "dense parameter in DDP, so that Lightning has a dense optimizer; "
-                f"{plain['measured_steps']} steps after {plain['warmup_steps']} warm-up steps):", "",
-                "| loop | median step (ms) | p25-p75 (ms) | / plain | ExchangeStats bytes sent per rank per step |",
-                "|---|---:|---:|---:|---:|"]  # fmt: skip
-        for name, r in (("plain torch loop (DDP head + SparseAdagrad)", plain),
-                        ("`Trainer(strategy=\"sparse_ddp\")`, time between `on_train_batch_start` calls", lit)):  # fmt: skip
-            out.append(
-                f"| {name} | {r['step_ms_median']:.1f} | {r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f} | "
-                f"{r['step_ms_median'] / plain['step_ms_median']:.2f}x | {human_bytes(r.get('bytes_sent_per_step'))} |"
-            )
-    elif pair:
-        out += ["", "Lightning overhead: " + "; ".join(f"{p['method']} failed: {p['error']}" for p in pair if p and "error" in p)]
-    link = results_path if Path(results_path).is_absolute() else f"../{results_path}"
-    out += ["", f"![step time vs table rows]({png_name})", "", f"Raw results: [`{results_path}`]({link})."]
-    return "\n".join(out)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", default="benchmarks/results/sparse_step.json")
-    parser.add_argument("--doc", default="docs/benchmarks.md")
-    parser.add_argument("--png", default="docs/benchmarks.png")
-    args = parser.parse_args()
-    results = Path(args.results) if Path(args.results).is_absolute() else ROOT / args.results
-    doc_path, png = ROOT / args.doc, ROOT / args.png
-    doc = json.loads(results.read_text())
-    plot(doc, png)
-    rel = results.relative_to(ROOT).as_posix() if results.is_relative_to(ROOT) else str(results)
-    block = f"{BEGIN}\n{results_markdown(doc, rel, png.name)}\n{END}"
+# ---------------------------------------------------------------------------- page
+def write(doc: dict, json_path: Path, doc_path: Path) -> None:
+    """Regenerate the results block of ``doc_path`` and the plots beside it."""
+    doc_path = Path(doc_path)
+    names = plots(doc, doc_path.parent, doc_path.stem)
+    try:
+        json_name = str(Path(json_path).resolve().relative_to(doc_path.resolve().parent.parent))
+    except ValueError:
+        json_name = str(json_path)
+    block = f"{BEGIN}\n{markdown(doc, json_name, names)}\n{END}"
     page = doc_path.read_text() if doc_path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
     if BEGIN not in page or END not in page:
         raise SystemExit(f"{doc_path} has no {BEGIN} ... {END} block to fill in")
     head, rest = page.split(BEGIN, 1)
     doc_path.write_text(head + block + rest.split(END, 1)[1])
-    print(f"wrote {png.relative_to(ROOT)} and the results of {doc_path.relative_to(ROOT)}")
+    print(f"wrote {doc_path} and {', '.join(names)}")
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="?", default=str(Path(__file__).resolve().parent / "results" / "bench.json"))
+    parser.add_argument("--doc", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"))
+    args = parser.parse_args()
+    data = json.loads(Path(args.results).read_text())
+    data["targets"] = targets(data)
+    write(data, Path(args.results), Path(args.doc))

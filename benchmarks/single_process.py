@@ -70,22 +70,27 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor, proj: torch.Tensor) -> torc
     return ((out @ proj) - target).pow(2).mean()
 
 
+_SYNC: Callable[[], None] = lambda: None  # torch.cuda.synchronize when timing on a GPU
+
+
 def _timed(fn: Callable[[], object]) -> float:
+    _SYNC()
     start = time.perf_counter()
     fn()
+    _SYNC()
     return time.perf_counter() - start
 
 
-def build_methods(rows: int, dim: int, batches: list[torch.Tensor], with_fbgemm: bool) -> list[Method]:
+def build_methods(rows: int, dim: int, batches: list[torch.Tensor], with_fbgemm: bool, device: str = "cpu") -> list[Method]:
     import lightning_sparse as ls
 
     gen = torch.Generator().manual_seed(1)
-    proj = torch.randn(dim, generator=gen)
-    targets = [torch.randn(len(b), generator=gen) for b in batches]
+    proj = torch.randn(dim, generator=gen).to(device)
+    targets = [torch.randn(len(b), generator=gen).to(device) for b in batches]
     methods: list[Method] = []
 
     for family, (cls, kwargs) in OURS.items():
-        emb = ls.SparseEmbedding(rows, dim, seed=0)
+        emb = ls.SparseEmbedding(rows, dim, seed=0, device=device)
         opt = getattr(ls, cls)([emb], **kwargs)
 
         def step(i, emb=emb, opt=opt):
@@ -110,7 +115,7 @@ def build_methods(rows: int, dim: int, batches: list[torch.Tensor], with_fbgemm:
             methods.append(Method("ours/lookup", "lookup", "lookup", lookup))
 
     for family, make in TORCH.items():
-        emb = nn.Embedding(rows, dim, sparse=True)
+        emb = nn.Embedding(rows, dim, sparse=True, device=device)
         nn.init.normal_(emb.weight, std=dim**-0.5)
         opt = make(emb.weight)
 
@@ -140,14 +145,14 @@ def build_methods(rows: int, dim: int, batches: list[torch.Tensor], with_fbgemm:
 
     # Floors on the touched rows of each family's table and state.
     distinct = [torch.unique(b) for b in batches]
-    table = torch.randn(rows, dim)
+    table = torch.randn(rows, dim, device=device)
     for family, state_bytes in STATE_BYTES.items():
         extra = state_bytes(dim)
-        state = [torch.zeros(rows, dim) for _ in range(extra // (4 * dim))]
+        state = [torch.zeros(rows, dim, device=device) for _ in range(extra // (4 * dim))]
         if extra % (4 * dim) == 4:
-            state.append(torch.zeros(rows))
+            state.append(torch.zeros(rows, device=device))
         elif extra % (4 * dim) == 8:
-            state.append(torch.zeros(rows, dtype=torch.int64))
+            state.append(torch.zeros(rows, dtype=torch.int64, device=device))
         tensors = [table, *state]
 
         def gather_scatter(i, tensors=tensors):
@@ -155,7 +160,7 @@ def build_methods(rows: int, dim: int, batches: list[torch.Tensor], with_fbgemm:
             return _timed(lambda: [t.index_copy_(0, u, t.index_select(0, u)) for t in tensors])
 
         row_bytes = 4 * dim + extra
-        source = torch.empty(max(len(u) for u in distinct) * row_bytes // 4)
+        source = torch.empty(max(len(u) for u in distinct) * row_bytes // 4, device=device)
         target = torch.empty_like(source)
 
         def copy(i, row_bytes=row_bytes, source=source, target=target):
@@ -193,10 +198,13 @@ def _fbgemm_methods(rows, dim, batches, targets, proj) -> list[Method]:
     return methods
 
 
-def run(rows: int, dim: int, batch: int, rounds: int, steps_per_round: int, threads: int, with_fbgemm: bool) -> dict:
+def run(rows: int, dim: int, batch: int, rounds: int, steps_per_round: int, threads: int, with_fbgemm: bool,
+        device: str = "cpu") -> dict:  # fmt: skip
+    global _SYNC
     torch.set_num_threads(threads)
-    batches = make_ids(rows, batch, count=8)
-    methods = build_methods(rows, dim, batches, with_fbgemm)
+    _SYNC = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    batches = [b.to(device) for b in make_ids(rows, batch, count=8)]
+    methods = build_methods(rows, dim, batches, with_fbgemm and device == "cpu", device)
     for method in methods:  # warm up: first steps allocate state, fault in pages
         for i in range(2):
             method.run(i % len(batches))
@@ -207,8 +215,12 @@ def run(rows: int, dim: int, batch: int, rounds: int, steps_per_round: int, thre
                 method.samples.append(method.run(counter % len(batches)))
                 counter += 1
     distinct = statistics.mean(len(torch.unique(b)) for b in batches)
+    import os
+
+    kept = "MALLOC_TRIM_THRESHOLD_" in os.environ
     return {
-        "rows": rows, "dim": dim, "batch": batch, "distinct_ids_mean": distinct, "threads": threads,
+        "allocator": "glibc, freed memory kept" if kept else "glibc defaults", "device": device, "rows": rows, "dim": dim, "batch": batch, "distinct_ids_mean": distinct, "threads": threads,
+        "fbgemm": with_fbgemm and device == "cpu",
         "rounds": rounds, "steps_per_round": steps_per_round,
         "results": [
             {"name": m.name, "family": m.family, "kind": m.kind, "ms_median": 1e3 * statistics.median(m.samples),
@@ -244,8 +256,12 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps-per-round", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     out = run(args.rows, args.dim, args.batch, args.rounds, args.steps_per_round, args.threads, fbgemm_available())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
     for r in out["results"]:
         print(f"{r['name']:36} {r['kind']:22} {r['ms_median']:8.2f} ms")
     print(json.dumps({k: v for k, v in out.items() if k != "results"}))

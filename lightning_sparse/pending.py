@@ -84,8 +84,13 @@ class PendingGrads:
         return LookupRecord(self, route, keys, perm, offsets, bound)
 
     def grads(self) -> list[Tensor]:
-        """The row gradients received so far (for unscaling, clipping, inspection)."""
+        """The row gradients received so far (for inspection; see :meth:`scale`)."""
         return [record.grad for record in self.received]
+
+    def scale(self, factor: float) -> None:
+        """Multiply every received gradient by ``factor`` (e.g. to unscale a mixed-precision loss scale)."""
+        for record in self.received:
+            record.grad.mul_(factor)
 
     def zero_grad(self) -> None:
         """Drop the gradients received so far. Lookups still awaiting their backward are unaffected."""

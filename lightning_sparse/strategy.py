@@ -200,8 +200,8 @@ class SparseDDPStrategy(DDPStrategy):
         inv_scale = 1.0 / self._loss_scale if self._loss_scale else 1.0
         found = torch.zeros(1, device=self.root_device)
         for table in tables or self._tables:
+            table.pending.scale(inv_scale)
             for grad in table.pending_grads():
-                grad.mul_(inv_scale)
                 found += (~torch.isfinite(grad)).any()
         if dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX)

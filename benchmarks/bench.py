@@ -1,0 +1,167 @@
+"""The benchmark suite: one command measures everything, writes one JSON and regenerates docs/benchmarks.md.
+
+    python benchmarks/bench.py            # the full run (make bench), about 10 minutes on 2 cores
+    python benchmarks/bench.py --quick    # a smoke run on small sizes, under a minute (run by the tests)
+    python benchmarks/bench.py --device cuda   # adds the one-GPU section
+
+Sections (see each module's docstring): ``single_process`` (every sparse optimizer against
+torch's and FBGEMM's, and against memory floors), ``distributed`` (2 gloo ranks: ours, Lightning
+``sparse_ddp``, DGL, DDP with sparse gradients, Lightning ``ddp`` with a dense table) and ``gpu``
+(the update kernels' bandwidth against a device copy). The JSON records the machine, versions,
+thread counts, allocator settings and commit; ``report.py`` turns it into tables, plots and the
+verdict on each target. Measure on an otherwise idle machine: the figures are wall-clock times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DGLBACKEND", "pytorch")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import distributed  # noqa: E402
+import report  # noqa: E402
+import single_process  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FULL = {
+    "single_process": dict(rows=1_000_000, dim=64, batch=65536, rounds=5, steps_per_round=4, threads=2),
+    "distributed": dict(rows_list=[100_000, 1_000_000, 4_000_000], batches=[4096, 65536], methods=list(distributed.METHODS)),
+    "gpu": dict(rows=4_000_000, dim=64, batch=262_144),
+}
+QUICK = {
+    "single_process": dict(rows=100_000, dim=64, batch=4096, rounds=2, steps_per_round=2, threads=2),
+    "distributed": dict(rows_list=[100_000], batches=[1024], methods=["ours", "sparse_ddp", "sparse_grad_ddp"],
+                        budget_s=0.5, min_steps=3, max_steps=10, warmup=2),  # fmt: skip
+    "gpu": dict(rows=100_000, dim=64, batch=4096),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, a smoke run under a minute")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: also run the one-GPU section")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench.json"))
+    parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="page whose results block is regenerated")
+    parser.add_argument("--no-report", action="store_true")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    start = time.perf_counter()
+    doc = {"benchmark": "lightning_sparse", "quick": args.quick, "created": datetime.datetime.now().isoformat(timespec="seconds"),
+           "machine": _machine(), "versions": _versions(), "allocator": _allocator(), "code": _code()}  # fmt: skip
+    doc["threads"] = {"single_process": plan["single_process"]["threads"], "distributed_per_rank": 1}
+
+    print("single process (CPU)...", flush=True)
+    doc["single_process"] = [single_process.run(**plan["single_process"], with_fbgemm=single_process.fbgemm_available())]
+    print("single process (CPU, freed memory kept)...", flush=True)
+    doc["single_process"].append(_single_process_keeping_memory(plan["single_process"]))
+    if args.device == "cuda":
+        print("single process (CUDA)...", flush=True)
+        doc["single_process"].append(single_process.run(**plan["single_process"], with_fbgemm=False, device="cuda"))
+    print("2 ranks (gloo)...", flush=True)
+    methods = plan["distributed"]["methods"]
+    if not _importable("dgl"):
+        methods = [m for m in methods if m != "dgl"]
+    doc["distributed"] = distributed.run(**{**plan["distributed"], "methods": methods})
+    if args.device == "cuda":
+        import gpu
+
+        print("one GPU...", flush=True)
+        doc["gpu"] = gpu.run(**plan["gpu"])
+    else:
+        doc["gpu"] = {"skipped": "not requested (--device cuda)" if torch.cuda.is_available() else "no CUDA device"}
+    doc["wall_s"] = time.perf_counter() - start
+    doc["targets"] = report.targets(doc)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out} ({doc['wall_s']:.0f} s)")
+    for target in doc["targets"]:
+        print(f"  {'met ' if target['met'] else 'MISS'}  {target['name']}: {target['measured']}")
+    if not args.no_report:
+        report.write(doc, out, Path(args.doc))
+    return 0
+
+
+# glibc gives freed buffers back to the system and page-faults new ones in; these keep them, as
+# jemalloc or tcmalloc would (read at process start, hence a separate process).
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36)}
+
+
+def _single_process_keeping_memory(cfg: dict) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "single.json"
+        args = [f"--{key.replace('_', '-')}={value}" for key, value in cfg.items()]
+        subprocess.run([sys.executable, "-W", "ignore", str(Path(__file__).parent / "single_process.py"), *args,
+                        "--json", str(out)], check=True, capture_output=True, env={**os.environ, **KEEP_FREED_MEMORY})  # fmt: skip
+        return json.loads(out.read_text())
+
+
+def _importable(name: str) -> bool:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            __import__(name)
+        return True
+    except Exception:  # noqa: BLE001 - missing, or built for another torch
+        return False
+
+
+def _machine() -> dict:
+    processor = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                processor = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else None
+    return {"cpu_count": os.cpu_count(), "processor": processor, "memory_gib": round(memory, 1) if memory else None,
+            "platform": platform.platform(), "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}  # fmt: skip
+
+
+def _versions() -> dict:
+    versions = {"torch": torch.__version__}
+    for name, module in (("lightning", "lightning"), ("lightning_sparse", "lightning_sparse"), ("dgl", "dgl"),
+                         ("fbgemm_gpu", "fbgemm_gpu")):  # fmt: skip
+        versions[name] = getattr(sys.modules.get(module), "__version__", None) if _importable(module) else None
+    return versions
+
+
+def _allocator() -> dict:
+    """Settings that change how fresh buffers are paged in (the figures depend on them, see docs/benchmarks.md)."""
+    keys = [k for k in os.environ if k.startswith(("MALLOC_", "LD_PRELOAD", "THP_"))]
+    return {k: os.environ[k] for k in sorted(keys)} or {"glibc": "defaults"}
+
+
+def _code() -> dict:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "uncommitted": git("status", "--porcelain", "--", "lightning_sparse").splitlines()}  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

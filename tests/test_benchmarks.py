@@ -1,0 +1,43 @@
+"""The benchmark suite runs end to end in its smoke mode (it measures nothing worth asserting here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(300)
+def test_quick_benchmark_writes_results_and_report(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    shutil.copy(ROOT / "docs" / "benchmarks.md", page)
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-W", "ignore", str(ROOT / "benchmarks" / "bench.py"), "--quick", "--out", str(out), "--doc", str(page)],
+        capture_output=True, text=True, timeout=280, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["quick"] and doc["machine"]["cpu_count"] and doc["versions"]["torch"] and doc["code"]["commit"]
+    kinds = {(r["name"], r["kind"]) for r in doc["single_process"][0]["results"]}
+    for name in ("ours/adam_row", "ours/adagrad", "ours/rowwise_adagrad", "ours/sgd", "torch/adam_global"):
+        assert (name, "step") in kinds and (name, "update") in kinds
+    assert ("floor/gather_scatter/adam_row", "floor_gather_scatter") in kinds
+    runs = doc["distributed"]["runs"]
+    assert {r["method"] for r in runs} >= {"ours", "sparse_ddp", "sparse_grad_ddp"}
+    assert all("error" not in r for r in runs), [r.get("error") for r in runs]
+    ours = next(r for r in runs if r["method"] == "ours")
+    assert ours["bytes_sent_per_step"] > 0 and ours["lower_bound_bytes_per_step"] > 0
+    assert doc["targets"] and all({"name", "target", "measured", "met"} <= set(t) for t in doc["targets"])
+    text = page.read_text()
+    assert "### Targets" in text and "quick" in text and "![benchmarks-single.png]" in text
+    assert (tmp_path / "benchmarks-single.png").stat().st_size > 0
+    assert text.startswith((ROOT / "docs" / "benchmarks.md").read_text().split("<!-- results:begin -->")[0])

@@ -21,6 +21,7 @@ other, sent once each way (the row to the requester, its gradient back), at 4 by
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -294,6 +295,9 @@ def rank_main(rank: int, cfg: dict, method: str, rows: int, port: int, out_dir: 
         result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
     result["peak_rss_mib"] = _peak_rss_mib()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    # Lightning's objects hold the process group in reference cycles: free them before the group,
+    # so that nothing of it is left for interpreter shutdown (see docs/benchmarks.md, caveats).
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -311,8 +315,11 @@ def run_one(cfg: dict, method: str, rows: int) -> dict:
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(rank_main, args=(cfg, method, rows, _free_port(), out_dir), nprocs=WORLD, start_method="spawn")
-        except Exception as exc:  # a rank died (e.g. killed for memory)
-            return {**row, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+        except Exception as exc:  # a rank died (killed for memory), or aborted at exit after writing its results
+            files = [Path(out_dir, f"rank{r}.json") for r in range(WORLD)]
+            if not all(f.exists() for f in files):
+                return {**row, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+            row["exit"] = f"{type(exc).__name__} after the results were written: {exc}".splitlines()[0][:200]
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
     row["run_wall_s"] = time.perf_counter() - wall
     row["peak_rss_mib"] = [r["peak_rss_mib"] for r in ranks]

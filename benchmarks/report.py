@@ -213,6 +213,10 @@ def _distributed_markdown(section: dict) -> list[str]:
         source = next((r.get("bytes_source") for r in runs if r["method"] == method and r.get("bytes_source")), None)
         if source:
             lines.append(f"- {METHOD_LABEL[method]}: {source}.")
+    for r in runs:
+        if "exit" in r:
+            lines.append(f"- {METHOD_LABEL[r['method']]}, {_rows(r['rows'])} rows, {r['batch']} ids: a rank ended with "
+                         f"{r['exit']} (its figures stand).")  # fmt: skip
     ours = [r for r in runs if r["method"] == "ours" and "collectives_per_step" in r]
     if ours:
         lines.append(f"- lightning_sparse made {ours[0]['collectives_per_step']:.0f} all-to-alls per step "

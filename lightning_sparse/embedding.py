@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from lightning_sparse import init as row_init
 from lightning_sparse.exchange import ExchangeStats
+from lightning_sparse.faults import collective
 from lightning_sparse.lookup import lookup
 from lightning_sparse.pending import PendingGrads
 from lightning_sparse.sharding import SCHEMES, RowSharding
@@ -242,7 +243,8 @@ class SparseEmbedding(nn.Module):
         padded = local.new_zeros(most, *local.shape[1:])
         padded[: len(local)] = local
         gathered = [torch.empty_like(padded) for _ in range(self._world_size)]
-        dist.all_gather(gathered, padded, group=self._group)
+        with collective(f"all-gather of {self.name}"):
+            dist.all_gather(gathered, padded, group=self._group)
         out = local.new_empty(self.num_embeddings, *local.shape[1:])
         for rank, part in enumerate(gathered):
             ids = sharding.global_ids(rank, device=out.device)

@@ -37,7 +37,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.profiler import record_function
 
+from lightning_sparse.faults import PeerFailure, collective
 from lightning_sparse.sharding import RowSharding
+
+__all__ = ["PeerFailure"]  # re-exported: a lost peer's error, raised by every stage
 
 ProcessGroup = dist.ProcessGroup
 
@@ -65,21 +68,6 @@ class ExchangeStats:
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, type(getattr(self, name))())
-
-
-class PeerFailure(RuntimeError):
-    """A collective of the sparse path failed: a peer rank died, hung or timed out."""
-
-
-def _collective(name: str, call: Callable[..., object], *args: object, **kwargs: object) -> None:
-    try:
-        call(*args, **kwargs)
-    except RuntimeError as err:  # DistBackendError and gloo/NCCL errors
-        raise PeerFailure(
-            f"The sparse all-to-all ({name}) failed: another rank probably died, or did not reach it within the "
-            f"process group's timeout ({type(err).__name__}: {err}). HINT: restart all ranks and resume from the "
-            f"last checkpoint, e.g. trainer.fit(model, ckpt_path='last')."
-        ) from err
 
 
 # ---------------------------------------------------------------------------- one sort: dedup and group
@@ -172,7 +160,8 @@ def exchange_counts(send: Tensor, group: ProcessGroup | None, world_size: int, s
     if world_size == 1:
         return send
     recv = torch.empty_like(send)
-    _collective("split sizes", dist.all_to_all_single, recv, send.contiguous(), group=group)
+    with collective("all-to-all of split sizes"):
+        dist.all_to_all_single(recv, send.contiguous(), group=group)
     if stats is not None:  # what crossed to other ranks: all rows but our own
         row = send[0].numel() * send.element_size()
         stats.bytes_sent += row * (world_size - 1)
@@ -197,10 +186,10 @@ def exchange_values(
     if world_size == 1:
         return values
     recv = values.new_empty((sum(recv_splits), *values.shape[1:]))
-    _collective(
-        "values", dist.all_to_all_single, recv, values.contiguous(),
-        output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=group,
-    )  # fmt: skip
+    with collective("all-to-all of values"):
+        dist.all_to_all_single(
+            recv, values.contiguous(), output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=group
+        )
     if stats is not None:  # what crossed to other ranks: our own split stays here
         row = values[0].numel() * values.element_size() if len(values) else 0
         stats.bytes_sent += (sum(send_splits) - send_splits[rank]) * row
@@ -312,9 +301,10 @@ def ids_to_owners(
         rows[:, 0] = counts
         rows[:, 1:width] = _fields(header, device, id_range, counts)
         recv = torch.empty(world_size * (width + slots), dtype=torch.int64, device=device)
-        _collective("ids", dist.all_to_all_single, recv, send, group=group)
-        recv = recv.view(world_size, width + slots)
-        host = torch.cat([counts, recv[:, :width].reshape(-1)]).tolist()  # the stage's one host read
+        with collective("all-to-all of lookup ids"):
+            dist.all_to_all_single(recv, send, group=group)
+            recv = recv.view(world_size, width + slots)
+            host = torch.cat([counts, recv[:, :width].reshape(-1)]).tolist()  # the stage's one host read
         send_splits = host[:world_size]
         headers = [LookupHeader(*host[world_size + width * r : world_size + width * (r + 1)]) for r in range(world_size)]
         most = max(h.most for h in headers)
@@ -527,7 +517,8 @@ def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) ->
                 offset += rows * table.width
         code_slices.append(recv.narrow(0, offset, len(tables)))
         offset += len(tables)
-    all_codes = torch.stack(code_slices).to(torch.int64).tolist()  # [W][T], the round's one host read
+    with collective("all-to-all of gradients"):
+        all_codes = torch.stack(code_slices).to(torch.int64).tolist()  # [W][T], the round's one host read
     incoming = [IncomingGrads([], [], touched=any(row[i] for row in all_codes)) for i in range(len(tables))]
     recv_starts = [split_starts(t.route.recv_splits) if t.route else None for t in tables]
     for source, index, offset, rows in blocks:
@@ -543,7 +534,8 @@ def _general_round(tables, group, world_size, rank, wire_dtype, device, stats) -
     empty_counts = torch.zeros(world_size, dtype=torch.int64, device=device)
     counts = torch.stack([t.others[2] if t.others is not None else empty_counts for t in tables], dim=1)  # [W, T]
     recv_counts = exchange_counts(counts, group, world_size, stats)
-    host = torch.cat([counts, recv_counts]).tolist()  # the round's one host read
+    with collective("all-to-all of gradient counts"):
+        host = torch.cat([counts, recv_counts]).tolist()  # the round's one host read
     send_l, recv_l = host[:world_size], host[world_size:]
     id_width = 8 // torch.empty(0, dtype=wire_dtype).element_size()
     widths = [id_width + t.width for t in tables]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import logging
 import sys
 
 import torch
@@ -48,7 +49,10 @@ from lightning_sparse import checkpoint
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.exchange import ExchangeStats
+from lightning_sparse.faults import collective
 from lightning_sparse.optim.base import SparseOptimizer
+
+log = logging.getLogger(__name__)
 
 
 class SparseDDPStrategy(DDPStrategy):
@@ -62,6 +66,7 @@ class SparseDDPStrategy(DDPStrategy):
         self._sparse_optimizers: list[SparseOptimizer] = []
         self._loss_scale: float | None = None  # the 16-mixed scale of the pending sparse gradients
         self._restored_sharded = False
+        self._restored_weights_only = False
 
     @property
     def sparse_tables(self) -> list[SparseEmbedding]:
@@ -203,11 +208,20 @@ class SparseDDPStrategy(DDPStrategy):
             table.pending.scale(inv_scale)
             for grad in table.pending_grads():
                 found += (~torch.isfinite(grad)).any()
-        if dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        return bool(found.item())
+        with collective("all-reduce of the 16-mixed overflow flag"):
+            if dist.is_initialized():
+                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            return bool(found.item())
 
     # ------------------------------------------------------------------ evaluation with uneven loaders
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        # A rank whose evaluation loader is empty never reaches a *_step: Lightning skips the loop.
+        # It serves the other ranks' lookups instead, right after the skipped run.
+        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            _serve_when_skipped(loop, self)
+
     def _serve_after_last_batch(self, loop: Any) -> None:
         if self._tables and loop.batch_progress.is_last_batch:
             serve_lookups(self._tables)
@@ -239,52 +253,59 @@ class SparseDDPStrategy(DDPStrategy):
     @property
     @override
     def lightning_restore_optimizer(self) -> bool:
-        return not self._restored_sharded  # load_checkpoint already restored them
+        # Sharded: load_checkpoint already restored them. Weights only: they start afresh.
+        return not (self._restored_sharded or self._restored_weights_only)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state with each table as a DTensor of its rows (no gathering). Collective."""
-        return checkpoint.sharded_module_state(self.lightning_module)
+        """The module's dense state; the tables are written by ``save_checkpoint`` from the module itself."""
+        return checkpoint.dense_module_state(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if isinstance(inner, SparseOptimizer):
-            return checkpoint.sharded_optimizer_state(inner)
+        if isinstance(inner, SparseOptimizer):  # per-row state is written by save_checkpoint, one tensor at a time
+            return checkpoint.dense_optimizer_state(inner)
         if isinstance(inner, _MockOptimizer):
             return {}
         return get_optimizer_state_dict(self.lightning_module, inner)
 
     @override
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write a sharded checkpoint (see ``lightning_sparse.checkpoint``). Collective."""
+        """Write a sharded checkpoint (see ``lightning_sparse/checkpoint``). Collective."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options: it writes with DCP.")
         path = Path(self.broadcast(filepath))
-        tensors, rest = checkpoint.split_tensors({"state_dict": checkpoint_dict.pop("state_dict", {})})
-        tensors = tensors or {}
+        dense, rest = checkpoint.split_tensors({"state_dict": checkpoint_dict.pop("state_dict", {})})
+        dense = dense or {}
         optimizer_states = checkpoint_dict.pop("optimizer_states", None)
         meta = {**checkpoint_dict, "state_dict_rest": (rest or {}).get("state_dict", {})}
+        sparse: dict[int, SparseOptimizer] = {}
         if optimizer_states is not None:
             meta["optimizer_states_rest"] = []
             for index, state in enumerate(optimizer_states):
                 state_tensors, state_rest = checkpoint.split_tensors(state)
-                tensors[f"optimizer_{index}"] = state_tensors or {}
+                dense[f"optimizer_{index}"] = state_tensors or {}
                 meta["optimizer_states_rest"].append(state_rest or {})
+            sparse = {i: opt for i, opt in enumerate(self.optimizers) if isinstance(opt, SparseOptimizer)}
         meta["sparse_tables"] = {t.name: [t.num_embeddings, t.embedding_dim] for t in self._tables}
-        checkpoint.save(path, tensors, meta)
+        checkpoint.save(path, self.lightning_module, sparse, dense, meta)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint into the module and (when fitting) the optimizers; return the rest.
 
-        Works on any number of ranks and either sharding scheme. A single-file checkpoint with
-        full tables (e.g. exported) goes through Lightning's usual path. Collective.
+        Works on any number of ranks and either sharding scheme. A single file with full tables
+        loads too: one Lightning wrote, or a plain state dict (``python -m lightning_sparse export``),
+        which restores weights only (optimizers, schedulers and loops start afresh). Collective.
         """
         path = Path(self.broadcast(checkpoint_path))
         self._restored_sharded = checkpoint.is_sharded(path)
+        self._restored_weights_only = False
         if not self._restored_sharded:
-            return super().load_checkpoint(path, weights_only=weights_only)
+            kind, loaded = checkpoint.load_file(path, weights_only=True if weights_only is None else weights_only)
+            log.debug("loading %s checkpoint %s", kind, path)
+            return loaded if kind == "lightning" else self._weights_only_checkpoint(loaded)
         meta = checkpoint.load_meta(path, weights_only=True if weights_only is None else weights_only)
         module = self.lightning_module
         checkpoint.load_module(path, module, strict=module.strict_loading)
@@ -297,22 +318,38 @@ class SparseDDPStrategy(DDPStrategy):
                     f"configure_sparse_optimizers."
                 )
             for index, (optimizer, rest) in enumerate(zip(self.optimizers, rests)):
-                self._load_optimizer(path, f"optimizer_{index}", optimizer, rest)
+                self._load_optimizer(path, index, optimizer, rest)
         return meta
 
-    def _load_optimizer(self, path: Path, key: str, optimizer: Optimizer, rest: dict[str, Any]) -> None:
+    def _weights_only_checkpoint(self, state_dict: dict[str, Tensor]) -> dict[str, Any]:
+        """What Lightning restores from a plain state dict: the weights; optimizers and schedulers as they are now."""
+        import lightning
+
+        self._restored_weights_only = True
+        return {
+            "pytorch-lightning_version": lightning.__version__,
+            "state_dict": state_dict,
+            "lr_schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
+        }
+
+    def _load_optimizer(self, path: Path, index: int, optimizer: Optimizer, rest: dict[str, Any]) -> None:
         if isinstance(optimizer, SparseOptimizer):
-            checkpoint.load_sparse_optimizer(path, key, optimizer, rest["param_groups"])
+            checkpoint.load_sparse_optimizer(path, index, optimizer, rest["param_groups"])
         elif not isinstance(optimizer, _MockOptimizer):
             state = get_optimizer_state_dict(self.lightning_module, optimizer)
-            checkpoint.load_tensors(path, {key: {"state": state["state"]}}, f"the state of {type(optimizer).__name__}")
+            checkpoint.load_tensors(path, {f"optimizer_{index}": {"state": state["state"]}}, f"the state of {type(optimizer).__name__}")
             state["param_groups"] = rest["param_groups"]
             set_optimizer_state_dict(self.lightning_module, optimizer, state)
 
     @override
     def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:
-        if "state_dict" in checkpoint_dict:  # a single-file checkpoint; sharded ones are already loaded
+        if "state_dict" in checkpoint_dict:  # a single file; each table keeps the rows of its full tensor it owns
             super().load_model_state_dict(checkpoint_dict, strict=strict)
+        elif not self._restored_sharded:
+            raise RuntimeError(
+                f"The checkpoint to restore has no 'state_dict' (keys: {sorted(checkpoint_dict)[:8]}). HINT: pass a "
+                f"checkpoint written by Trainer(strategy='sparse_ddp') or by `python -m lightning_sparse export`."
+            )
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -337,6 +374,23 @@ class SparseDDPStrategy(DDPStrategy):
                 cls,
                 description="DDP for dense parameters; row-sharded SparseEmbedding tables with sparse optimizers",
             )
+
+
+def _serve_when_skipped(loop: Any, strategy: SparseDDPStrategy) -> None:
+    """Make ``loop.run`` serve lookups when this rank had no batches (idempotent)."""
+    if getattr(loop, "_serves_lookups_when_skipped", False):
+        return
+    run = loop.run
+
+    def run_or_serve(*args: Any, **kwargs: Any) -> Any:
+        output = run(*args, **kwargs)
+        if loop.skip and strategy.sparse_tables:
+            log.debug("%s: no batches on rank %d; serving the other ranks' lookups", type(loop).__name__, strategy.global_rank)
+            serve_lookups(strategy.sparse_tables)
+        return output
+
+    loop.run = run_or_serve
+    loop._serves_lookups_when_skipped = True
 
 
 def _make_scaler_skip(optimizer: Optimizer) -> None:

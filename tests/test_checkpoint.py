@@ -78,13 +78,13 @@ def _save_adam_table(directory: str) -> str:
     optimizer.step()
     holder = torch.nn.Module()
     holder.table = table
-    tensors = {"state_dict": checkpoint.sharded_module_state(holder), "optimizer_0": checkpoint.sharded_optimizer_state(optimizer)["state"]}
-    return str(checkpoint.save(Path(directory) / "adam.ckpt", tensors, {}))
+    dense = {"optimizer_0": checkpoint.split_tensors(checkpoint.dense_optimizer_state(optimizer))[0]}
+    return str(checkpoint.save(Path(directory) / "adam.ckpt", holder, {0: optimizer}, dense))
 
 
 def test_checkpoint_holds_each_row_once(rank_pools, tmp_path):
     ckpt = rank_pools(3).run(_save_adam_table, str(tmp_path))[0]
-    on_disk = sum(f.stat().st_size for f in Path(ckpt).resolve().glob("*.distcp"))
+    on_disk = sum(f.stat().st_size for f in Path(ckpt).resolve().rglob("*.distcp"))
     logical = 30_000 * 16 * 4 * 3 + 30_000 * 8  # table, exp_avg, exp_avg_sq (float32), row_step (int64)
     assert logical <= on_disk < logical * 1.05 + 65_536  # each row once, not once per rank
 
@@ -148,6 +148,57 @@ def test_export_round_trip(rank_pools, tmp_path):
     torch.testing.assert_close(table.full_weight(), expected["users"], rtol=0, atol=0)
 
 
+def _use_exported(path: str, world_size: int) -> dict:
+    lm.lightning_env(_rank(), world_size)
+    exported = torch.load(path, weights_only=True)
+    tester = lm.trainer(world_size, limit_val_batches=None)
+    results = {}
+    for stage in ("validate", "test"):
+        module = lm.TwoTower(**MODULE)
+        getattr(tester, stage)(module, module.val_dataloader(), ckpt_path=path, verbose=False)
+        results[stage] = lm.state(module)
+    module = lm.TwoTower(**MODULE)
+    index = torch.arange(8)
+    data = lm.dataset(8)
+    tester.predict(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.tensors[0], data.tensors[1], index), batch_size=4), ckpt_path=path)
+    results["predict"] = lm.state(module)
+    # fit from the exported weights (weights only) = fit of a module that loaded them itself
+    fitted, reference = lm.TwoTower(**MODULE), lm.TwoTower(**MODULE)
+    lm.trainer(world_size, max_epochs=1).fit(fitted, ckpt_path=path)
+    reference.load_state_dict(exported)
+    lm.trainer(world_size, max_epochs=1).fit(reference)
+    results["fit"], results["fit_reference"] = lm.state(fitted), lm.state(reference)
+    results["exported"] = exported
+    return results
+
+
+def _garbage_ckpt_path(path: str) -> str:
+    lm.lightning_env(_rank(), 2)
+    module = lm.TwoTower(**MODULE)
+    lm.trainer(2, limit_val_batches=None).validate(module, module.val_dataloader(), ckpt_path=path, verbose=False)
+    return "loaded"
+
+
+def test_exported_file_loads_through_ckpt_path_on_another_world_size(rank_pools, tmp_path):
+    (expected, ckpt), *_ = rank_pools(2).run(_save, 2, str(tmp_path), ("mod", "range"))
+    out = tmp_path / "model.pt"
+    subprocess.run([sys.executable, "-m", "lightning_sparse", "export", ckpt, str(out)], capture_output=True, check=True)
+    for got in rank_pools(3).run(_use_exported, str(out), 3):
+        exported = got["exported"]
+        for stage in ("validate", "test", "predict"):
+            torch.testing.assert_close(got[stage]["users"], exported["users.weight"], rtol=0, atol=0)
+            torch.testing.assert_close(got[stage]["items"], exported["items.weight"], rtol=0, atol=0)
+            torch.testing.assert_close(got[stage]["0.weight"], exported["mlp.0.weight"], rtol=0, atol=0)
+        for key, value in got["fit_reference"].items():
+            torch.testing.assert_close(got["fit"][key], value, rtol=0, atol=0, msg=key)
+        assert not torch.equal(got["fit"]["users"], exported["users.weight"])  # it trained
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint at all")
+    for result in rank_pools(2).run_raw(_garbage_ckpt_path, str(garbage)):
+        assert isinstance(result, RankError)
+        assert str(garbage) in result.message and "HINT" in result.message
+
+
 def _init_from_tensor(full: torch.Tensor, path: str) -> tuple[torch.Tensor, torch.Tensor]:
     a = ls.SparseEmbedding(*full.shape, init=ls.init.from_tensor(full))
     b = ls.SparseEmbedding(*full.shape, init=ls.init.from_file(path), sharding="range")
@@ -180,7 +231,7 @@ def test_truncated_or_mismatched_checkpoint_fails_clearly(rank_pools, tmp_path):
         assert isinstance(result, RankError)
         assert f"table users has shape ({lm.USERS}, {lm.DIM}) in checkpoint {ckpt}" in result.message
         assert "HINT" in result.message
-    shard_file = Path(ckpt).resolve() / "__1_0.distcp"
+    shard_file = Path(ckpt).resolve() / "rows" / "state_dict.users.weight" / "part-0" / "__1_0.distcp"
     with open(shard_file, "r+b") as f:
         f.truncate(16)  # keeps nothing of the rows this file held
     for result in rank_pools(2).run_raw(_load_expect_error, ckpt, lm.USERS):
@@ -250,29 +301,44 @@ def test_killed_rank_stops_the_others_and_resume_matches_uninterrupted_run(rank_
 
 
 # ---------------------------------------------------------------- memory
+ROWS, DIM = 3_000_000, 16  # 192 MB in all, 64 MB per rank on 3 ranks
+
+
+def _adam_module(init=None) -> tuple[torch.nn.Module, ls.SparseAdam]:
+    module = torch.nn.Module()
+    module.table = ls.SparseEmbedding(ROWS, DIM, init=init)  # "mod": rows move to row blocks and back
+    optimizer = ls.SparseAdam([module.table])
+    return module, optimizer
+
+
 def _peak_while_saving_and_loading(directory: str) -> tuple[int, int, int]:
-    lm.lightning_env(_rank(), 3)
-    module = pl.LightningModule()
-    module.table = ls.SparseEmbedding(3_000_000, 16)  # 192 MB in all, 64 MB per rank
-    shard_bytes = module.table.materialize().shard.numel() * 4
-    state = checkpoint.sharded_module_state  # warm up the code path on a tiny table first
-    small = torch.nn.Module()
+    """Peak extra resident memory of saving and of loading a table with SparseAdam's state (3 shards and row_step)."""
+    module, optimizer = _adam_module()
+    module.table(torch.arange(torch.distributed.get_rank(), ROWS, 7)).sum().backward()
+    optimizer.step()  # some rows with state, so that nothing is all zero
+    shard_bytes = module.table.shard.numel() * 4
+    small, small_opt = torch.nn.Module(), None
     small.t = ls.SparseEmbedding(10, 2)
-    checkpoint.save(Path(directory) / "warm.ckpt", {"state_dict": state(small)}, {})
+    small_opt = ls.SparseAdam([small.t])
+    checkpoint.save(Path(directory) / "warm.ckpt", small, {0: small_opt})  # warm up the code path on a tiny table
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident set size
     before = _rss("VmRSS")
-    checkpoint.save(Path(directory) / "big.ckpt", {"state_dict": state(module)}, {})
+    dense = {"optimizer_0": checkpoint.split_tensors(checkpoint.dense_optimizer_state(optimizer))[0]}
+    checkpoint.save(Path(directory) / "big.ckpt", module, {0: optimizer}, dense)
     saving = _rss("VmHWM") - before
-    target = pl.LightningModule()
-    target.table = ls.SparseEmbedding(3_000_000, 16, init=ls.init.zeros())
-    target.table.materialize()
+    target, target_opt = _adam_module(init=ls.init.zeros())
+    for value in target_opt.state[target.table.shard].values():
+        value.fill_(1)  # resident, as trained state is (fresh zeros are mapped lazily)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _rss("VmRSS")
     checkpoint.load_module(Path(directory) / "big.ckpt", target)
+    checkpoint.load_sparse_optimizer(Path(directory) / "big.ckpt", 0, target_opt, target_opt.state_dict()["param_groups"])
     loading = _rss("VmHWM") - before
     assert torch.equal(target.table.shard, module.table.shard)
+    for key, value in optimizer.state[module.table.shard].items():
+        assert torch.equal(target_opt.state[target.table.shard][key], value), key
     return saving, loading, shard_bytes
 
 
@@ -281,8 +347,8 @@ def _rss(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def test_saving_and_loading_peak_memory_stays_below_twice_the_shard(rank_pools, tmp_path):
-    """A 3M-row table ("mod" sharding, so rows move to row blocks and back) on 3 ranks."""
+def test_saving_and_loading_with_adam_state_stays_below_two_extra_shards(rank_pools, tmp_path):
+    """A 3M-row "mod" table with SparseAdam's exp_avg, exp_avg_sq and row_step on 3 ranks: about 3 shards held."""
     for saving, loading, shard in rank_pools(3).run(_peak_while_saving_and_loading, str(tmp_path)):
         assert saving < 2 * shard, f"saving took {saving / 2**20:.0f} MiB over a {shard / 2**20:.0f} MiB shard"
         assert loading < 2 * shard, f"loading took {loading / 2**20:.0f} MiB over a {shard / 2**20:.0f} MiB shard"

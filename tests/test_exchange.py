@@ -223,3 +223,37 @@ def test_retain_graph_accumulates_and_a_step_takes_it():
     expected[1] -= 2.0
     expected[3] -= 1.0
     torch.testing.assert_close(emb.full_weight(), expected)
+
+
+# ---------------------------------------------------------------- faults
+def test_only_lost_peers_are_reported_as_peer_failures():
+    from lightning_sparse.faults import is_peer_failure
+
+    assert is_peer_failure(torch.distributed.DistBackendError("NCCL watchdog: collective timed out"))
+    assert is_peer_failure(torch.distributed.DistNetworkError("Connection reset by peer"))
+    assert is_peer_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:6346"))
+    assert is_peer_failure(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 30000ms for recv"))
+    assert not is_peer_failure(RuntimeError("[enforce fail at gloo/alltoall.cc:30] in->size == out->size."))
+    assert not is_peer_failure(RuntimeError("Split sizes doesn't match total dim 0 size"))
+    assert not is_peer_failure(TypeError("timed out"))  # only RuntimeError's messages are read
+
+
+def _misuse_then_healthy():
+    from lightning_sparse.exchange import exchange_values
+
+    rank = torch.distributed.get_rank()
+    try:
+        exchange_values(torch.zeros(3, 2), [1, 1], [1, 1], None, 2, rank)  # 3 rows, splits for 2: a caller's bug
+    except ls.exchange.PeerFailure as err:
+        return "PeerFailure", str(err)
+    except RuntimeError as err:
+        notes = getattr(err, "__notes__", [])
+        return type(err).__name__, " ".join(notes), ls.SparseEmbedding(10, 2)(torch.tensor([1, 9])).shape
+    return None
+
+
+def test_a_programming_error_in_a_collective_is_not_blamed_on_a_peer(rank_pools):
+    for result in rank_pools(2).run(_misuse_then_healthy):
+        assert result[0] == "RuntimeError", result
+        assert "not a lost peer" in result[1]
+        assert result[2] == torch.Size([2, 2])  # nothing was left half-way: the group still works

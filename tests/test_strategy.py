@@ -220,13 +220,11 @@ def test_resume_from_checkpoint_equals_uninterrupted_fit(rank_pools, tmp_path):
         for key, value in straight.items():
             torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
             torch.testing.assert_close(from_checkpoint[key], first[key], rtol=0, atol=0, msg=key)
-    import torch.distributed.checkpoint as dcp
-
-    stored = dcp.FileSystemReader(results[0][2]).read_metadata().state_dict_metadata
-    assert tuple(stored["state_dict.users.weight"].size) == (lm.USERS, lm.DIM)  # the logical table, not a shard
+    stored = ls.checkpoint.stored_tensors(results[0][2])
+    assert stored["state_dict.users.weight"].shape == (lm.USERS, lm.DIM)  # the logical table, not a shard
     assert not any(key.endswith(".shard") for key in stored)
-    assert tuple(stored["optimizer_1.state.0.exp_avg"].size) == (lm.USERS, lm.DIM)
-    assert stored["optimizer_1.state.0.row_step"].properties.dtype == torch.int64
+    assert stored["optimizer_1.state.0.exp_avg"].shape == (lm.USERS, lm.DIM)
+    assert stored["optimizer_1.state.0.row_step"].dtype == torch.int64
 
 
 # ---------------------------------------------------------------- evaluation with uneven loaders
@@ -256,6 +254,58 @@ def test_predict_with_uneven_batches_finishes_and_predicts_every_sample_once(ran
         expected = module(data.tensors[0], data.tensors[1])
     order = merged[:, 0].long()
     torch.testing.assert_close(merged[:, 1], expected[order], rtol=1e-5, atol=1e-6)
+
+
+class EmptyOnRankOne(lm.TwoTower):
+    """Evaluation loaders with no batches at all on rank 1; logs without sync_dist (a rank that skips
+    the loop never joins Lightning's epoch-end reduction of logged values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allow_zero_length_dataloader_with_multiple_devices = True
+        self.seen = 0
+
+    def validation_step(self, batch, batch_idx):
+        users, items, target = batch
+        self.seen += len(users)
+        self.log("val_loss", torch.nn.functional.mse_loss(self(users, items).float(), target), batch_size=len(users))
+
+    def test_step(self, batch, batch_idx):
+        self.validation_step(batch, batch_idx)
+
+
+def _evaluate_with_an_empty_rank(stage: str) -> tuple[int, float, torch.Tensor | None]:
+    import time
+
+    rank = _rank()
+    lm.lightning_env(rank, 2)
+    module = EmptyOnRankOne()
+    data = lm.dataset(6)
+    index = torch.arange(6) if rank == 0 else torch.arange(0)
+    tensors = [*[t[index] for t in data.tensors[:2]], index if stage == "predict" else data.tensors[2][index]]
+    loader = DataLoader(TensorDataset(*tensors), batch_size=2)
+    trainer = lm.trainer(2, use_distributed_sampler=False, limit_val_batches=None)
+    start = time.monotonic()
+    output = getattr(trainer, stage)(module, loader, **({} if stage == "predict" else {"verbose": False}))
+    seconds = time.monotonic() - start
+    predictions = torch.cat(output) if stage == "predict" and output else None
+    return module.seen, seconds, predictions
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_evaluation_with_an_empty_loader_on_one_rank_finishes(rank_pools, stage):
+    results = rank_pools(2).run(_evaluate_with_an_empty_rank, stage, timeout=90)
+    (seen0, seconds0, predictions), (seen1, seconds1, nothing) = results
+    assert seconds0 < 20 and seconds1 < 20
+    assert seen1 == 0 and nothing is None
+    if stage == "predict":
+        assert sorted(predictions[:, 0].long().tolist()) == list(range(6))
+        module, data = lm.TwoTower(), lm.dataset(6)
+        with torch.no_grad():
+            torch.testing.assert_close(predictions[:, 1], module(data.tensors[0], data.tensors[1]), rtol=1e-5, atol=1e-6)
+    else:
+        assert seen0 == 6
 
 
 # ---------------------------------------------------------------- error paths

@@ -173,7 +173,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
         for (index, key), value in counters.items():
-            self.state[params[index]][key] = value.to(params[index].device, copy=True)
+            self.state[params[index]][key] = value.to(params[index].device)
         for p, table in self._tables.items():
             for key, value in self.state[p].items():
                 if value.dim() > 0 and value.shape[0] != p.shape[0]:

@@ -1,0 +1,356 @@
+"""Sharded checkpoints: every rank writes and reads only its own rows, one tensor at a time, through DCP.
+
+Layout of a checkpoint (``path`` is a link to a data directory, see ``files.py``)::
+
+    epoch=0-step=6.ckpt -> .sparse-ckpt-<id>/
+        .metadata, __<rank>_0.distcp        DCP: dense tensors (module, dense optimizers, step counters)
+        rows/<key>/part-<k>/.metadata, __<rank>_0.distcp
+                                            DCP, per table and per per-row optimizer state: band k
+                                            of the logical [num_embeddings, ...] tensor
+        meta.pt                             everything else Lightning saves, and each per-row
+                                            tensor's shape, dtype and bands (loads with weights_only=True)
+
+``<key>`` is the name the tensor would have in one flat checkpoint: ``state_dict.users.weight``,
+``optimizer_1.state.0.exp_avg``. Each per-row tensor is stored in global row order, so a
+checkpoint loads on any number of ranks and under either sharding scheme (``rows.py``).
+
+Memory: per-row tensors are written band by band and loaded band by band, in place into the
+existing shard and optimizer state. So saving and loading need a fraction of a shard of scratch
+on top of what the rank already holds, whatever the number of state tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_sparse.checkpoint.files import DATA_PREFIX, ROWS_DIR, is_sharded, link, new_data_directory, remove
+from lightning_sparse.checkpoint.rows import RowStore, export_rows
+from lightning_sparse.embedding import SparseEmbedding
+from lightning_sparse.faults import PeerFailure, collective, is_peer_failure
+from lightning_sparse.optim.base import SparseOptimizer
+
+__all__ = [
+    "DATA_PREFIX", "FORMAT", "METADATA_FILE", "StoredTensor", "dense_module_state", "dense_optimizer_state", "export",
+    "is_sharded", "load_file", "load_meta", "load_module", "load_sparse_optimizer", "load_tensors", "remove", "save", "split_tensors",
+    "stored_tensors",
+]  # fmt: skip
+
+METADATA_FILE = "meta.pt"
+FORMAT = 2  # 1: tables inside the main DCP checkpoint (before per-tensor writes)
+
+
+def tables(module: nn.Module) -> Iterator[tuple[str, SparseEmbedding]]:
+    for name, sub in module.named_modules():
+        if isinstance(sub, SparseEmbedding):
+            yield (f"{name}." if name else ""), sub
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------- what Lightning holds
+def dense_module_state(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` without the tables (they are written by :func:`save` from the module itself)."""
+    state = module.state_dict()
+    for prefix, _ in tables(module):
+        state.pop(prefix + "shard", None)
+        state.pop(prefix + "_extra_state", None)
+    return state
+
+
+def dense_optimizer_state(optimizer: SparseOptimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` without its per-row tensors (written by :func:`save` from the optimizer itself)."""
+    state = optimizer.state_dict()
+    state["state"] = {index: {k: v for k, v in entry.items() if v.dim() == 0} for index, entry in state["state"].items()}
+    return state
+
+
+def split_tensors(tree: Any) -> tuple[Any, Any]:
+    """Split nested dicts into (tensor leaves, everything else), both keeping the nesting."""
+    if isinstance(tree, dict):
+        tensors, rest = {}, {}
+        for key, value in tree.items():
+            t, r = split_tensors(value)
+            if t is not None:
+                tensors[key] = t
+            if r is not None:
+                rest[key] = r
+        return (tensors or None), (rest or None)
+    if isinstance(tree, Tensor):
+        return tree, None
+    return None, tree
+
+
+def _row_tensors(module: nn.Module, sparse_optimizers: Mapping[int, SparseOptimizer]) -> Iterator[tuple[str, SparseEmbedding, Tensor]]:
+    """Every per-row tensor to store: (key, its table, this rank's rows in the table's sharding)."""
+    for prefix, table in tables(module):
+        yield f"state_dict.{prefix}weight", table, table.shard
+    for index, optimizer in sparse_optimizers.items():
+        for p_index, table in enumerate(optimizer.tables):
+            for name, value in optimizer.state[table.shard].items():
+                if value.dim() > 0:
+                    yield f"optimizer_{index}.state.{p_index}.{name}", table, value
+
+
+# ---------------------------------------------------------------------------- writing
+def save(
+    path: str | os.PathLike,
+    module: nn.Module,
+    sparse_optimizers: Mapping[int, SparseOptimizer] | None = None,
+    dense: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> Path:
+    """Write a sharded checkpoint of ``module``'s tables and the per-row state of ``sparse_optimizers``.
+
+    ``sparse_optimizers`` maps an optimizer's index in Lightning's list to it; ``dense`` holds
+    nested dicts of replicated tensors (written once); ``meta`` everything else (written by rank 0).
+    Each per-row tensor is converted and written on its own, then freed.
+
+    Collective: every rank must call it with the same ``path``.
+    """
+    path = Path(path)
+    sparse_optimizers = sparse_optimizers or {}
+    data = new_data_directory(path)
+    distributed = _distributed()
+    store, row_tensors = RowStore(data / ROWS_DIR, distributed), {}
+    try:
+        with collective(f"saving checkpoint {path}"), torch.no_grad():
+            for key, table, local in _row_tensors(module, sparse_optimizers):
+                row_tensors[key] = store.save(key, table, local)
+            dcp.save(dense or {}, checkpoint_id=data, no_dist=not distributed)
+            if not distributed or dist.get_rank() == 0:
+                torch.save({**(meta or {}), "format": FORMAT, "row_tensors": row_tensors}, data / METADATA_FILE)
+            if distributed:
+                dist.barrier()  # every rank's files are on disk
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        raise _save_failed(path, err) from err
+    with collective(f"saving checkpoint {path}"):
+        if not distributed or dist.get_rank() == 0:
+            link(data, path)
+        if distributed:
+            dist.barrier()  # nobody reads the checkpoint before the link exists
+    return path
+
+
+def _lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` (or, for DCP's CheckpointException, a rank's failure inside it) is a lost peer."""
+    causes = [err, *getattr(err, "failures", {}).values()] if isinstance(err, CheckpointException) else [err]
+    return any(isinstance(c, PeerFailure) or (isinstance(c, BaseException) and is_peer_failure(c)) for c in causes)
+
+
+def _save_failed(path: Path, err: BaseException) -> Exception:
+    if _lost_peer(err):
+        return PeerFailure(
+            f"Saving checkpoint {path} failed: another rank died or did not reach the save within the process group's "
+            f"timeout ({type(err).__name__}: {err}). The previous checkpoint of that name is intact. HINT: restart all "
+            f"ranks and resume from the last checkpoint, e.g. trainer.fit(model, ckpt_path='last')."
+        )
+    return RuntimeError(
+        f"Saving checkpoint {path} failed ({type(err).__name__}: {err}). The previous checkpoint of that name is "
+        f"intact. HINT: check free space and permissions in {path.parent}; the half-written data directory is "
+        f"removed by the next save there."
+    )
+
+
+# ---------------------------------------------------------------------------- reading
+def _metadata(directory: Path, checkpoint: Path) -> dict[str, Any]:
+    try:
+        return dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise RuntimeError(
+            f"{checkpoint} is not a readable sharded checkpoint: {directory / '.metadata'} is missing or damaged "
+            f"({type(err).__name__}: {err}). HINT: it may be incomplete (a save that was killed); resume from an "
+            f"earlier checkpoint."
+        ) from err
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """What a checkpoint holds under a key: the logical shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def stored_tensors(path: str | os.PathLike) -> dict[str, StoredTensor]:
+    """Every tensor the checkpoint holds, by key (``state_dict.users.weight``, ``optimizer_1.state.0.step``, ...)."""
+    path = Path(path)
+    stored = {
+        key: StoredTensor(tuple(item.size), item.properties.dtype)
+        for key, item in _metadata(path, path).items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+    for key, item in load_meta(path).get("row_tensors", {}).items():
+        stored[key] = StoredTensor(tuple(item["shape"]), getattr(torch, item["dtype"]))
+    return stored
+
+
+def _check(stored: dict[str, StoredTensor], key: str, shape: tuple[int, ...], path: Path, what: str) -> None:
+    item = stored.get(key)
+    if item is None:
+        raise RuntimeError(f"Checkpoint {path} has no {what} (key {key!r}). HINT: load it into the module it was saved from.")
+    if item.shape != tuple(shape):
+        raise RuntimeError(
+            f"{what} has shape {item.shape} in checkpoint {path} but {tuple(shape)} in this module. "
+            f"HINT: build the module with the same num_embeddings and embedding_dim as when it was saved."
+        )
+
+
+def _dcp_load(state: dict[str, Any], directory: Path, checkpoint: Path, what: str, distributed: bool) -> None:
+    try:
+        with collective(f"loading {what} from {checkpoint}"):
+            dcp.load(state, checkpoint_id=directory, no_dist=not distributed)
+    except PeerFailure:
+        raise
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        if _lost_peer(err):
+            raise PeerFailure(
+                f"Loading {what} from checkpoint {checkpoint} failed: another rank died or did not reach the load "
+                f"({type(err).__name__}: {err}). HINT: restart all ranks and load again."
+            ) from err
+        raise RuntimeError(
+            f"Could not read {what} from checkpoint {checkpoint} (files in {directory}; {type(err).__name__}: {err}). "
+            f"HINT: the checkpoint is truncated or missing files; resume from an earlier checkpoint."
+        ) from err
+
+
+def _read_rows(path: Path, store: RowStore, key: str, table: SparseEmbedding, out: Tensor, what: str) -> None:
+    """Fill ``out`` (this rank's rows in the table's sharding) from the stored tensor ``key``, in place. Collective."""
+    entry = load_meta(path)["row_tensors"][key]
+
+    def load(state: dict[str, Any], directory: Path) -> None:
+        _dcp_load(state, directory, path, what, store.distributed)
+
+    store.load(key, table, out, entry, load)
+
+
+def load_module(path: str | os.PathLike, module: nn.Module, strict: bool = True) -> None:
+    """Load a module's dense tensors and tables, each rank only its rows, into its shards in place. Collective."""
+    path = Path(path)
+    stored = stored_tensors(path)
+    dense = {k: v for k, v in dense_module_state(module).items() if isinstance(v, Tensor)}
+    if strict:
+        for key, value in dense.items():
+            _check(stored, f"state_dict.{key}", tuple(value.shape), path, f"tensor {key}")
+    dense = {k: v for k, v in dense.items() if f"state_dict.{k}" in stored}
+    store = RowStore(path / ROWS_DIR, _distributed())
+    for prefix, table in tables(module):  # tables first: the bulk of a checkpoint
+        key, what = f"state_dict.{prefix}weight", f"table {table.name}"
+        _check(stored, key, (table.num_embeddings, table.embedding_dim), path, what)
+        _read_rows(path, store, key, table, table.shard, what)
+    if dense:
+        _dcp_load({"state_dict": dense}, path, path, "the dense tensors", _distributed())
+
+
+def load_sparse_optimizer(path: str | os.PathLike, index: int, optimizer: SparseOptimizer, param_groups: list[dict]) -> None:
+    """Load the sparse optimizer saved as ``optimizer_<index>``, each rank only its rows, into its state in place. Collective."""
+    path = Path(path)
+    stored = stored_tensors(path)
+    current = optimizer.state_dict()  # the optimizer's own state tensors, not copies
+    store, counters = RowStore(path / ROWS_DIR, _distributed()), {}
+    for p_index, table in enumerate(optimizer.tables):
+        for name, value in current["state"].get(p_index, {}).items():
+            key, what = f"optimizer_{index}.state.{p_index}.{name}", f"optimizer state {name!r} of table {table.name}"
+            if value.dim() == 0:
+                _check(stored, key, (), path, what)
+                counters.setdefault(p_index, {})[name] = value.clone()
+                continue
+            _check(stored, key, (table.num_embeddings, *value.shape[1:]), path, what)
+            _read_rows(path, store, key, table, value, what)
+    if counters:
+        _dcp_load({f"optimizer_{index}": {"state": counters}}, path, path, f"the step counters of optimizer {index}", _distributed())
+    for p_index, entry in counters.items():
+        current["state"][p_index].update(entry)
+    optimizer.load_state_dict({"state": current["state"], "param_groups": param_groups})
+
+
+def load_tensors(path: str | os.PathLike, tensors: dict[str, Any], what: str) -> None:
+    """Fill ``tensors`` (nested like the saved dense state, replicated) from the checkpoint. Collective."""
+    _dcp_load(tensors, Path(path), Path(path), what, _distributed())
+
+
+def load_file(path: str | os.PathLike, weights_only: bool = True) -> tuple[str, dict[str, Any]]:
+    """A single-file checkpoint: ``("lightning", checkpoint)`` for one Lightning wrote, ``("export", state_dict)``
+    for a plain state dict (what :func:`export` writes). Memory-mapped: each rank then reads only the rows it loads.
+    """
+    path = Path(path)
+    try:
+        loaded = torch.load(path, mmap=True, weights_only=weights_only, map_location="cpu")
+    except Exception as err:
+        raise RuntimeError(
+            f"{path} is neither a sharded checkpoint (no .metadata inside) nor a file torch.load can read "
+            f"({type(err).__name__}: {str(err).splitlines()[0]}). HINT: pass a checkpoint written by "
+            f"Trainer(strategy='sparse_ddp') or a file written by `python -m lightning_sparse export`."
+        ) from err
+    if isinstance(loaded, dict) and "pytorch-lightning_version" in loaded:
+        return "lightning", loaded
+    if isinstance(loaded, dict) and loaded and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()):
+        return "export", loaded
+    raise RuntimeError(
+        f"{path} holds {type(loaded).__name__}, neither a Lightning checkpoint nor a state dict of tensors. "
+        f"HINT: pass a checkpoint written by Trainer(strategy='sparse_ddp') or a file written by "
+        f"`python -m lightning_sparse export`."
+    )
+
+
+def load_meta(path: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        meta = torch.load(path / METADATA_FILE, weights_only=weights_only, map_location="cpu")
+    except FileNotFoundError as err:
+        raise RuntimeError(f"Checkpoint {path} has no {METADATA_FILE}. HINT: it is incomplete; use an earlier checkpoint.") from err
+    if meta.get("format") != FORMAT:
+        raise RuntimeError(
+            f"Checkpoint {path} was written in sparse checkpoint format {meta.get('format', 1)}; this version reads "
+            f"format {FORMAT}. HINT: load it with the lightning_sparse version that wrote it and save it again."
+        )
+    return meta
+
+
+# ---------------------------------------------------------------------------- export
+def export(path: str | os.PathLike, out: str | os.PathLike) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+    """Write the module state of a sharded checkpoint as one plain ``torch.save`` state dict.
+
+    Tables become full ``<prefix>weight`` tensors loadable into ``nn.Embedding``. Runs in one
+    process: each tensor is read into a memory-mapped scratch file, so memory stays O(one band),
+    not O(checkpoint). Returns ``(key, shape, dtype, bytes)`` for every tensor written.
+    """
+    path = Path(path)
+    rows = load_meta(path).get("row_tensors", {})
+    state: dict[str, Tensor] = {}
+    summary = []
+
+    def load(what: str) -> Any:
+        return lambda state, directory: _dcp_load(state, directory, path, what, distributed=False)
+
+    with tempfile.TemporaryDirectory(dir=Path(out).resolve().parent) as scratch:
+        for flat, item in sorted(stored_tensors(path).items()):
+            if not flat.startswith("state_dict."):
+                continue
+            key = flat[len("state_dict.") :]
+            numel = int(torch.Size(item.shape).numel())
+            if numel:
+                target = torch.from_file(os.path.join(scratch, f"{len(state)}.bin"), shared=True, size=numel, dtype=item.dtype)
+                target = target.view(item.shape)
+            else:
+                target = torch.empty(item.shape, dtype=item.dtype)
+            if flat in rows:
+                export_rows(path / ROWS_DIR, flat, rows[flat], target, load(f"tensor {key}"))
+            else:
+                load(f"tensor {key}")({"state_dict": {key: target}}, path)
+            state[key] = target
+            summary.append((key, item.shape, item.dtype, numel * target.element_size()))
+        torch.save(state, out)
+    return summary

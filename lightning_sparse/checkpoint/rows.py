@@ -29,7 +29,7 @@ from lightning_sparse.sharding import RowSharding
 
 # A band is about this many bytes per rank (the scratch of a save or load), and a tensor has at
 # most MAX_PARTS bands (each band is a DCP write: a few collectives and files).
-PART_BYTES = 16 * 2**20
+PART_BYTES = 4 * 2**20
 MAX_PARTS = 16
 
 

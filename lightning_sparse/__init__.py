@@ -7,13 +7,16 @@ from lightning_sparse import init
 from lightning_sparse.callbacks import SparseStatsMonitor
 from lightning_sparse.embedding import SparseEmbedding, full_state_dict
 from lightning_sparse.lookup import serve_lookups
+from lightning_sparse.faults import PeerFailure
 from lightning_sparse.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseRowWiseAdagrad, SparseSGD
+from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.sharding import RowSharding
 from lightning_sparse.strategy import SparseDDPStrategy  # registers strategy="sparse_ddp"
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PeerFailure",
     "RowSharding",
     "SparseAdagrad",
     "SparseAdam",
@@ -21,6 +24,7 @@ __all__ = [
     "SparseOptimizer",
     "SparseRowWiseAdagrad",
     "SparseDDPStrategy",
+    "SparseMixedPrecision",
     "SparseSGD",
     "SparseStatsMonitor",
     "full_state_dict",

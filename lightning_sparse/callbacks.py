@@ -1,38 +1,43 @@
-"""SparseStatsMonitor: the sparse path's traffic and time per optimizer step, in any logger."""
+"""SparseStatsMonitor: what the sparse path moves and spends per optimizer step, in any logger."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_sparse.exchange import ExchangeStats
 from lightning_sparse.strategy import SparseDDPStrategy
 
 
 class SparseStatsMonitor(Callback):
-    """Logs, per optimizer step and aggregated across ranks, what the sparse path did.
+    """Logs what the sparse path did per optimizer step, reduced over ranks.
 
-    Keys (with ``prefix``, default ``"sparse/"``): ``ids`` (ids looked up), ``unique_ids``
-    (after per-rank dedup), ``bytes_sent`` and ``bytes_received`` (all-to-all payloads and
-    headers), summed over ranks; ``exchange_s`` and ``update_s`` (seconds in the all-to-all
-    stages and in the optimizer update), the maximum over ranks (the slowest rank sets the pace).
-    Lookups made during validation are not counted.
+    Keys (with ``prefix``, default ``"sparse/"``): ``ids`` (ids looked up), ``unique_ids`` (after
+    per-rank dedup), ``bytes_sent`` and ``bytes_received`` (all-to-all payloads and headers that
+    crossed to other ranks), summed over ranks; ``exchange_s`` and ``update_s`` (seconds in the
+    all-to-all stages and in the optimizer update), the maximum over ranks (the slowest rank sets
+    the pace). Each is the mean per optimizer step since the last log, and it is logged when
+    Lightning logs (every ``Trainer(log_every_n_steps=...)`` optimizer steps), through
+    ``self.log(..., sync_dist=True)``: between logs the monitor only adds numbers, with no
+    collective and no host read. Lookups made during validation are not counted.
 
     Args:
         prog_bar: also show the values on the progress bar.
         prefix: prepended to every key.
     """
 
-    KEYS = ("ids", "unique_ids", "bytes_sent", "bytes_received", "exchange_s", "update_s")
+    SUMMED = ("ids", "unique_ids", "bytes_sent", "bytes_received")
+    SLOWEST = ("exchange_s", "update_s")
 
     def __init__(self, prog_bar: bool = False, prefix: str = "sparse/") -> None:
         self.prog_bar = prog_bar
         self.prefix = prefix
-        self._last_step = -1
+        self._last_step = 0
+        self._steps = 0
+        self._totals = ExchangeStats()
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -43,29 +48,30 @@ class SparseStatsMonitor(Callback):
             )
 
     @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_step, self._steps = trainer.global_step, 0
+        self._totals.reset()
+        trainer.strategy.pop_sparse_stats()
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self._last_step:  # accumulating: the step has not happened yet
+        if trainer.global_step == self._last_step:  # accumulating: no optimizer step yet
             return
+        self._steps += trainer.global_step - self._last_step
         self._last_step = trainer.global_step
-        stats = trainer.strategy.pop_sparse_stats()
-        local = torch.tensor(
-            [stats.ids_looked_up, stats.unique_ids, stats.bytes_sent, stats.bytes_received,
-             stats.exchange_seconds, stats.update_seconds],
-            dtype=torch.float64, device=trainer.strategy.root_device,
-        )  # fmt: skip
-        ranks = local.view(1, -1)
-        if dist.is_initialized():  # collective: every rank logs the same [W, 6] totals
-            parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, local)
-            ranks = torch.stack(parts)
-        values = torch.cat([ranks[:, :4].sum(dim=0), ranks[:, 4:].max(dim=0).values])
-        pl_module.log_dict(
-            {self.prefix + key: float(v) for key, v in zip(self.KEYS, values)},
-            prog_bar=self.prog_bar,
-            on_step=True,
-            on_epoch=False,
-            batch_size=1,
-        )
+        self._totals.add(trainer.strategy.pop_sparse_stats())
+        if trainer.global_step % trainer.log_every_n_steps:
+            return
+        totals, steps = self._totals, self._steps
+        summed = dict(zip(self.SUMMED, (totals.ids_looked_up, totals.unique_ids, totals.bytes_sent, totals.bytes_received)))
+        slowest = dict(zip(self.SLOWEST, (totals.exchange_seconds, totals.update_seconds)))
+        for values, reduce_fx in ((summed, "sum"), (slowest, "max")):  # every rank logs at the same steps
+            pl_module.log_dict(
+                {self.prefix + key: float(value) / steps for key, value in values.items()},
+                prog_bar=self.prog_bar, on_step=True, on_epoch=False, batch_size=1, sync_dist=True, reduce_fx=reduce_fx,
+            )  # fmt: skip
+        self._totals.reset()
+        self._steps = 0
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -8,6 +8,7 @@ leaves for the optimizer in ``lightning_sparse/pending.py``; the optimizer step 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -38,7 +39,8 @@ class SparseEmbedding(nn.Module):
             same logical table on any number of ranks and under both sharding schemes.
         dtype, device: of the shard.
         process_group: the ranks that share the table; default: the default group at the time
-            the shard materializes, or a plain local table when none is initialized.
+            the shard materializes, or a plain local table when none is initialized. The table
+            holds no strong reference to it: ``destroy_process_group()`` releases it.
         name: used in error messages and stats; the strategy sets it to the module path.
 
     The shard is **not** an ``nn.Parameter``: ``parameters()`` yields nothing, so dense
@@ -83,8 +85,9 @@ class SparseEmbedding(nn.Module):
         self.name = name or f"SparseEmbedding({num_embeddings}, {embedding_dim})"
         self.has_given_name = name is not None
         self._init: row_init.RowInit = init or row_init.normal()
-        self._process_group = process_group
-        self._group: dist.ProcessGroup | None = None
+        # Weak references only: destroy_process_group() must really release a group (see ``process_group``).
+        self._requested_group = weakref.ref(process_group) if process_group is not None else None
+        self._group: weakref.ref[dist.ProcessGroup] | None = None  # None: the default group
         self._rank, self._world_size = 0, 1
         self._materialized = False
         # Before materialization an empty placeholder records the dtype and device that
@@ -108,7 +111,19 @@ class SparseEmbedding(nn.Module):
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
-        return self._group
+        """The group the shard is spread over, looked up when needed (``None`` for a local table)."""
+        if self._group is not None:
+            group = self._group()
+        elif self._requested_group is not None and self._requested_group() is None:
+            group = None
+        else:
+            group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if group is None and self._world_size > 1:
+            raise RuntimeError(
+                f"The process group {self.name} is sharded over ({self._world_size} ranks) has been destroyed. "
+                f"HINT: use the table before destroy_process_group(), or save a checkpoint and load it into a new module."
+            )
+        return group
 
     @property
     def sharding(self) -> RowSharding:
@@ -139,22 +154,26 @@ class SparseEmbedding(nn.Module):
         then materialized over W ranks keeps the rows each rank now owns (every rank must hold
         the same full table, as after loading the same state dict). Returns ``self``.
         """
-        group = process_group or self._process_group
+        requested = process_group or (self._requested_group() if self._requested_group is not None else None)
+        gone = self._requested_group is not None and requested is None
+        if self._materialized and self._world_size > 1 and (gone or not (dist.is_available() and dist.is_initialized())):
+            self.process_group  # raises: the group this table is sharded over was destroyed
         if dist.is_available() and dist.is_initialized():
-            group = group or dist.group.WORLD
+            group = requested or dist.group.WORLD
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         else:
-            group, rank, world_size = None, 0, 1
+            rank, world_size = 0, 1
+        placed = weakref.ref(requested) if requested is not None else None
         if self._materialized:
             if (rank, world_size) == (self._rank, self._world_size):
-                self._group = group
+                self._group = placed
                 return self
             if self._world_size != 1:
                 raise RuntimeError(
                     f"{self.name} is already sharded over {self._world_size} ranks and cannot be re-sharded over "
                     f"{world_size}. HINT: save a checkpoint and load it into a new module."
                 )
-        self._group, self._rank, self._world_size = group, rank, world_size
+        self._group, self._rank, self._world_size = placed, rank, world_size
         global_ids = self.sharding.global_ids(rank, device=self._shard.device)
         if self._materialized:  # a full local table becomes this rank's shard
             self._shard.data = self._shard.data.index_select(0, global_ids)
@@ -244,7 +263,7 @@ class SparseEmbedding(nn.Module):
         padded[: len(local)] = local
         gathered = [torch.empty_like(padded) for _ in range(self._world_size)]
         with collective(f"all-gather of {self.name}"):
-            dist.all_gather(gathered, padded, group=self._group)
+            dist.all_gather(gathered, padded, group=self.process_group)
         out = local.new_empty(self.num_embeddings, *local.shape[1:])
         for rank, part in enumerate(gathered):
             ids = sharding.global_ids(rank, device=out.device)

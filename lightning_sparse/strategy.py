@@ -20,6 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import atexit
+import gc
 import logging
 import sys
 
@@ -34,7 +36,7 @@ from lightning.pytorch.core.optimizer import (
     _configure_schedulers_manual_opt,
     _validate_scheduler_api,
 )
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -49,7 +51,7 @@ from lightning_sparse import checkpoint
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.exchange import ExchangeStats
-from lightning_sparse.faults import collective
+from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.optim.base import SparseOptimizer
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,6 @@ class SparseDDPStrategy(DDPStrategy):
         super().__init__(*args, **kwargs)
         self._tables: list[SparseEmbedding] = []
         self._sparse_optimizers: list[SparseOptimizer] = []
-        self._loss_scale: float | None = None  # the 16-mixed scale of the pending sparse gradients
         self._restored_sharded = False
         self._restored_weights_only = False
 
@@ -77,7 +78,19 @@ class SparseDDPStrategy(DDPStrategy):
     def sparse_optimizers(self) -> list[SparseOptimizer]:
         return self._sparse_optimizers
 
-    # ------------------------------------------------------------------ setup
+    # ------------------------------------------------------------------ setup and teardown
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        _destroy_process_groups_at_exit()
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        # DDP's wrapper, unwrapped by Lightning, lives in reference cycles with its reducer's last
+        # collective; free them now, not at interpreter shutdown (see _destroy_process_groups_at_exit).
+        gc.collect()
+
     @override
     def model_to_device(self) -> None:
         super().model_to_device()
@@ -88,6 +101,17 @@ class SparseDDPStrategy(DDPStrategy):
             table.adopt(name, index)
             table.materialize()
             self._tables.append(table)
+        if isinstance(self.precision_plugin, SparseMixedPrecision):
+            self.precision_plugin.tables = self._tables
+        log.debug("%s: sharded %d tables over %d ranks: %s", type(self).__name__, len(self._tables), self.world_size,
+                  ", ".join(f"{t.name} {t.num_embeddings}x{t.embedding_dim} ({t.sharding_scheme})" for t in self._tables))  # fmt: skip
+
+    @override
+    def configure_ddp(self) -> None:
+        if any(p.requires_grad for p in self.lightning_module.parameters()):
+            return super().configure_ddp()
+        # Only tables (DDP refuses a module without trainable parameters, and would have nothing to all-reduce).
+        log.debug("%s: no dense parameter needs a gradient; the module is not wrapped in DDP", type(self).__name__)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -126,6 +150,9 @@ class SparseDDPStrategy(DDPStrategy):
         self._sparse_optimizers = optimizers
         self.optimizers = [*self.optimizers, *optimizers]
         self.lr_scheduler_configs = [*self.lr_scheduler_configs, *configs]
+        log.debug("%s: sparse optimizers %s (after %d dense), %d sparse LR schedulers", type(self).__name__,
+                  [f"{type(o).__name__}({', '.join(t.name for t in o.tables)})" for o in optimizers],
+                  len(self.optimizers) - len(optimizers), len(configs))  # fmt: skip
 
     def _check_dense_optimizers(self) -> None:
         shards = {id(t.shard): t.name for t in self._tables}
@@ -145,12 +172,17 @@ class SparseDDPStrategy(DDPStrategy):
                         )
 
     # ------------------------------------------------------------------ training step
+    @property
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        scaler = self._scaler
-        if scaler is not None:
-            self._loss_scale = float(scaler.get_scale())
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if type(plugin) is MixedPrecision:  # 16-mixed / bf16-mixed: one skip decision covering the tables
+            plugin = SparseMixedPrecision.replacing(plugin)
+        self._precision_plugin = plugin
 
     @override
     def optimizer_step(
@@ -168,50 +200,21 @@ class SparseDDPStrategy(DDPStrategy):
         if isinstance(inner, SparseOptimizer):
             closure()
             return self._sparse_step(inner)
-        if not self._sparse_optimizers or not self.lightning_module.automatic_optimization:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        scaler = self._scaler
-        scale_before = scaler.get_scale() if scaler is not None else None
-
-        def closure_then_check_sparse() -> Any:
-            result = closure()
-            if scaler is not None and result is not None and self._unscale_sparse_grads():
-                _make_scaler_skip(inner)
-            return result
-
-        output = super().optimizer_step(optimizer, closure_then_check_sparse, model, **kwargs)
-        skipped = scaler is not None and scaler.get_scale() < scale_before
-        for sparse in self._sparse_optimizers:
-            if skipped:
-                sparse.zero_grad()
-            else:
-                sparse.step()
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._sparse_optimizers and self.lightning_module.automatic_optimization:
+            plugin = self.precision_plugin
+            skipped = isinstance(plugin, SparseMixedPrecision) and plugin.skipped
+            for sparse in self._sparse_optimizers:
+                sparse.zero_grad() if skipped else sparse.step()
         return output
 
     def _sparse_step(self, optimizer: SparseOptimizer) -> Any:
-        if self._scaler is not None and self._unscale_sparse_grads(optimizer.tables):
-            optimizer.zero_grad()  # every rank agreed: skip, as GradScaler skips a dense step
-            return None
-        return optimizer.step()
-
-    @property
-    def _scaler(self) -> torch.amp.GradScaler | None:
         plugin = self.precision_plugin
-        return plugin.scaler if isinstance(plugin, MixedPrecision) else None
-
-    def _unscale_sparse_grads(self, tables: list[SparseEmbedding] | None = None) -> bool:
-        """Divide pending sparse gradients by the loss scale; True if any rank found inf/NaN. Collective."""
-        inv_scale = 1.0 / self._loss_scale if self._loss_scale else 1.0
-        found = torch.zeros(1, device=self.root_device)
-        for table in tables or self._tables:
-            table.pending.scale(inv_scale)
-            for grad in table.pending_grads():
-                found += (~torch.isfinite(grad)).any()
-        with collective("all-reduce of the 16-mixed overflow flag"):
-            if dist.is_initialized():
-                dist.all_reduce(found, op=dist.ReduceOp.MAX)
-            return bool(found.item())
+        if isinstance(plugin, SparseMixedPrecision) and plugin.scaler is not None:
+            if plugin.unscale_sparse(optimizer.tables).item():
+                optimizer.zero_grad()  # every rank agreed: skip, as GradScaler skips a dense step
+                return None
+        return optimizer.step()
 
     # ------------------------------------------------------------------ evaluation with uneven loaders
     @override
@@ -289,6 +292,7 @@ class SparseDDPStrategy(DDPStrategy):
                 meta["optimizer_states_rest"].append(state_rest or {})
             sparse = {i: opt for i, opt in enumerate(self.optimizers) if isinstance(opt, SparseOptimizer)}
         meta["sparse_tables"] = {t.name: [t.num_embeddings, t.embedding_dim] for t in self._tables}
+        log.debug("%s: saving %s (%d tables, %d sparse optimizers)", type(self).__name__, path, len(self._tables), len(sparse))
         checkpoint.save(path, self.lightning_module, sparse, dense, meta)
 
     @override
@@ -307,6 +311,7 @@ class SparseDDPStrategy(DDPStrategy):
             log.debug("loading %s checkpoint %s", kind, path)
             return loaded if kind == "lightning" else self._weights_only_checkpoint(loaded)
         meta = checkpoint.load_meta(path, weights_only=True if weights_only is None else weights_only)
+        log.debug("%s: loading sharded checkpoint %s on %d ranks", type(self).__name__, path, self.world_size)
         module = self.lightning_module
         checkpoint.load_module(path, module, strict=module.strict_loading)
         rests = meta.pop("optimizer_states_rest", None)
@@ -376,6 +381,34 @@ class SparseDDPStrategy(DDPStrategy):
             )
 
 
+_AT_EXIT_REGISTERED = False
+
+
+def _destroy_process_groups_at_exit() -> None:
+    """Register, once, an exit handler that destroys the process groups while the interpreter is alive.
+
+    A gloo process group still alive when the interpreter finalizes can abort the process
+    ("terminate called without an active exception", SIGABRT): its worker threads release
+    finished collectives, and the tensors they hold, after Python is gone (torch issue #190489;
+    pytorch/pytorch#179291 proposed this handler for torch itself). Lightning leaves the group
+    for the next fit; if the program does not destroy it, this handler does, at exit.
+    """
+    global _AT_EXIT_REGISTERED
+    if _AT_EXIT_REGISTERED:
+        return
+    _AT_EXIT_REGISTERED = True
+
+    def destroy() -> None:
+        if dist.is_available() and dist.is_initialized():
+            gc.collect()  # work still referenced from garbage cycles goes first
+            try:
+                dist.destroy_process_group()
+            except Exception as err:  # noqa: BLE001 - exiting anyway
+                log.debug("destroying the process group at exit failed: %s", err)
+
+    atexit.register(destroy)
+
+
 def _serve_when_skipped(loop: Any, strategy: SparseDDPStrategy) -> None:
     """Make ``loop.run`` serve lookups when this rank had no batches (idempotent)."""
     if getattr(loop, "_serves_lookups_when_skipped", False):
@@ -391,20 +424,6 @@ def _serve_when_skipped(loop: Any, strategy: SparseDDPStrategy) -> None:
 
     loop.run = run_or_serve
     loop._serves_lookups_when_skipped = True
-
-
-def _make_scaler_skip(optimizer: Optimizer) -> None:
-    """Make GradScaler skip this step: it decides from the dense gradients alone.
-
-    A sparse overflow (already agreed on by every rank) is written into one dense gradient as
-    NaN, so the scaler skips the dense step and backs off its scale exactly as for a dense
-    overflow; the strategy then drops the sparse gradients too.
-    """
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                p.grad.view(-1)[0] = float("nan")
-                return
 
 
 def _refuse_foreign_strategy(table: SparseEmbedding) -> None:

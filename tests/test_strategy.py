@@ -194,6 +194,60 @@ def test_16_mixed_overflow_on_one_rank_skips_dense_and_sparse_on_every_rank(rank
         torch.testing.assert_close(results[1]["state"][key], value, rtol=0, atol=0)
 
 
+class TablesOnly(pl.LightningModule):
+    """All trainable state is tables: no dense gradient for GradScaler to check."""
+
+    def __init__(self, inject_at: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.users = ls.SparseEmbedding(lm.USERS, 4, seed=1)
+        self.inject_at = inject_at
+
+    def training_step(self, batch, batch_idx):
+        users, items, target = batch
+        out = self.users(users).sum(-1)
+        if self.inject_at == (self.global_rank, self.global_step):
+            out = out * float("inf")
+        return (out - target).pow(2).mean()
+
+    def configure_optimizers(self):
+        return None
+
+    def configure_sparse_optimizers(self):
+        return ls.SparseAdagrad([self.users], lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(lm.dataset(48), batch_size=4)
+
+
+def _fit_tables_only(inject: tuple[int, int] | None) -> dict:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    lm.lightning_env(_rank(), 2)
+    module = TablesOnly(inject)
+    changed = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.before = pl_module.users.full_weight()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            changed.append(not torch.equal(pl_module.users.full_weight(), self.before))
+
+    trainer = lm.trainer(2, max_epochs=1, callbacks=[Record()], plugins=[MixedPrecision("16-mixed", device="cpu")])
+    trainer.fit(module)
+    return {"changed": changed, "scale": trainer.precision_plugin.scaler.get_scale(), "table": module.users.full_weight()}
+
+
+def test_16_mixed_with_tables_only_trains_and_skips_overflows(rank_pools):
+    clean = rank_pools(2).run(_fit_tables_only, None)
+    assert all(clean[0]["changed"])
+    injected = rank_pools(2).run(_fit_tables_only, (1, 2))
+    for result in injected:
+        assert result["changed"][2] is False and all(result["changed"][:2]) and all(result["changed"][3:])
+        assert result["scale"] == pytest.approx(clean[0]["scale"] / 2)
+    torch.testing.assert_close(injected[0]["table"], injected[1]["table"], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- checkpoints
 def _fit_resume(directory: str) -> tuple[dict, dict]:
     lm.lightning_env(_rank(), 2)
@@ -399,31 +453,50 @@ def test_cli_string_and_class_path_forms(rank_pools, tmp_path):
         torch.testing.assert_close(by_class[0]["state"][key], value, rtol=0, atol=0)
 
 
-def _fit_with_stats(directory: str) -> None:
+def _fit_with_stats(directory: str, accumulate: int, every: int) -> list[str]:
+    import logging
+
     from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import CSVLogger
 
     lm.lightning_env(_rank(), 2)
     module = lm.TwoTower(scheduler=True)
     trainer = lm.trainer(
-        2, logger=CSVLogger(directory, name="run", version=0), log_every_n_steps=1,
+        2, logger=CSVLogger(directory, name="run", version=0), log_every_n_steps=every, accumulate_grad_batches=accumulate,
         callbacks=[ls.SparseStatsMonitor(prog_bar=True), LearningRateMonitor("step")],
     )  # fmt: skip
-    trainer.fit(module)
+    records: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("lightning_sparse")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        trainer.fit(module)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    return records
 
 
-def test_stats_monitor_and_lr_monitor_log_every_step(rank_pools, tmp_path):
+@pytest.mark.parametrize("accumulate, every", [(1, 1), (2, 1), (1, 2)])
+def test_stats_monitor_logs_per_optimizer_step_when_lightning_logs(rank_pools, tmp_path, accumulate, every):
     import csv
 
-    rank_pools(2).run(_fit_with_stats, str(tmp_path))
+    debug = rank_pools(2).run(_fit_with_stats, str(tmp_path), accumulate, every)[0]
+    assert any("sharded 2 tables over 2 ranks" in line for line in debug), debug
+    assert any("sparse optimizers ['SparseAdagrad(users, items)']" in line for line in debug), debug
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     stats = [r for r in rows if r.get("sparse/ids")]
-    assert len(stats) == 6  # 48 samples / 2 ranks / batch 4
+    steps = 6 // accumulate  # 48 samples / 2 ranks / batch 4, one optimizer step per `accumulate` batches
+    assert len(stats) == steps // every and [int(r["step"]) for r in stats] == list(range(every - 1, steps, every))
     for row in stats:
-        assert float(row["sparse/ids"]) == 2 * 4 * 3  # 2 ranks x 4 samples x (1 user + 2 items)
+        # per optimizer step: 2 ranks x `accumulate` batches x 4 samples x (1 user + 2 items)
+        assert float(row["sparse/ids"]) == 2 * accumulate * 4 * 3
         assert 0 < float(row["sparse/unique_ids"]) <= float(row["sparse/ids"])
         assert float(row["sparse/bytes_sent"]) > 0 and float(row["sparse/bytes_sent"]) == float(row["sparse/bytes_received"])
         assert float(row["sparse/exchange_s"]) > 0 and float(row["sparse/update_s"]) > 0
-    lrs = [float(r["lr-SparseAdagrad"]) for r in rows if r.get("lr-SparseAdagrad")]
-    assert lrs[:4] == pytest.approx([0.2, 0.2, 0.1, 0.1])
+    if (accumulate, every) == (1, 1):
+        lrs = [float(r["lr-SparseAdagrad"]) for r in rows if r.get("lr-SparseAdagrad")]
+        assert lrs[:4] == pytest.approx([0.2, 0.2, 0.1, 0.1])

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 from itertools import accumulate
 from typing import Callable, Sequence
 
@@ -200,7 +200,7 @@ def exchange_values(
 
 # ---------------------------------------------------------------------------- stage 1: ids to owners
 # Error codes a rank reports in its lookup header; every rank raises the same error for them.
-OK, BAD_DTYPE = 0, 1
+OK, BAD_DTYPE, NOT_A_TENSOR, UNREADABLE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -208,12 +208,13 @@ class LookupHeader:
     """What one rank tells every rank about its part of a lookup round: one row of the header.
 
     ``count`` differs per destination (the ids sent to it); the other fields are the same in
-    every row a rank sends. ``error`` is a code (``OK``, ``BAD_DTYPE``) with an argument in
-    ``detail``; ``id_min``/``id_max`` let every rank check every rank's ids against the table
-    (both 0 when a rank has none); ``table`` and ``active`` let a rank that has run out of
-    batches answer the others (``serve_lookups``) and catch ranks that call tables out of
-    order; ``record`` says the rank records the lookup for a gradient (grad mode is on);
-    ``most`` is the largest ``count`` the rank sends to anyone, which sizes the next round.
+    every row a rank sends. ``error`` is a code (``OK``, ``BAD_DTYPE``, ``NOT_A_TENSOR``,
+    ``UNREADABLE``) with an argument in ``detail``; ``dtype`` names the dtype of the ids it was
+    given; ``id_min``/``id_max`` let every rank check every rank's ids against the table (both 0
+    when a rank has none); ``table`` and ``active`` let a rank that has run out of batches
+    answer the others (``serve_lookups``) and catch ranks that call tables out of order;
+    ``record`` says the rank records the lookup for a gradient (grad mode is on); ``most`` is
+    the largest ``count`` the rank sends to anyone, which sizes the next round.
     """
 
     count: int = 0
@@ -225,8 +226,9 @@ class LookupHeader:
     active: int = 1
     record: int = 0
     most: int = 0
+    dtype: int = -1
 
-    WIDTH = 9
+    WIDTH = 10
 
     def fields(self, device: torch.device, id_range: Tensor | None = None) -> Tensor:
         """The fields after ``count`` as an int64 tensor; ``id_range`` (device ``[min, max]``) fills ``id_min``/``id_max``."""
@@ -281,7 +283,7 @@ def ids_to_owners(
     """Stage 1: every rank's header and its distinct ids, grouped by owner, in one all-to-all.
 
     ``runs`` sorted this rank's owner-major keys (ids that fall outside the table go nowhere).
-    Each destination gets a row of ``9 + slots`` int64: the header, then up to ``slots`` ids.
+    Each destination gets a row of ``10 + slots`` int64: the header, then up to ``slots`` ids.
     ``slots`` is agreed from the previous round; a rank with more ids for someone says so in
     its header (``most``), and an overflow round sends the rest. ``check`` sees every rank's
     header before the route is built; every rank sees the same headers, so if it raises, it
@@ -327,7 +329,7 @@ def ids_to_owners(
 
 def _fields(header: LookupHeader, device: torch.device, id_range: Tensor | None, counts: Tensor) -> Tensor:
     fields = header.fields(device, id_range)
-    fields[-1] = counts.max() if len(counts) else 0  # ``most``
+    fields[7] = counts.max() if len(counts) else 0  # ``most``
     return fields
 
 
@@ -412,6 +414,7 @@ class OutgoingGrads:
     routed: Tensor | None
     width: int
     others: tuple[Tensor, Tensor, Tensor] | None = None  # (local ids, values, counts per owner)
+    nonfinite: Tensor | None = None  # a 0-d device flag: 1 if a value above is inf or NaN (when checked)
 
 
 @dataclass
@@ -426,6 +429,7 @@ class IncomingGrads:
     values: list[Tensor]
     touched: bool = False  # whether any rank had a gradient for the table
     merged: bool = False  # a piece holds rows from several ranks
+    nonfinite_ranks: list[int] = field(default_factory=list)  # ranks whose gradient held inf or NaN (when checked)
 
     @property
     def distinct(self) -> bool:
@@ -434,7 +438,7 @@ class IncomingGrads:
 
 
 # Control code per table that rides with the routed rows to every destination.
-_HAS_ROUTED, _HAS_OTHERS = 1, 2
+_HAS_ROUTED, _HAS_OTHERS, _NONFINITE = 1, 2, 4
 
 
 def grads_to_owners(
@@ -453,6 +457,9 @@ def grads_to_owners(
     (whether this rank had routed rows, whether it has others). Every rank thereby learns what
     every rank has; if any rank has other rows, the general round follows (a header of counts,
     then ids and values). One host read per round: the control codes, the header.
+
+    A table's ``nonfinite`` flag rides in its control code too, so every rank learns which
+    ranks' gradients held an inf or NaN (``IncomingGrads.nonfinite_ranks``).
 
     Collective: every rank of ``group`` must call it with the same tables in the same order.
     """
@@ -475,6 +482,8 @@ def grads_to_owners(
 
 def _keep_local(table: OutgoingGrads) -> IncomingGrads:
     incoming = IncomingGrads([], [])
+    if table.nonfinite is not None and bool(table.nonfinite):  # a host read, only when checking
+        incoming.nonfinite_ranks = [0]
     if table.routed is not None:
         incoming.rows.append(table.route.received)
         incoming.values.append(table.routed)
@@ -488,6 +497,9 @@ def _keep_local(table: OutgoingGrads) -> IncomingGrads:
 def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) -> tuple[list[IncomingGrads], list[list[int]]]:
     codes = [_HAS_ROUTED * (t.routed is not None) + _HAS_OTHERS * (t.others is not None) for t in tables]
     code_values = host_tensor(codes, wire_dtype, device)
+    for index, table in enumerate(tables):
+        if table.nonfinite is not None:  # device flag: no host read here
+            code_values[index] += _NONFINITE * table.nonfinite.to(wire_dtype)
     send_starts = [split_starts(t.route.send_splits) if t.route else None for t in tables]
     pieces, send_sizes, recv_sizes = [], [], []
     for dest in range(world_size):
@@ -519,7 +531,11 @@ def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) ->
         offset += len(tables)
     with collective("all-to-all of gradients"):
         all_codes = torch.stack(code_slices).to(torch.int64).tolist()  # [W][T], the round's one host read
-    incoming = [IncomingGrads([], [], touched=any(row[i] for row in all_codes)) for i in range(len(tables))]
+    incoming = [
+        IncomingGrads([], [], touched=any(row[i] & (_HAS_ROUTED | _HAS_OTHERS) for row in all_codes),
+                      nonfinite_ranks=[r for r, row in enumerate(all_codes) if row[i] & _NONFINITE])
+        for i in range(len(tables))
+    ]  # fmt: skip
     recv_starts = [split_starts(t.route.recv_splits) if t.route else None for t in tables]
     for source, index, offset, rows in blocks:
         if rows and all_codes[source][index] & _HAS_ROUTED:

@@ -27,6 +27,7 @@ _LOST_PEER_MESSAGES = (
     "Connection reset by peer",
     "Broken pipe",
     "Timed out waiting",
+    "Application timeout caused pair closure",
     "timed out",
     "Timeout",
     "NCCL communicator was aborted",

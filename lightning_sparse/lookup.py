@@ -27,18 +27,36 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_sparse.exchange import BAD_DTYPE, OK, LookupHeader, SortedKeys, ids_to_owners, rows_to_requesters
+from lightning_sparse.exchange import (
+    BAD_DTYPE,
+    NOT_A_TENSOR,
+    OK,
+    UNREADABLE,
+    LookupHeader,
+    SortedKeys,
+    ids_to_owners,
+    rows_to_requesters,
+)
 from lightning_sparse.pending import LookupRecord
 
 if TYPE_CHECKING:
     from lightning_sparse.embedding import SparseEmbedding
 
-ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-# Dtypes are named across ranks by their position here (a header carries integers only).
+ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64)
+# Dtypes, types and devices are named across ranks by their position here (a header carries integers only).
 _DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128, torch.bool,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128, torch.bool, *ID_DTYPES,
 )  # fmt: skip
+_TYPES = ("list", "tuple", "ndarray", "int", "NoneType")
+_DEVICES = ("cpu", "cuda", "meta")
+
+
+def _code(name: Any, names: tuple[Any, ...]) -> int:
+    return names.index(name) if name in names else -1
+
+
+def _name(code: int, names: tuple[Any, ...], unknown: str = "another kind") -> str:
+    return str(names[code]) if 0 <= code < len(names) else unknown
 
 
 class _Lookup(torch.autograd.Function):
@@ -55,33 +73,49 @@ class _Lookup(torch.autograd.Function):
         return None, None, None, None
 
 
+def read_ids(table: "SparseEmbedding", ids: Any) -> tuple[Tensor, LookupHeader, str | None]:
+    """Flat int64 ids on the table's device, this rank's header, and its own words for a problem.
+
+    Nothing here raises: whatever is wrong with the input (not a tensor, not integers, a tensor
+    that cannot be read on the table's device) becomes an error code in the header, so that every
+    rank learns it in the same round and raises the same error.
+    """
+    recording = int(torch.is_grad_enabled())
+    header = LookupHeader(table=table.table_index, record=recording)
+    empty = torch.empty(0, dtype=torch.int64, device=table.device)
+    if not isinstance(ids, Tensor):
+        return empty, replace(header, error=NOT_A_TENSOR, detail=_code(type(ids).__name__, _TYPES)), type(ids).__name__
+    header = replace(header, dtype=_code(ids.dtype, _DTYPES))
+    if ids.dtype not in ID_DTYPES:
+        return empty, replace(header, error=BAD_DTYPE), None
+    try:
+        flat = ids.reshape(-1)
+        if flat.dtype == torch.uint64:  # ids of 2**63 or more turn negative: the range check names them
+            flat = flat.view(torch.int64)
+        return flat.to(device=table.device, dtype=torch.int64), header, None
+    except Exception as err:  # e.g. a meta tensor, or a device that cannot be read from here
+        return empty, replace(header, error=UNREADABLE, detail=_code(ids.device.type, _DEVICES)), f"{type(err).__name__}: {err}"
+
+
 def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
     """Rows of ``table`` for ``ids`` -> ``[*ids.shape, embedding_dim]``. Collective (see ``SparseEmbedding.forward``)."""
-    if not isinstance(ids, Tensor):
-        raise TypeError(f"{table.name} expects a tensor of ids, got {type(ids).__name__}. HINT: wrap it in torch.tensor(...).")
     shard, sharding, device = table.shard, table.sharding, table.device
     group, world_size, rank, stats = table.process_group, table.world_size, table.rank, table.stats
     recording = torch.is_grad_enabled()
-    header = LookupHeader(table=table.table_index, record=int(recording))
-    if ids.dtype in ID_DTYPES:
-        flat = ids.reshape(-1).to(device=device, dtype=torch.int64)
-    else:
-        flat = torch.empty(0, dtype=torch.int64, device=device)
-        header = LookupHeader(error=BAD_DTYPE, detail=_DTYPES.index(ids.dtype) if ids.dtype in _DTYPES else -1,
-                              table=table.table_index, record=int(recording))  # fmt: skip
+    flat, header, problem = read_ids(table, ids)
     id_range = torch.stack(torch.aminmax(flat)) if flat.numel() else None
     stats.ids_looked_up += flat.numel()
+    check = partial(check_headers, table, own_problem=problem)
 
     if world_size == 1:  # nothing to exchange: check, then one gather
         if id_range is not None:
             low, high = id_range.tolist()  # the one host read
             header = replace(header, id_min=low, id_max=high)
-        check_headers(table, [header], ids.dtype)
-        record = table.pending.new_record(None, flat, bound=table.num_embeddings) if recording else None
+        check([header])
+        record = table.pending.new_record(None, flat) if recording else None
         return _rows(table, shard, flat, ids.shape, record)
 
     runs = SortedKeys(sharding.key(flat), sharding.key_bound)
-    check = partial(check_headers, table, own_dtype=ids.dtype)
     route = ids_to_owners(runs, sharding, header, id_range, group, rank, stats, check)
     runs.finish(sum(route.send_splits))
     stats.unique_ids += len(runs.unique)
@@ -124,7 +158,7 @@ def serve_lookups(tables: list["SparseEmbedding"]) -> int:
         if not active:
             return rounds
         table = tables[active[0]]
-        check_headers(table, route.headers, None)
+        check_headers(table, route.headers)
         with torch.no_grad():
             rows = table.shard.index_select(0, route.received)
         rows_to_requesters(rows, route, group, table.world_size, rank, table.stats)
@@ -133,8 +167,11 @@ def serve_lookups(tables: list["SparseEmbedding"]) -> int:
         rounds += 1
 
 
-def check_headers(table: "SparseEmbedding", headers: list[LookupHeader], own_dtype: torch.dtype | None = None) -> None:
-    """Raise, on every rank alike, if any rank's header shows bad input or a different table."""
+def check_headers(table: "SparseEmbedding", headers: list[LookupHeader], own_problem: str | None = None) -> None:
+    """Raise, on every rank alike, if any rank's header shows bad input or a different table.
+
+    ``own_problem``: this rank's own account of its bad input, added to the message on this rank.
+    """
     tables = sorted({h.table for h in headers if h.active})
     if len(tables) > 1:
         raise RuntimeError(
@@ -144,17 +181,34 @@ def check_headers(table: "SparseEmbedding", headers: list[LookupHeader], own_dty
         )
     for rank, h in enumerate(headers):
         where = "this rank" if rank == table.rank else f"rank {rank}"
-        if h.error == BAD_DTYPE:
-            dtype = own_dtype if rank == table.rank and own_dtype is not None else _DTYPES[h.detail] if h.detail >= 0 else "?"
+        if h.error == NOT_A_TENSOR:
+            kind = own_problem if rank == table.rank and own_problem else _name(h.detail, _TYPES, "another type")
             raise TypeError(
-                f"{table.name} got ids of dtype {dtype} on {where}; ids must be integers (int64 or int32). "
-                f"HINT: convert them with ids.long()."
+                f"{table.name} got ids of type {kind} on {where}; ids must be a torch.Tensor of integers. "
+                f"HINT: wrap them in torch.tensor(...)."
+            )
+        if h.error == BAD_DTYPE:
+            raise TypeError(
+                f"{table.name} got ids of dtype {_name(h.dtype, _DTYPES)} on {where}; ids must be integers "
+                f"(int64, int32, ... or unsigned). HINT: convert them with ids.long()."
+            )
+        if h.error == UNREADABLE:
+            detail = f": {own_problem}" if rank == table.rank and own_problem else ""
+            raise RuntimeError(
+                f"{table.name} could not read the ids on {where} (a {_name(h.detail, _DEVICES)} tensor of dtype "
+                f"{_name(h.dtype, _DTYPES)}{detail}). HINT: pass ids that hold data, on the CPU or on the table's "
+                f"device ({table.device})."
             )
         if h.error != OK:
             raise RuntimeError(f"{table.name}: rank {rank} reported error code {h.error}.")
     for rank, h in enumerate(headers):
         if h.id_min < 0 or h.id_max >= table.num_embeddings:
             where = "this rank" if rank == table.rank else f"rank {rank}"
+            if h.id_min < 0 and _name(h.dtype, _DTYPES) == "torch.uint64":
+                raise IndexError(
+                    f"{table.name} got an id of 2**63 or more (dtype torch.uint64) on {where}; valid ids are "
+                    f"0..{table.num_embeddings - 1}. HINT: remap ids into range or enlarge the table."
+                )
             value = h.id_min if h.id_min < 0 else h.id_max
             raise IndexError(
                 f"{table.name} got id {value} on {where}; valid ids are 0..{table.num_embeddings - 1} "

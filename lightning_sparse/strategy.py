@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 import atexit
 import gc
 import logging
+import signal
 import sys
 
 import torch
@@ -51,6 +52,7 @@ from lightning_sparse import checkpoint
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.exchange import ExchangeStats
+from lightning_sparse.faults import PeerFailure, is_peer_failure
 from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.optim.base import SparseOptimizer
 
@@ -83,6 +85,18 @@ class SparseDDPStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         _destroy_process_groups_at_exit()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        # A lost peer ends the run: ranks this process launched must not be left behind (a hung
+        # rank, stopped or deadlocked, would otherwise outlive the program). SIGKILL reaches a stopped one.
+        launcher = self.launcher
+        lost_peer = isinstance(exception, PeerFailure) or is_peer_failure(exception)  # also from DDP's own all-reduce
+        if lost_peer and launcher is not None and getattr(launcher, "procs", None):
+            log.debug("%s: %s; killing the %d ranks this process launched", type(self).__name__,
+                      type(exception).__name__, len(launcher.procs))  # fmt: skip
+            launcher.kill(signal.SIGKILL)
 
     @override
     def teardown(self) -> None:
@@ -310,6 +324,7 @@ class SparseDDPStrategy(DDPStrategy):
             kind, loaded = checkpoint.load_file(path, weights_only=True if weights_only is None else weights_only)
             log.debug("loading %s checkpoint %s", kind, path)
             return loaded if kind == "lightning" else self._weights_only_checkpoint(loaded)
+        checkpoint.verify(path)
         meta = checkpoint.load_meta(path, weights_only=True if weights_only is None else weights_only)
         log.debug("%s: loading sharded checkpoint %s on %d ranks", type(self).__name__, path, self.world_size)
         module = self.lightning_module

@@ -231,12 +231,51 @@ def test_truncated_or_mismatched_checkpoint_fails_clearly(rank_pools, tmp_path):
         assert isinstance(result, RankError)
         assert f"table users has shape ({lm.USERS}, {lm.DIM}) in checkpoint {ckpt}" in result.message
         assert "HINT" in result.message
-    shard_file = Path(ckpt).resolve() / "rows" / "state_dict.users.weight" / "part-0" / "__1_0.distcp"
+    shard_file = Path(ckpt) / "rows" / "state_dict.users.weight" / "part-0" / "__1_0.distcp"
     with open(shard_file, "r+b") as f:
         f.truncate(16)  # keeps nothing of the rows this file held
     for result in rank_pools(2).run_raw(_load_expect_error, ckpt, lm.USERS):
         assert isinstance(result, RankError)
-        assert f"from checkpoint {ckpt}" in result.message and "Could not read table" in result.message
+        assert f"Checkpoint {ckpt} is damaged: {shard_file}" in result.message, result.message
+        assert "table users" in result.message and "16 bytes" in result.message and "HINT" in result.message
+
+
+def _flip(path: Path, count: int = 64) -> None:
+    """Invert ``count`` bytes in the middle of a file (its data, not only its header)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "key, holds",
+    [("state_dict.users.weight", "rows {rows} of table users"), ("optimizer_1.state.0.exp_avg", "rows {rows} of optimizer state 'exp_avg' of table users")],
+    ids=["table", "optimizer-state"],
+)
+def test_flipped_bytes_are_caught_on_load_and_export(rank_pools, tmp_path, key, holds):
+    (_, ckpt), *_ = rank_pools(2).run(_save, 2, str(tmp_path), ("mod", "range"))
+    damaged = Path(ckpt) / "rows" / key / "part-0" / "__1_0.distcp"
+    _flip(damaged)
+    rows = f"{-(-lm.USERS // 2)}..{lm.USERS - 1}"  # rank 1's block of the one band
+    for result in rank_pools(2).run_raw(_load_expect_error, ckpt, lm.USERS):
+        assert isinstance(result, RankError)
+        assert f"Checkpoint {ckpt} is damaged: {damaged} ({holds.format(rows=rows)}" in result.message, result.message
+    export = subprocess.run([sys.executable, "-m", "lightning_sparse", "export", ckpt, str(tmp_path / "out.pt")],
+                            capture_output=True, text=True)  # fmt: skip
+    assert export.returncode != 0 and f"is damaged: {damaged}" in export.stderr and not (tmp_path / "out.pt").exists()
+
+
+def test_a_damaged_meta_file_is_named_without_unsafe_advice(rank_pools, tmp_path):
+    (_, ckpt), *_ = rank_pools(2).run(_save, 2, str(tmp_path), ("mod", "range"))
+    meta = Path(ckpt) / checkpoint.METADATA_FILE
+    meta.write_bytes(b"garbage" * 100)
+    for result in rank_pools(2).run_raw(_load_expect_error, ckpt, lm.USERS):
+        assert isinstance(result, RankError)
+        assert f"is damaged: {meta}" in result.message and "weights_only=False" not in result.message
+    with pytest.raises(RuntimeError, match="meta.pt of checkpoint .* cannot be read .* HINT: the file is damaged") as err:
+        checkpoint.load_meta(ckpt)
+    assert "weights_only=False" not in str(err.value)
 
 
 # ---------------------------------------------------------------- crashes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -153,11 +154,15 @@ def test_follows_to_and_keeps_shard_identity():
 def _bad_lookup(bad_rank, bad_ids, device="cpu"):
     rank, _ = _rank()
     emb = ls.SparseEmbedding(10, 2, name="items", device=device)
-    ids = bad_ids.to(device) if rank == bad_rank else torch.tensor([1, 2], device=device)
+    if isinstance(bad_ids, str) and bad_ids == "meta":
+        bad_ids = torch.tensor([1, 2], device="meta")
+    elif isinstance(bad_ids, torch.Tensor) and bad_ids.device.type != "meta" and bad_ids.dtype != torch.uint64:
+        bad_ids = bad_ids.to(device)
+    ids = bad_ids if rank == bad_rank else torch.tensor([1, 2], device=device)
     start = time.monotonic()
     try:
         emb(ids)
-    except (IndexError, TypeError) as err:
+    except (IndexError, TypeError, RuntimeError) as err:
         return type(err).__name__, str(err), time.monotonic() - start
     return None
 
@@ -174,9 +179,14 @@ def _healthy_lookup(device="cpu"):
     [
         (torch.tensor([3, 10]), "IndexError", "got id 10 on {where}; valid ids are 0..9"),
         (torch.tensor([[-4, 1]]), "IndexError", "got id -4 on {where}; valid ids are 0..9"),
-        (torch.tensor([1.0, 2.0]), "TypeError", "ids must be integers"),
+        (torch.tensor([1.0, 2.0]), "TypeError", "got ids of dtype torch.float32 on {where}; ids must be integers"),
         (torch.tensor([True]), "TypeError", "got ids of dtype torch.bool"),
+        ([1, 2], "TypeError", "got ids of type list on {where}; ids must be a torch.Tensor"),
+        (np.array([1, 2]), "TypeError", "got ids of type ndarray on {where}; ids must be a torch.Tensor"),
+        ("meta", "RuntimeError", "could not read the ids on {where} (a meta tensor of dtype torch.int64"),
+        (torch.tensor([3, 2**63 + 5], dtype=torch.uint64), "IndexError", "got an id of 2**63 or more (dtype torch.uint64) on {where}"),
     ],
+    ids=["too-large", "negative", "float", "bool", "list", "ndarray", "meta", "uint64-too-large"],
 )
 def test_bad_ids_raise_on_every_rank(rank_pools, world_size, bad_ids, error, message, device):
     pool = rank_pools(world_size, device)
@@ -198,8 +208,15 @@ def test_bad_ids_without_process_group():
     emb = ls.SparseEmbedding(4, 2, name="users")
     with pytest.raises(IndexError, match=r"users got id 4 on this rank; valid ids are 0..3 \(num_embeddings=4\)"):
         emb(torch.tensor([4]))
-    with pytest.raises(TypeError, match="HINT: wrap it in torch.tensor"):
+    with pytest.raises(TypeError, match="HINT: wrap them in torch.tensor"):
         emb([1, 2])
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int16])
+def test_unsigned_and_narrow_ids_are_accepted(dtype):
+    emb = ls.SparseEmbedding(300, 3, seed=2)
+    ids = torch.tensor([[0, 255], [7, 7]])
+    torch.testing.assert_close(emb(ids.to(dtype)), emb(ids), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

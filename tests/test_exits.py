@@ -80,3 +80,33 @@ def test_fit_gather_destroy_exit_never_aborts(tmp_path):
             if run.returncode != 0 or "terminate called" in output or output.count(" done") != 2:
                 failures.append(f"exit code {run.returncode}:\n{output[-2000:]}")
     assert not failures, f"{len(failures)} of {RUNS} runs did not exit cleanly:\n" + "\n".join(failures[:2])
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_rank_does_not_outlive_the_fit(tmp_path):
+    """Rank 1 hangs; rank 0 fails with PeerFailure after the 10 s timeout and kills the rank it launched."""
+    import os
+    import signal
+    import time
+
+    pid_file = tmp_path / "pid"
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "scripts" / "hang_one_rank.py"), str(pid_file), "sleep"],
+                         capture_output=True, text=True, timeout=150, cwd=tmp_path)  # fmt: skip
+    seconds = time.monotonic() - start
+    pid = int(pid_file.read_text())
+    time.sleep(1)
+    alive = _running(pid)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert run.returncode != 0 and "PeerFailure" in run.stderr + run.stdout, run.stderr[-2000:]
+    assert not alive, f"rank 1 (pid {pid}) was left running after the fit failed"
+    assert seconds < 90

@@ -264,3 +264,31 @@ def test_tables_of_mixed_dtypes_share_one_round(rank_pools, device):
         expected.append(table[31745].float().sum())
     for result in got:
         torch.testing.assert_close(result, torch.stack(expected), rtol=1e-3, atol=1e-3)
+
+
+def _non_finite_on_one_rank(check: bool):
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    users, items = ls.SparseEmbedding(20, 2, seed=1, name="users"), ls.SparseEmbedding(20, 2, seed=2, name="items")
+    opt = ls.SparseAdam([users, items], lr=0.1, check_finite=check)
+    before = (users.full_weight(), items.full_weight())
+    scale = float("inf") if rank == world - 1 else 1.0
+    (users(torch.tensor([rank, 5])).sum() * scale + items(torch.tensor([3])).sum()).backward()
+    try:
+        opt.step()
+        outcome = "stepped"
+    except FloatingPointError as err:
+        outcome = str(err)
+    unchanged = torch.equal(users.full_weight(), before[0]) and torch.equal(items.full_weight(), before[1])
+    (users(torch.tensor([rank])).sum() + items(torch.tensor([3])).sum()).backward()
+    opt.step()  # the group and the optimizer still work
+    return outcome, unchanged, bool(torch.isfinite(users.full_weight()).all())
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_check_finite_raises_on_every_rank_and_updates_nothing(rank_pools, world_size):
+    for outcome, unchanged, finite in rank_pools(world_size).run(_non_finite_on_one_rank, True):
+        assert f"not finite (inf or NaN) for users on rank(s) [{world_size - 1}]" in outcome and "HINT" in outcome
+        assert "items" not in outcome.split("HINT")[0].split("for ", 1)[1]
+        assert unchanged and finite
+    for outcome, unchanged, finite in rank_pools(world_size).run(_non_finite_on_one_rank, False):
+        assert outcome == "stepped" and not unchanged and not finite  # the default: torch's behaviour, rows poisoned

@@ -9,6 +9,7 @@ Layout of a checkpoint (``path`` is a link to a data directory, see ``files.py``
                                             of the logical [num_embeddings, ...] tensor
         meta.pt                             everything else Lightning saves, and each per-row
                                             tensor's shape, dtype and bands (loads with weights_only=True)
+        checksums.json                      CRC-32 of every file above, and what it holds
 
 ``<key>`` is the name the tensor would have in one flat checkpoint: ``state_dict.users.weight``,
 ``optimizer_1.state.0.exp_avg``. Each per-row tensor is stored in global row order, so a
@@ -34,20 +35,32 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_sparse.checkpoint.files import DATA_PREFIX, ROWS_DIR, is_sharded, link, new_data_directory, remove
+from lightning_sparse.checkpoint.files import (
+    DATA_PREFIX,
+    ROWS_DIR,
+    first_damaged,
+    is_sharded,
+    link,
+    new_data_directory,
+    read_checksums,
+    record_checksums,
+    remove,
+    write_checksums,
+)
 from lightning_sparse.checkpoint.rows import RowStore, export_rows
+from lightning_sparse.sharding import RowSharding
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.faults import PeerFailure, collective, is_peer_failure
 from lightning_sparse.optim.base import SparseOptimizer
 
 __all__ = [
     "DATA_PREFIX", "FORMAT", "METADATA_FILE", "StoredTensor", "dense_module_state", "dense_optimizer_state", "export",
-    "is_sharded", "load_file", "load_meta", "load_module", "load_sparse_optimizer", "load_tensors", "remove", "save", "split_tensors",
+    "is_sharded", "load_file", "load_meta", "verify", "load_module", "load_sparse_optimizer", "load_tensors", "remove", "save", "split_tensors",
     "stored_tensors",
 ]  # fmt: skip
 
 METADATA_FILE = "meta.pt"
-FORMAT = 2  # 1: tables inside the main DCP checkpoint (before per-tensor writes)
+FORMAT = 3  # 1: tables inside the main DCP checkpoint; 2: bands without checksums
 
 
 def tables(module: nn.Module) -> Iterator[tuple[str, SparseEmbedding]]:
@@ -130,10 +143,18 @@ def save(
             for key, table, local in _row_tensors(module, sparse_optimizers):
                 row_tensors[key] = store.save(key, table, local)
             dcp.save(dense or {}, checkpoint_id=data, no_dist=not distributed)
-            if not distributed or dist.get_rank() == 0:
+            rank = dist.get_rank() if distributed else 0
+            if rank == 0:
                 torch.save({**(meta or {}), "format": FORMAT, "row_tensors": row_tensors}, data / METADATA_FILE)
+            entries = record_checksums(data, rank, _describer(data, row_tensors, dist.get_world_size() if distributed else 1))
+            gathered = [entries]
             if distributed:
-                dist.barrier()  # every rank's files are on disk
+                gathered = [None] * dist.get_world_size() if rank == 0 else None
+                dist.gather_object(entries, gathered, dst=0)  # every rank's files are on disk
+            if rank == 0:
+                write_checksums(data, {name: entry for part in gathered for name, entry in part.items()})
+            if distributed:
+                dist.barrier()  # the checksums are on disk
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         raise _save_failed(path, err) from err
     with collective(f"saving checkpoint {path}"):
@@ -142,6 +163,59 @@ def save(
         if distributed:
             dist.barrier()  # nobody reads the checkpoint before the link exists
     return path
+
+
+def _describer(data: Path, row_tensors: dict[str, dict[str, Any]], world_size: int) -> Any:
+    """What a file of the data directory holds, in words (for checksum errors)."""
+
+    def what(key: str) -> str:
+        entry = row_tensors[key]
+        if key.startswith("state_dict."):
+            return f"table {entry['table']} ({key})"
+        return f"optimizer state {key.rsplit('.', 1)[-1]!r} of table {entry['table']} ({key})"
+
+    def describe(path: Path) -> str:
+        parts = path.relative_to(data).parts
+        if parts[0] == ROWS_DIR:
+            key, band = parts[1], int(parts[2].removeprefix("part-"))
+            if path.name == ".metadata":
+                return f"the DCP metadata of band {band} of {what(key)}"
+            entry, rank = row_tensors[key], int(path.name[2:].split("_")[0])
+            start = band * entry["part_rows"]
+            rows = RowSharding(min(entry["shape"][0], start + entry["part_rows"]) - start, world_size, "range")
+            first = start + rank * rows.block_size
+            return f"rows {first}..{first + rows.num_local_rows(rank) - 1} of {what(key)}"
+        if path.name == METADATA_FILE:
+            return "the rest of the checkpoint (loops, callbacks, schedulers, ...)"
+        if path.name == ".metadata":
+            return "the DCP metadata of the dense tensors"
+        return "dense tensors (module parameters and buffers, dense optimizer state, step counters)"
+
+    return describe
+
+
+def verify(path: str | os.PathLike) -> None:
+    """Check every file of a sharded checkpoint against the CRC-32 written with it; raise naming the first damaged one.
+
+    Collective when a process group is initialized: each rank reads a share of the files, and
+    every rank raises the same error.
+    """
+    path = Path(path)
+    entries = read_checksums(path)
+    names = sorted(entries)
+    distributed = _distributed()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    damage = first_damaged(path, entries, names[rank::world])
+    if distributed:
+        found: list[str | None] = [None] * world
+        with collective(f"checking checkpoint {path}"):
+            dist.all_gather_object(found, damage)
+        damage = next((d for d in found if d), None)
+    if damage:
+        raise RuntimeError(
+            f"Checkpoint {path} is damaged: {damage}. HINT: restore the file from a copy, or resume from an earlier "
+            f"checkpoint."
+        )
 
 
 def _lost_peer(err: BaseException) -> bool:
@@ -311,6 +385,12 @@ def load_meta(path: str | os.PathLike, weights_only: bool = True) -> dict[str, A
         meta = torch.load(path / METADATA_FILE, weights_only=weights_only, map_location="cpu")
     except FileNotFoundError as err:
         raise RuntimeError(f"Checkpoint {path} has no {METADATA_FILE}. HINT: it is incomplete; use an earlier checkpoint.") from err
+    except Exception as err:  # torch's own message advises weights_only=False: not a fix for a damaged file
+        raise RuntimeError(
+            f"{path / METADATA_FILE} of checkpoint {path} cannot be read ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200]}). HINT: the file is damaged; restore it from a copy, or resume from an "
+            f"earlier checkpoint."
+        ) from err
     if meta.get("format") != FORMAT:
         raise RuntimeError(
             f"Checkpoint {path} was written in sparse checkpoint format {meta.get('format', 1)}; this version reads "
@@ -328,6 +408,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> list[tuple[str, t
     not O(checkpoint). Returns ``(key, shape, dtype, bytes)`` for every tensor written.
     """
     path = Path(path)
+    verify(path)
     rows = load_meta(path).get("row_tensors", {})
     state: dict[str, Tensor] = {}
     summary = []

@@ -6,14 +6,21 @@ it (``os.replace`` of a link is atomic), so a save killed half-way leaves the pr
 checkpoint, and ``last.ckpt``, intact. Data directories no link points to (left by a killed save,
 or replaced by a newer save of the same name) are removed by the next save in the folder. Their
 names contain no checkpoint name, so Lightning's search for ``last`` never finds one.
+
+Integrity: every file of a data directory has a CRC-32 in ``checksums.json``, with what it holds
+(for a band of a per-row tensor: the key, the table and the rows), written by rank 0 from every
+rank's own files after they are on disk, and checked before a load or an export.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
+import zlib
 from pathlib import Path
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -71,3 +78,64 @@ def remove(path: str | os.PathLike) -> None:
 
 def is_sharded(path: str | os.PathLike) -> bool:
     return (Path(path) / DCP_METADATA_FILE).is_file()
+
+
+# ---------------------------------------------------------------------------- checksums
+CHECKSUMS_FILE = "checksums.json"
+_READ_BYTES = 1 << 22
+
+
+def crc32(path: Path) -> tuple[int, int]:
+    """(CRC-32, size in bytes) of a file, read in chunks."""
+    value, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_BYTES):
+            value, size = zlib.crc32(chunk, value), size + len(chunk)
+    return value, size
+
+
+def files_written_by(data: Path, rank: int) -> list[Path]:
+    """The files of a data directory that ``rank`` wrote: its DCP chunks, and on rank 0 the metadata files."""
+    mine = list(data.rglob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        mine += [p for p in data.rglob("*") if p.is_file() and not p.name.endswith(".distcp") and p.name != CHECKSUMS_FILE]
+    return sorted(mine)
+
+
+def record_checksums(data: Path, rank: int, describe: Callable[[Path], str]) -> dict[str, dict[str, Any]]:
+    """This rank's entries of ``checksums.json``: relative path -> CRC-32, size and what the file holds."""
+    entries = {}
+    for path in files_written_by(data, rank):
+        value, size = crc32(path)
+        entries[str(path.relative_to(data))] = {"crc32": value, "bytes": size, "holds": describe(path)}
+    return entries
+
+
+def write_checksums(data: Path, entries: dict[str, dict[str, Any]]) -> None:
+    (data / CHECKSUMS_FILE).write_text(json.dumps(entries, indent=1, sort_keys=True))
+
+
+def read_checksums(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        return json.loads((path / CHECKSUMS_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise RuntimeError(
+            f"Checkpoint {path} has no readable {CHECKSUMS_FILE} ({type(err).__name__}: {err}). HINT: it is incomplete "
+            f"or was written by an older version; resume from another checkpoint."
+        ) from err
+
+
+def first_damaged(path: Path, entries: dict[str, dict[str, Any]], files: list[str]) -> str | None:
+    """The message for the first of ``files`` whose checksum or size differs from ``entries``, else ``None``."""
+    for name in files:
+        expected = entries[name]
+        try:
+            value, size = crc32(path / name)
+        except OSError as err:
+            return f"{path / name} ({expected['holds']}) cannot be read ({type(err).__name__}: {err})"
+        if (value, size) != (expected["crc32"], expected["bytes"]):
+            return (
+                f"{path / name} ({expected['holds']}) has checksum {value:08x} and {size} bytes, but "
+                f"{expected['crc32']:08x} and {expected['bytes']} bytes were written"
+            )
+    return None

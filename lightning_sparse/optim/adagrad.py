@@ -43,6 +43,7 @@ class SparseAdagrad(SparseOptimizer):
         eps: float = 1e-10,
         *,
         duplicate_grads: str = "sum",
+        check_finite: bool = False,
     ) -> None:
         _check(lr, weight_decay, initial_accumulator_value, eps)
         if lr_decay < 0.0:
@@ -50,6 +51,7 @@ class SparseAdagrad(SparseOptimizer):
         defaults = dict(
             lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
             initial_accumulator_value=initial_accumulator_value, duplicate_grads=duplicate_grads,
+            check_finite=check_finite,
         )  # fmt: skip
         super().__init__(params, defaults)
 
@@ -83,11 +85,13 @@ class SparseRowWiseAdagrad(SparseOptimizer):
         eps: float = 1e-10,
         *,
         duplicate_grads: str = "sum",
+        check_finite: bool = False,
     ) -> None:
         _check(lr, weight_decay, initial_accumulator_value, eps)
         defaults = dict(
             lr=lr, weight_decay=weight_decay, eps=eps,
             initial_accumulator_value=initial_accumulator_value, duplicate_grads=duplicate_grads,
+            check_finite=check_finite,
         )  # fmt: skip
         super().__init__(params, defaults)
 

@@ -39,6 +39,7 @@ class SparseAdam(SparseOptimizer):
         decoupled_weight_decay: bool = False,
         bias_correction: str = "row",
         duplicate_grads: str = "sum",
+        check_finite: bool = False,
     ) -> None:
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -55,6 +56,7 @@ class SparseAdam(SparseOptimizer):
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
             bias_correction=bias_correction, duplicate_grads=duplicate_grads,
+            check_finite=check_finite,
         )  # fmt: skip
         super().__init__(params, defaults)
 

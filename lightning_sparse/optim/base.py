@@ -44,9 +44,17 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
 
     ``step()`` and ``zero_grad()`` act when called. ``step()`` is a collective: every rank of the
     tables' process group must call it, also a rank whose batch used no table.
+
+    Every subclass takes ``duplicate_grads`` (see the module's docstring) and ``check_finite``
+    (default ``False``): with it, a step whose sparse gradient holds an inf or NaN on any rank
+    raises ``FloatingPointError`` on every rank, naming the table and the ranks, and updates
+    nothing (the gradients are dropped: catching the error and going on is safe). The flag rides
+    with the gradients, so the check costs one pass over them and no extra collective.
     """
 
     def __init__(self, params: Iterable[SparseEmbedding] | Iterable[dict[str, Any]], defaults: dict[str, Any]) -> None:
+        if not isinstance(defaults.get("check_finite", False), bool):
+            raise ValueError(f"Invalid check_finite: {defaults.get('check_finite')!r}. HINT: pass True or False.")
         if defaults.get("duplicate_grads") not in DUPLICATE_GRADS:
             raise ValueError(f"Invalid duplicate_grads: {defaults.get('duplicate_grads')!r}. HINT: use one of {DUPLICATE_GRADS}.")
         self._tables: dict[Tensor, SparseEmbedding] = {}
@@ -107,9 +115,10 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
                 loss = closure()
         entries = [(group, p) for group in self.param_groups for p in group["params"]]
         grads = self._grads_to_owners(entries)
+        self._raise_if_not_finite(entries, grads)
         start = time.perf_counter()
         with record_function("lightning_sparse.update"):
-            for (group, p), (rows, grad, touched) in zip(entries, grads):
+            for (group, p), (rows, grad, touched, _) in zip(entries, grads):
                 if not touched:
                     continue
                 state = self.state[p]
@@ -120,19 +129,32 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         self.stats.update_seconds += time.perf_counter() - start
         return loss
 
-    def _grads_to_owners(self, entries: list[tuple[dict[str, Any], Tensor]]) -> list[tuple[Tensor, Tensor, bool]]:
-        """Per table: (distinct local rows this rank owns, their scaled gradient, touched on any rank)."""
+    def _grads_to_owners(self, entries: list[tuple[dict[str, Any], Tensor]]) -> list[tuple[Tensor, Tensor, bool, list[int]]]:
+        """Per table: (distinct local rows this rank owns, their scaled gradient, touched on any rank, ranks with inf/NaN)."""
         if not entries:
             return []
         tables = [self._tables[p] for _, p in entries]
         mean = any(group["duplicate_grads"] == "mean" for group, _ in entries)
-        outgoing = [_outgoing(table, group["duplicate_grads"] == "mean") for (group, _), table in zip(entries, tables)]
+        outgoing = [_outgoing(table, group["duplicate_grads"] == "mean", group.get("check_finite", False))
+                    for (group, _), table in zip(entries, tables)]  # fmt: skip
         first = tables[0]
         incoming = grads_to_owners(
             outgoing, first.process_group, first.world_size, first.rank,
             _wire_dtype([t.dtype for t in tables], mean), first.device, self.stats,
         )  # fmt: skip
-        return [_owned(table, group["duplicate_grads"], grads) for (group, _), table, grads in zip(entries, tables, incoming)]
+        return [(*_owned(table, group["duplicate_grads"], grads), grads.nonfinite_ranks)
+                for (group, _), table, grads in zip(entries, tables, incoming)]  # fmt: skip
+
+    def _raise_if_not_finite(self, entries: list[tuple[dict[str, Any], Tensor]], grads: list[tuple]) -> None:
+        """Every rank learned the same ranks from the exchange, so every rank raises alike (before any update)."""
+        bad = [(self._tables[p].name, ranks) for (_, p), (*_, ranks) in zip(entries, grads) if ranks]
+        if bad:
+            where = "; ".join(f"{name} on rank(s) {ranks}" for name, ranks in bad)
+            raise FloatingPointError(
+                f"{type(self).__name__}: the sparse gradient is not finite (inf or NaN) for {where}; no row was updated "
+                f"and the gradients were dropped. HINT: look for the source (the loss, the learning rate, an fp16 "
+                f"overflow: 16-mixed skips such steps by itself); catching this error and going on is safe."
+            )
 
     def full_state_dict(self) -> dict[str, Any]:
         """``state_dict()`` with every per-row state tensor gathered into global row order.
@@ -184,7 +206,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
                     )
 
 
-def _outgoing(table: SparseEmbedding, mean: bool) -> OutgoingGrads:
+def _outgoing(table: SparseEmbedding, mean: bool, check_finite: bool = False) -> OutgoingGrads:
     """A table's pending gradients, taken and laid out for ``grads_to_owners``.
 
     The last lookup's gradient rows go as they are (routed); the others are coalesced by row
@@ -200,6 +222,9 @@ def _outgoing(table: SparseEmbedding, mean: bool) -> OutgoingGrads:
             keys, values = runs.unique, runs.segment_sum(torch.cat([_values(record, mean) for record in others]))
         below = torch.searchsorted(keys, table.sharding.key_boundaries(table.device))
         out.others = (table.sharding.local_of_key(keys), values, below[1:] - below[:-1])
+    if check_finite:
+        flags = [(~torch.isfinite(v)).any() for v in (out.routed, out.others[1] if out.others else None) if v is not None]
+        out.nonfinite = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=table.device)
     return out
 
 

@@ -5,9 +5,11 @@ Importing the package registers ``Trainer(strategy="sparse_ddp")``.
 
 from lightning_sparse import init
 from lightning_sparse.callbacks import SparseStatsMonitor
+from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.embedding import SparseEmbedding, full_state_dict
 from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.faults import PeerFailure
+from lightning_sparse.features import JaggedIds
 from lightning_sparse.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseRowWiseAdagrad, SparseSGD
 from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.sharding import RowSharding
@@ -16,11 +18,13 @@ from lightning_sparse.strategy import SparseDDPStrategy  # registers strategy="s
 __version__ = "0.1.0"
 
 __all__ = [
+    "JaggedIds",
     "PeerFailure",
     "RowSharding",
     "SparseAdagrad",
     "SparseAdam",
     "SparseEmbedding",
+    "SparseEmbeddingCollection",
     "SparseOptimizer",
     "SparseRowWiseAdagrad",
     "SparseDDPStrategy",

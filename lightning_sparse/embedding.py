@@ -216,12 +216,16 @@ class SparseEmbedding(nn.Module):
         Differentiable with respect to the looked-up rows when grad mode is on; the gradient
         waits for a sparse optimizer's ``step()`` and backward communicates nothing.
         """
+        self.check_first_lookup()
+        self.materialize()
+        return lookup(self, ids)
+
+    def check_first_lookup(self) -> None:
+        """Run :attr:`first_lookup_checks` once (a collection calls it for its tables)."""
         if not self._first_lookup_checked:
             for check in self.first_lookup_checks:
                 check(self)
             self._first_lookup_checked = True
-        self.materialize()
-        return lookup(self, ids)
 
     # ------------------------------------------------------------------ pending gradients
     def zero_grad(self, set_to_none: bool = True) -> None:

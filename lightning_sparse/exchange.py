@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from lightning_sparse.faults import PeerFailure, collective
-from lightning_sparse.sharding import RowSharding
+from lightning_sparse.sharding import JointSharding, RowSharding
 
 __all__ = ["PeerFailure"]  # re-exported: a lost peer's error, raised by every stage
 
@@ -200,7 +200,8 @@ def exchange_values(
 
 # ---------------------------------------------------------------------------- stage 1: ids to owners
 # Error codes a rank reports in its lookup header; every rank raises the same error for them.
-OK, BAD_DTYPE, NOT_A_TENSOR, UNREADABLE = 0, 1, 2, 3
+# OUT_OF_RANGE, BAD_INPUT and BAD_OFFSETS are used by collections, whose header names the feature (``part``).
+OK, BAD_DTYPE, NOT_A_TENSOR, UNREADABLE, OUT_OF_RANGE, BAD_INPUT, BAD_OFFSETS = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,8 @@ class LookupHeader:
     when a rank has none); ``table`` and ``active`` let a rank that has run out of batches
     answer the others (``serve_lookups``) and catch ranks that call tables out of order;
     ``record`` says the rank records the lookup for a gradient (grad mode is on); ``most`` is
-    the largest ``count`` the rank sends to anyone, which sizes the next round.
+    the largest ``count`` the rank sends to anyone, which sizes the next round; ``part`` names
+    the feature of a collection that an error is about (``-1``: none).
     """
 
     count: int = 0
@@ -227,15 +229,21 @@ class LookupHeader:
     record: int = 0
     most: int = 0
     dtype: int = -1
+    part: int = -1
 
-    WIDTH = 10
+    WIDTH = 11
 
     def fields(self, device: torch.device, id_range: Tensor | None = None) -> Tensor:
         """The fields after ``count`` as an int64 tensor; ``id_range`` (device ``[min, max]``) fills ``id_min``/``id_max``."""
         fields = host_tensor(astuple(self)[1:], torch.int64, device)
         if id_range is not None:
-            fields[2:4] = id_range
+            fields[self.slot("id_min") : self.slot("id_max") + 1] = id_range
         return fields
+
+    @classmethod
+    def slot(cls, name: str) -> int:
+        """Where field ``name`` sits in :meth:`fields` (which leaves out ``count``)."""
+        return list(cls.__dataclass_fields__).index(name) - 1
 
 
 @dataclass
@@ -252,6 +260,9 @@ class Route:
     recv_splits: list[int]
     received: Tensor
     headers: list[LookupHeader]
+    # For several tables in one round (a JointSharding): ids per (rank, table), ``[W][T]``.
+    send_parts: list[list[int]] | None = None
+    recv_parts: list[list[int]] | None = None
 
     @property
     def records(self) -> bool:
@@ -272,9 +283,8 @@ def _next_slots(most: int) -> int:
 
 def ids_to_owners(
     runs: SortedKeys,
-    sharding: RowSharding,
-    header: LookupHeader,
-    id_range: Tensor | None,
+    sharding: RowSharding | JointSharding,
+    fields: Tensor,
     group: ProcessGroup,
     rank: int,
     stats: ExchangeStats | None = None,
@@ -282,12 +292,15 @@ def ids_to_owners(
 ) -> Route:
     """Stage 1: every rank's header and its distinct ids, grouped by owner, in one all-to-all.
 
-    ``runs`` sorted this rank's owner-major keys (ids that fall outside the table go nowhere).
-    Each destination gets a row of ``10 + slots`` int64: the header, then up to ``slots`` ids.
+    ``runs`` sorted this rank's owner-major keys (ids that fall outside the table go nowhere);
+    ``fields`` is this rank's header without ``count`` (:meth:`LookupHeader.fields`). Each
+    destination gets a row of ``11 + slots`` int64: the header, then up to ``slots`` ids.
     ``slots`` is agreed from the previous round; a rank with more ids for someone says so in
     its header (``most``), and an overflow round sends the rest. ``check`` sees every rank's
     header before the route is built; every rank sees the same headers, so if it raises, it
-    raises on every rank and the group stays usable. One host read: the headers.
+    raises on every rank and the group stays usable. One host read: the headers. With a
+    :class:`~lightning_sparse.sharding.JointSharding` (several tables), the same read also
+    brings the ids per (rank, table) both ways (``Route.send_parts``, ``Route.recv_parts``).
 
     Collective: every rank of ``group`` must call it.
     """
@@ -301,14 +314,24 @@ def ids_to_owners(
         send = _pack(runs, sharding, below, slots, device)
         rows = send.view(world_size, width + slots)
         rows[:, 0] = counts
-        rows[:, 1:width] = _fields(header, device, id_range, counts)
+        rows[:, 1:width] = fields
+        rows[:, 1 + LookupHeader.slot("most")] = counts.max()
         recv = torch.empty(world_size * (width + slots), dtype=torch.int64, device=device)
+        parts = getattr(sharding, "num_parts", 0)
         with collective("all-to-all of lookup ids"):
             dist.all_to_all_single(recv, send, group=group)
             recv = recv.view(world_size, width + slots)
-            host = torch.cat([counts, recv[:, :width].reshape(-1)]).tolist()  # the stage's one host read
+            read = [counts, recv[:, :width].reshape(-1)]
+            if parts:
+                below_parts = runs.counts_below(sharding.part_boundaries(device))
+                read += [below_parts[1:] - below_parts[:-1], _parts_in_slots(recv, sharding)]
+            host = torch.cat(read).tolist()  # the stage's one host read
         send_splits = host[:world_size]
         headers = [LookupHeader(*host[world_size + width * r : world_size + width * (r + 1)]) for r in range(world_size)]
+        if parts:
+            flat_parts = host[world_size * (1 + width) :]
+            send_parts = [flat_parts[r * parts : (r + 1) * parts] for r in range(world_size)]
+            recv_parts = [flat_parts[(world_size + r) * parts : (world_size + r + 1) * parts] for r in range(world_size)]
         most = max(h.most for h in headers)
         _SLOTS[group] = _next_slots(most)
         if check is not None:
@@ -318,19 +341,41 @@ def ids_to_owners(
                              [min(c, slots) for c in recv_splits])  # fmt: skip
         if most > slots:  # overflow: the ids beyond the slots, in a second round
             received = _overflow(runs, sharding, send_splits, recv_splits, slots, received, group, rank, stats)
+            if parts:  # the slots held only some ids: count them all (a second host read, with the second round)
+                recv_parts = parts_received(received, recv_splits, sharding)
     if stats is not None:
         sent = world_size * (width + slots) * 8
         stats.bytes_sent += sent * (world_size - 1) // world_size
         stats.bytes_received += sent * (world_size - 1) // world_size
         stats.collectives += 1
         stats.exchange_seconds += time.perf_counter() - start
-    return Route(send_splits, recv_splits, received, headers)
+    route = Route(send_splits, recv_splits, received, headers)
+    if parts:
+        route.send_parts, route.recv_parts = send_parts, recv_parts
+    return route
 
 
-def _fields(header: LookupHeader, device: torch.device, id_range: Tensor | None, counts: Tensor) -> Tensor:
-    fields = header.fields(device, id_range)
-    fields[7] = counts.max() if len(counts) else 0  # ``most``
-    return fields
+def _parts_in_slots(recv: Tensor, sharding: JointSharding) -> Tensor:
+    """Ids per (source, table) among the received slots, ``[W * T]``, without a host read."""
+    world_size, parts, width = sharding.world_size, sharding.num_parts, LookupHeader.WIDTH
+    ids = recv[:, width:]
+    used = torch.arange(ids.shape[1], device=recv.device).unsqueeze(0) < recv[:, :1]
+    where = sharding.part_of_local(ids) + torch.arange(world_size, device=recv.device).unsqueeze(1) * parts
+    return torch.zeros(world_size * parts, dtype=torch.int64, device=recv.device).index_add_(
+        0, where.reshape(-1), used.reshape(-1).to(torch.int64)
+    )
+
+
+def parts_received(received: Tensor, recv_splits: Sequence[int], sharding: JointSharding) -> list[list[int]]:
+    """Ids per (source, table) in a route's ``received`` joint local ids, ``[W][T]`` (one host read)."""
+    world_size, parts = sharding.world_size, sharding.num_parts
+    source = torch.repeat_interleave(
+        torch.arange(world_size, device=received.device), host_tensor(recv_splits, torch.int64, received.device),
+        output_size=len(received),
+    )  # fmt: skip
+    counts = torch.bincount(source * parts + sharding.part_of_local(received), minlength=world_size * parts)
+    flat = counts.tolist()
+    return [flat[r * parts : (r + 1) * parts] for r in range(world_size)]
 
 
 def _pack(runs: SortedKeys, sharding: RowSharding, below: Tensor, slots: int, device: torch.device) -> Tensor:

@@ -80,21 +80,29 @@ def read_ids(table: "SparseEmbedding", ids: Any) -> tuple[Tensor, LookupHeader, 
     that cannot be read on the table's device) becomes an error code in the header, so that every
     rank learns it in the same round and raises the same error.
     """
-    recording = int(torch.is_grad_enabled())
-    header = LookupHeader(table=table.table_index, record=recording)
-    empty = torch.empty(0, dtype=torch.int64, device=table.device)
+    flat, verdict, problem = flat_ids(ids, table.device)
+    return flat, LookupHeader(table=table.table_index, record=int(torch.is_grad_enabled()), **verdict), problem
+
+
+def flat_ids(ids: Any, device: torch.device) -> tuple[Tensor, dict[str, int], str | None]:
+    """``ids`` as flat int64 on ``device``, the header fields that describe them, and words for a problem.
+
+    Never raises: a problem becomes ``error`` (and ``detail``) in the returned fields; the ids
+    are then empty.
+    """
+    empty = torch.empty(0, dtype=torch.int64, device=device)
     if not isinstance(ids, Tensor):
-        return empty, replace(header, error=NOT_A_TENSOR, detail=_code(type(ids).__name__, _TYPES)), type(ids).__name__
-    header = replace(header, dtype=_code(ids.dtype, _DTYPES))
+        return empty, {"error": NOT_A_TENSOR, "detail": _code(type(ids).__name__, _TYPES)}, type(ids).__name__
+    verdict = {"dtype": _code(ids.dtype, _DTYPES)}
     if ids.dtype not in ID_DTYPES:
-        return empty, replace(header, error=BAD_DTYPE), None
+        return empty, {**verdict, "error": BAD_DTYPE}, None
     try:
         flat = ids.reshape(-1)
         if flat.dtype == torch.uint64:  # ids of 2**63 or more turn negative: the range check names them
             flat = flat.view(torch.int64)
-        return flat.to(device=table.device, dtype=torch.int64), header, None
+        return flat.to(device=device, dtype=torch.int64), verdict, None
     except Exception as err:  # e.g. a meta tensor, or a device that cannot be read from here
-        return empty, replace(header, error=UNREADABLE, detail=_code(ids.device.type, _DEVICES)), f"{type(err).__name__}: {err}"
+        return empty, {**verdict, "error": UNREADABLE, "detail": _code(ids.device.type, _DEVICES)}, f"{type(err).__name__}: {err}"
 
 
 def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
@@ -116,7 +124,7 @@ def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
         return _rows(table, shard, flat, ids.shape, record)
 
     runs = SortedKeys(sharding.key(flat), sharding.key_bound)
-    route = ids_to_owners(runs, sharding, header, id_range, group, rank, stats, check)
+    route = ids_to_owners(runs, sharding, header.fields(device, id_range), group, rank, stats, check)
     runs.finish(sum(route.send_splits))
     stats.unique_ids += len(runs.unique)
     with torch.no_grad():
@@ -142,8 +150,9 @@ def serve_lookups(tables: list["SparseEmbedding"]) -> int:
     A Join for lookups: a rank that has run out of batches (uneven validation, test or predict
     loaders) calls this and keeps serving the rows it owns to ranks that still have batches,
     taking part in each of their lookup rounds with no ids of its own. Returns, with the number
-    of rounds served, once every rank is serving. ``tables[i]`` must have ``table_index == i``
-    on every rank (the strategy sets it).
+    of rounds served, once every rank is serving. ``tables`` are the lookup units: tables, then
+    any collections; ``tables[i]`` must have ``table_index == i`` (a collection ``unit_index == i``)
+    on every rank (the strategy sets them).
 
     Collective: every rank of the group must call it once it has no lookups left to make.
     """
@@ -152,12 +161,18 @@ def serve_lookups(tables: list["SparseEmbedding"]) -> int:
     first, rounds = tables[0], 0
     group, rank = first.process_group, first.rank
     nothing = SortedKeys(torch.empty(0, dtype=torch.int64, device=first.device))
+    idle = LookupHeader(active=0).fields(first.device)
     while True:
-        route = ids_to_owners(nothing, first.sharding, LookupHeader(active=0), None, group, rank, first.stats)
+        route = ids_to_owners(nothing, first.sharding, idle, group, rank, first.stats)
         active = [h.table for h in route.headers if h.active]
         if not active:
             return rounds
-        table = tables[active[0]]
+        unit = tables[active[0]]
+        if hasattr(unit, "serve"):  # a collection: all its tables in this round
+            unit.serve(route)
+            rounds += 1
+            continue
+        table = unit
         check_headers(table, route.headers)
         with torch.no_grad():
             rows = table.shard.index_select(0, route.received)

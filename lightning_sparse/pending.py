@@ -26,10 +26,12 @@ class LookupRecord:
     ``keys`` are the distinct rows' owner-major keys, ascending: the order in which the lookup
     sent its ids along ``route``; ``grad`` is ``[len(keys), dim]`` in that order. A lookup that
     did not deduplicate (one rank) is made with its ids as ``keys`` and no ``perm``/``offsets``;
-    its first backward sorts them.
+    its first backward sorts them. A lookup of a collection (which pools from the distinct rows)
+    is made with ``occurrences`` (how often each distinct row was read): its backward already
+    receives one gradient row per key.
     """
 
-    __slots__ = ("route", "keys", "perm", "offsets", "bound", "grad", "_pending", "_listed", "__weakref__")
+    __slots__ = ("route", "keys", "perm", "offsets", "bound", "occurrences", "grad", "_pending", "_listed", "__weakref__")
 
     def __init__(
         self,
@@ -39,18 +41,23 @@ class LookupRecord:
         perm: Tensor | None,
         offsets: Tensor | None,
         bound: int | None = None,
+        occurrences: Tensor | None = None,
     ) -> None:
         self.route, self.keys, self.perm, self.offsets, self.bound = route, keys, perm, offsets, bound
+        self.occurrences = occurrences
         self.grad: Tensor | None = None
         self._pending = pending
         self._listed = False  # in ``pending.received``: its gradient has not been taken or zeroed
 
     def add_grad(self, grad_output: Tensor) -> None:
-        """Called by the lookup's backward with the gradient of its ``[ids, dim]`` output."""
-        if self.perm is None:
-            runs = SortedKeys(self.keys, self.bound).finish()
-            self.keys, self.perm, self.offsets = runs.unique, runs.perm, runs.offsets
-        rows = F.embedding_bag(self.perm, grad_output.contiguous(), self.offsets, mode="sum")  # [ids, dim] -> [rows, dim]
+        """Called by the lookup's backward with the gradient of its ``[ids, dim]`` output (``[keys, dim]`` for a collection)."""
+        if self.occurrences is not None:
+            rows = grad_output
+        else:
+            if self.perm is None:
+                runs = SortedKeys(self.keys, self.bound).finish()
+                self.keys, self.perm, self.offsets = runs.unique, runs.perm, runs.offsets
+            rows = F.embedding_bag(self.perm, grad_output.contiguous(), self.offsets, mode="sum")  # [ids, dim] -> [rows, dim]
         if self._listed:
             self.grad.add_(rows)
         else:  # the first backward, or one after a step or zero_grad took the previous gradient
@@ -59,6 +66,8 @@ class LookupRecord:
 
     def counts(self) -> Tensor:
         """How often the lookup read each distinct row."""
+        if self.occurrences is not None:
+            return self.occurrences
         ends = self.offsets.new_empty(len(self.offsets))
         ends[:-1] = self.offsets[1:]
         ends[-1:] = len(self.perm)
@@ -79,9 +88,10 @@ class PendingGrads:
         perm: Tensor | None = None,
         offsets: Tensor | None = None,
         bound: int | None = None,
+        occurrences: Tensor | None = None,
     ) -> LookupRecord:
         """A record of one lookup; without ``perm``/``offsets`` its backward sorts ``keys`` (all below ``bound``)."""
-        return LookupRecord(self, route, keys, perm, offsets, bound)
+        return LookupRecord(self, route, keys, perm, offsets, bound, occurrences)
 
     def grads(self) -> list[Tensor]:
         """The row gradients received so far (for inspection; see :meth:`scale`)."""

@@ -32,6 +32,7 @@ the ids and groups them by the rank they go to; under ``"range"`` the key is the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -111,3 +112,73 @@ class RowSharding:
         if self.scheme == "mod":
             return local * self.world_size + rank
         return local + rank * self.block_size
+
+
+@dataclass(frozen=True)
+class JointSharding:
+    """Several tables' rows in one owner-major key space, so that one sort groups a batch by owner, then table.
+
+    Table ``t``'s row with owner ``o`` and local index ``l`` has the key
+    ``o * block_size + offsets[t] + l``, where ``block_size`` is the sum of the tables' own
+    block sizes and ``offsets[t]`` the sum of those before ``t``. So keys sort by owner, then
+    table, then local row, and ``local_of_key`` gives a *joint local id* (``offsets[t] + l``)
+    from which the owner reads the table (:meth:`part_of_local`). The interface is the one of
+    :class:`RowSharding` that the exchange uses, plus the parts (tables).
+
+    >>> joint = JointSharding((RowSharding(5, 2, "mod"), RowSharding(3, 2, "range")))
+    >>> joint.block_size, joint.offsets
+    (5, (0, 3, 5))
+    >>> joint.key(0, torch.tensor([0, 1, 4])).tolist(), joint.key(1, torch.tensor([0, 2])).tolist()
+    ([0, 5, 2], [3, 8])
+    """
+
+    shardings: tuple[RowSharding, ...]
+
+    def __post_init__(self) -> None:
+        if not self.shardings or len({s.world_size for s in self.shardings}) != 1:
+            raise ValueError("JointSharding needs at least one table, all over the same number of ranks.")
+
+    @property
+    def world_size(self) -> int:
+        return self.shardings[0].world_size
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.shardings)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each table's local ids start in a joint local id (and, last, ``block_size``)."""
+        return (0, *accumulate(s.block_size for s in self.shardings))
+
+    @property
+    def block_size(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def key_bound(self) -> int:
+        return self.world_size * self.block_size
+
+    def key(self, part: int, ids: Tensor) -> Tensor:
+        """Joint keys of table ``part``'s rows ``ids`` (all inside the table)."""
+        sharding = self.shardings[part]
+        return sharding.owner(ids) * self.block_size + (sharding.to_local(ids) + self.offsets[part])
+
+    def key_boundaries(self, device: torch.device | str | None = None) -> Tensor:
+        return torch.arange(self.world_size + 1, device=device) * self.block_size
+
+    def part_boundaries(self, device: torch.device | str | None = None) -> Tensor:
+        """The keys where each (owner, table) block starts, owner-major, and the bound: ``W * T + 1`` values."""
+        starts = torch.arange(self.world_size, device=device).unsqueeze(1) * self.block_size
+        starts = starts + torch.tensor(self.offsets[:-1], device=device)
+        return torch.cat([starts.view(-1), torch.tensor([self.key_bound], device=device)])
+
+    def owner_of_key(self, keys: Tensor) -> Tensor:
+        return torch.div(keys, self.block_size, rounding_mode="floor")
+
+    def local_of_key(self, keys: Tensor) -> Tensor:
+        return torch.remainder(keys, self.block_size)
+
+    def part_of_local(self, local: Tensor) -> Tensor:
+        """The table of each joint local id."""
+        return torch.bucketize(local, torch.tensor(self.offsets[1:-1], dtype=local.dtype, device=local.device), right=True)

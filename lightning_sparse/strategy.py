@@ -49,6 +49,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse import checkpoint
+from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.exchange import ExchangeStats
@@ -67,6 +68,7 @@ class SparseDDPStrategy(DDPStrategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._tables: list[SparseEmbedding] = []
+        self._collections: list[SparseEmbeddingCollection] = []
         self._sparse_optimizers: list[SparseOptimizer] = []
         self._restored_sharded = False
         self._restored_weights_only = False
@@ -75,6 +77,11 @@ class SparseDDPStrategy(DDPStrategy):
     def sparse_tables(self) -> list[SparseEmbedding]:
         """The module's SparseEmbeddings, in ``named_modules`` order (their ``table_index``)."""
         return self._tables
+
+    @property
+    def lookup_units(self) -> list[SparseEmbedding | SparseEmbeddingCollection]:
+        """What a rank out of batches serves (``serve_lookups``): the tables, then the collections."""
+        return [*self._tables, *self._collections]
 
     @property
     def sparse_optimizers(self) -> list[SparseOptimizer]:
@@ -115,6 +122,14 @@ class SparseDDPStrategy(DDPStrategy):
             table.adopt(name, index)
             table.materialize()
             self._tables.append(table)
+        self._collections = []
+        for index, (name, collection) in enumerate(
+            ((name, m) for name, m in self.lightning_module.named_modules() if isinstance(m, SparseEmbeddingCollection)),
+            start=len(self._tables),
+        ):
+            collection.adopt(name, index)
+            collection.materialize()
+            self._collections.append(collection)
         if isinstance(self.precision_plugin, SparseMixedPrecision):
             self.precision_plugin.tables = self._tables
         log.debug("%s: sharded %d tables over %d ranks: %s", type(self).__name__, len(self._tables), self.world_size,
@@ -241,7 +256,7 @@ class SparseDDPStrategy(DDPStrategy):
 
     def _serve_after_last_batch(self, loop: Any) -> None:
         if self._tables and loop.batch_progress.is_last_batch:
-            serve_lookups(self._tables)
+            serve_lookups(self.lookup_units)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -380,7 +395,7 @@ class SparseDDPStrategy(DDPStrategy):
     def pop_sparse_stats(self) -> ExchangeStats:
         """This rank's sparse-path totals since the last call (tables and sparse optimizers)."""
         total = ExchangeStats()
-        for source in [*self._tables, *self._sparse_optimizers]:
+        for source in [*self._tables, *self._collections, *self._sparse_optimizers]:
             total.add(source.stats)
             source.stats.reset()
         return total
@@ -434,7 +449,7 @@ def _serve_when_skipped(loop: Any, strategy: SparseDDPStrategy) -> None:
         output = run(*args, **kwargs)
         if loop.skip and strategy.sparse_tables:
             log.debug("%s: no batches on rank %d; serving the other ranks' lookups", type(loop).__name__, strategy.global_rank)
-            serve_lookups(strategy.sparse_tables)
+            serve_lookups(strategy.lookup_units)
         return output
 
     loop.run = run_or_serve

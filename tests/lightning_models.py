@@ -186,3 +186,26 @@ def reference(
     out = {name: p.detach().clone() for name, p in mlp.named_parameters()}
     out["users"], out["items"] = users.weight.detach().clone(), items.weight.detach().clone()
     return out
+
+
+class CollectionTower(TwoTower):
+    """TwoTower with its tables in one SparseEmbeddingCollection: three features, one round per forward."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        users, items = self._modules.pop("users"), self._modules.pop("items")
+        self.embeddings = ls.SparseEmbeddingCollection(
+            {"users": users, "items": items}, features={"user": "users", "first": "items", "second": "items"}
+        )
+
+    @property
+    def users(self) -> ls.SparseEmbedding:
+        return self.embeddings.tables["users"]
+
+    @property
+    def items(self) -> ls.SparseEmbedding:
+        return self.embeddings.tables["items"]
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        out = self.embeddings({"user": users, "first": items[:, 0], "second": items[:, 1]})
+        return self.mlp(torch.cat([out["user"], out["first"], out["second"]], dim=-1)).squeeze(-1)

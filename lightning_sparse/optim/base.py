@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
+from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.exchange import ExchangeStats, IncomingGrads, OutgoingGrads, SortedKeys, coalesce, grads_to_owners
 from lightning_sparse.pending import LookupRecord
@@ -37,8 +38,8 @@ DUPLICATE_GRADS = ("sum", "mean")
 class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
     """Base class of the sparse optimizers: a ``torch.optim.Optimizer`` over SparseEmbedding tables.
 
-    Built from SparseEmbedding modules (or param-group dicts whose ``"params"`` are
-    SparseEmbeddings); ``param_groups`` then hold the tables' shards, so LR schedulers,
+    Built from SparseEmbedding modules and SparseEmbeddingCollections (whose tables it takes),
+    or param-group dicts whose ``"params"`` are those; ``param_groups`` then hold the tables' shards, so LR schedulers,
     ``state_dict()`` and ``load_state_dict()`` work as for any torch optimizer. Optimizer state
     is sharded like the tables: each rank holds the state of its own rows.
 
@@ -75,7 +76,8 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
     # ------------------------------------------------------------------ torch.optim API
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         tables = param_group["params"]
-        tables = [tables] if isinstance(tables, SparseEmbedding) else list(tables)
+        tables = [tables] if isinstance(tables, (SparseEmbedding, SparseEmbeddingCollection)) else list(tables)
+        tables = [t for entry in tables for t in (entry.table_list if isinstance(entry, SparseEmbeddingCollection) else [entry])]
         for table in tables:
             if not isinstance(table, SparseEmbedding):
                 raise TypeError(

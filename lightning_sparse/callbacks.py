@@ -24,17 +24,23 @@ class SparseStatsMonitor(Callback):
     ``self.log(..., sync_dist=True)``: between logs the monitor only adds numbers, with no
     collective and no host read. Lookups made during validation are not counted.
 
+    With ``per_table=True`` it also logs, per table, ``<table>/ids`` and ``<table>/unique_ids``
+    (summed over ranks; the table's module path, e.g. ``sparse/embeddings.tables.user/ids``).
+
     Args:
         prog_bar: also show the values on the progress bar.
         prefix: prepended to every key.
+        per_table: also log the ids and unique ids of each table.
     """
 
     SUMMED = ("ids", "unique_ids", "bytes_sent", "bytes_received")
     SLOWEST = ("exchange_s", "update_s")
 
-    def __init__(self, prog_bar: bool = False, prefix: str = "sparse/") -> None:
+    def __init__(self, prog_bar: bool = False, prefix: str = "sparse/", per_table: bool = False) -> None:
         self.prog_bar = prog_bar
         self.prefix = prefix
+        self.per_table = per_table
+        self._table_totals: dict[str, list[int]] = {}
         self._last_step = 0
         self._steps = 0
         self._totals = ExchangeStats()
@@ -51,6 +57,7 @@ class SparseStatsMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last_step, self._steps = trainer.global_step, 0
         self._totals.reset()
+        self._table_totals = {}
         trainer.strategy.pop_sparse_stats()
 
     @override
@@ -59,12 +66,20 @@ class SparseStatsMonitor(Callback):
             return
         self._steps += trainer.global_step - self._last_step
         self._last_step = trainer.global_step
+        if self.per_table:  # before the pop resets the tables' counts
+            for table in trainer.strategy.sparse_tables:
+                totals = self._table_totals.setdefault(table.name, [0, 0])
+                totals[0] += table.stats.ids_looked_up
+                totals[1] += table.stats.unique_ids
         self._totals.add(trainer.strategy.pop_sparse_stats())
         if trainer.global_step % trainer.log_every_n_steps:
             return
         totals, steps = self._totals, self._steps
         summed = dict(zip(self.SUMMED, (totals.ids_looked_up, totals.unique_ids, totals.bytes_sent, totals.bytes_received)))
         slowest = dict(zip(self.SLOWEST, (totals.exchange_seconds, totals.update_seconds)))
+        for name, (ids, unique) in self._table_totals.items():
+            summed[f"{name}/ids"], summed[f"{name}/unique_ids"] = ids, unique
+        self._table_totals = {}
         for values, reduce_fx in ((summed, "sum"), (slowest, "max")):  # every rank logs at the same steps
             pl_module.log_dict(
                 {self.prefix + key: float(value) / steps for key, value in values.items()},

@@ -388,3 +388,26 @@ def test_checkpoint_saved_on_two_ranks_loads_on_three_and_serves_empty_ranks(ran
         assert seconds < 20
         for key, value in expected.items():
             torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+
+
+def _fit_collection_with_stats(directory: str) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    lm.lightning_env(torch.distributed.get_rank(), 2)
+    trainer = lm.trainer(2, logger=CSVLogger(directory, name="run", version=0), log_every_n_steps=1,
+                         callbacks=[ls.SparseStatsMonitor(per_table=True)])  # fmt: skip
+    trainer.fit(lm.CollectionTower())
+
+
+def test_stats_monitor_reports_each_table_of_a_collection(rank_pools, tmp_path):
+    import csv
+
+    rank_pools(2).run(_fit_collection_with_stats, str(tmp_path))
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("sparse/ids")]
+    assert len(rows) == 6
+    for row in rows:  # per step: 2 ranks x 4 samples x (1 user; 2 items)
+        assert float(row["sparse/embeddings.tables.users/ids"]) == 8
+        assert float(row["sparse/embeddings.tables.items/ids"]) == 16
+        assert 0 < float(row["sparse/embeddings.tables.items/unique_ids"]) <= 16
+        assert float(row["sparse/ids"]) == 24

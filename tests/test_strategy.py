@@ -141,9 +141,9 @@ def test_two_tables_one_used_twice_one_unused_on_some_ranks(rank_pools):
 
 
 # ---------------------------------------------------------------- precision
-def _fit_precision(precision: str, inject: tuple[int, int] | None) -> dict:
+def _fit_precision(precision: str, inject: tuple[int, int] | None, module_cls: str = "TwoTower") -> dict:
     lm.lightning_env(_rank(), 2)
-    module = lm.TwoTower(sparse_kwargs={"lr": 0.3}, dense_lr=0.2)
+    module = getattr(lm, module_cls)(sparse_kwargs={"lr": 0.3}, dense_lr=0.2)
     module.inject_inf_at = inject
     losses: list[float] = []
 
@@ -180,10 +180,11 @@ def test_mixed_precision_trains_and_replicas_agree(rank_pools, precision):
         torch.testing.assert_close(results[1]["state"][key], value, rtol=0, atol=0)
 
 
-def test_16_mixed_overflow_on_one_rank_skips_dense_and_sparse_on_every_rank(rank_pools):
+@pytest.mark.parametrize("module_cls", ["TwoTower", "CollectionTower"])
+def test_16_mixed_overflow_on_one_rank_skips_dense_and_sparse_on_every_rank(rank_pools, module_cls):
     inject_step = 3
-    results = rank_pools(2).run(_fit_precision, "16-mixed", (1, inject_step))
-    clean = rank_pools(2).run(_fit_precision, "16-mixed", None)
+    results = rank_pools(2).run(_fit_precision, "16-mixed", (1, inject_step), module_cls)
+    clean = rank_pools(2).run(_fit_precision, "16-mixed", None, module_cls)
     for result in results:
         skipped = result["changed"][inject_step]
         assert not any(skipped.values()), f"step {inject_step} must change nothing: {skipped}"

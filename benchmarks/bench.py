@@ -6,7 +6,9 @@
 
 Sections (see each module's docstring): ``single_process`` (every sparse optimizer against
 torch's and FBGEMM's, and against memory floors), ``distributed`` (2 gloo ranks: ours, Lightning
-``sparse_ddp``, DGL, DDP with sparse gradients, Lightning ``ddp`` with a dense table) and ``gpu``
+``sparse_ddp``, DGL, DDP with sparse gradients, Lightning ``ddp`` with a dense table),
+``collection`` (26 tables: one SparseEmbeddingCollection against 26 separate tables on 2 ranks,
+and against FBGEMM's TBE in one process) and ``gpu``
 (the update kernels' bandwidth against a device copy). The JSON records the machine, versions,
 thread counts, allocator settings and commit; ``report.py`` turns it into tables, plots and the
 verdict on each target. Measure on an otherwise idle machine: the figures are wall-clock times.
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+import collection  # noqa: E402
 import distributed  # noqa: E402
 import report  # noqa: E402
 import single_process  # noqa: E402
@@ -41,12 +44,14 @@ FULL = {
     "single_process": dict(rows=1_000_000, dim=64, batch=65536, rounds=5, steps_per_round=4, threads=2),
     "distributed": dict(rows_list=[100_000, 1_000_000, 4_000_000], batches=[4096, 65536], methods=list(distributed.METHODS)),
     "gpu": dict(rows=4_000_000, dim=64, batch=262_144),
+    "collection": dict(max_rows=1_000_000, batch=2048, rounds=5, steps_per_round=3),
 }
 QUICK = {
     "single_process": dict(rows=100_000, dim=64, batch=4096, rounds=2, steps_per_round=2, threads=2),
     "distributed": dict(rows_list=[100_000], batches=[1024], methods=["ours", "sparse_ddp", "sparse_grad_ddp"],
                         budget_s=0.5, min_steps=3, max_steps=10, warmup=2),  # fmt: skip
     "gpu": dict(rows=100_000, dim=64, batch=4096),
+    "collection": dict(max_rows=20_000, batch=256, rounds=2, steps_per_round=2),
 }
 
 
@@ -76,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     if not _importable("dgl"):
         methods = [m for m in methods if m != "dgl"]
     doc["distributed"] = distributed.run(**{**plan["distributed"], "methods": methods})
+    print("26 tables (SparseEmbeddingCollection)...", flush=True)
+    doc["collection"] = collection.run(**plan["collection"])
     if args.device == "cuda":
         import gpu
 

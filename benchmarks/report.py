@@ -83,6 +83,17 @@ def targets(doc: dict) -> list[dict]:
         if r.get("lower_bound_bytes_per_step"):
             ratio = r["bytes_sent_per_step"] / r["lower_bound_bytes_per_step"]
             add(f"2 ranks, {_rows(rows)} rows, {batch} ids/rank: bytes sent / lower bound", "<= 1.1x", ratio, ratio <= 1.1)
+    coll = doc.get("collection", {})
+    d = coll.get("distributed", {}).get("methods", {})
+    if "collection" in d and "separate" in d:
+        ratio = d["separate"]["step_ms_median"] / d["collection"]["step_ms_median"]
+        add("2 ranks, 26 tables: collection vs 26 separate tables, fwd+bwd+step", "faster (> 1x)", ratio, ratio > 1)
+        add("2 ranks, 26 tables: all-to-alls per step, collection", "3 (independent of the tables)",
+            d["collection"]["all_to_all_per_step"], d["collection"]["all_to_all_per_step"] <= 3, unit="")
+    s1 = coll.get("single_process", {}).get("methods", {})
+    if "collection" in s1 and "fbgemm" in s1:
+        ratio = s1["fbgemm"]["step_ms_median"] / s1["collection"]["step_ms_median"]
+        add("1 process, 26 tables: collection vs FBGEMM CPU TBE (row-wise Adagrad fused)", "no slower (>= 1x)", ratio, ratio >= 1)
     gpu = doc.get("gpu", {})
     for r in gpu.get("results", []):
         add(f"1 GPU: {FAMILY_LABEL[r['family']]} update bandwidth / device copy", ">= 50%", 100 * r["fraction_of_copy"],
@@ -124,6 +135,7 @@ def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
     for section in doc.get("single_process", []):
         lines += _single_markdown(section)
     lines += _distributed_markdown(doc.get("distributed", {}))
+    lines += _collection_markdown(doc.get("collection", {}))
     gpu = doc.get("gpu", {})
     lines += ["", "### One GPU", ""]
     if "skipped" in gpu:
@@ -137,6 +149,26 @@ def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
                          f"{r['update_gbps']:.0f} | {r['copy_gbps']:.0f} | {100 * r['fraction_of_copy']:.0f}% |")  # fmt: skip
     lines += [""] + [f"![{name}]({name})" for name in plots] + ["", f"Raw results: `{json_name}`."]
     return "\n".join(lines)
+
+
+def _collection_markdown(section: dict) -> list[str]:
+    if not section:
+        return []
+    d, s = section["distributed"], section["single_process"]
+    lines = ["", "### Many tables: SparseEmbeddingCollection", "",
+             f"{d['tables']} tables of dim {d['dim']} ({d['rows'] / 1e6:.1f}M rows: Criteo's cardinalities clamped to "
+             f"[100, 1M]), 3 multi-hot features (bags of 1-5 ids, sum-pooled), row-wise Adagrad; "
+             f"`benchmarks/collection.py`.", "",
+             f"2 gloo ranks, {d['batch_per_rank']} samples per rank:", "",
+             "| method | step (ms) | all-to-alls per step |", "|---|---:|---:|"]  # fmt: skip
+    for name, m in d["methods"].items():
+        lines.append(f"| {name} | {m['step_ms_median']:.1f} | {m['all_to_all_per_step']} |")
+    lines += ["", f"1 process, {s['threads']} threads, {s['batch']} samples:", "", "| method | step (ms) |", "|---|---:|"]
+    for name, m in s["methods"].items():
+        lines.append(f"| {name} | {m['step_ms_median']:.1f} |")
+    if "fbgemm_skipped" in s:
+        lines.append(f"\nFBGEMM not run: {s['fbgemm_skipped']}.")
+    return lines
 
 
 def _single_markdown(section: dict) -> list[str]:

@@ -122,6 +122,7 @@ class SparseEmbeddingCollection(nn.Module):
         self.stats = ExchangeStats()
         # Set by a strategy: this collection's position among the lookup units (tables, then collections).
         self.unit_index = -1
+        self._joint: JointSharding | None = None
 
     # ------------------------------------------------------------------ placement
     @property
@@ -134,7 +135,11 @@ class SparseEmbeddingCollection(nn.Module):
 
     @property
     def joint_sharding(self) -> JointSharding:
-        return JointSharding(tuple(t.sharding for t in self.table_list))
+        """All tables' rows in one key space (kept while the placement stays the same)."""
+        shardings = tuple(t.sharding for t in self.table_list)
+        if self._joint is None or self._joint.shardings != shardings:
+            self._joint = JointSharding(shardings)
+        return self._joint
 
     @property
     def wire_dtype(self) -> torch.dtype:

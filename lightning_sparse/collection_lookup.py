@@ -66,6 +66,40 @@ class _DistinctRows(torch.autograd.Function):
         return None, None, None
 
 
+class _Pool(torch.autograd.Function):
+    """Bags pooled from distinct rows: ``F.embedding_bag`` forward; backward one ``index_add_`` into the rows.
+
+    ``F.embedding_bag``'s own backward sorts the ids again for every feature; here each id's
+    bag gradient (scaled by its weight, or by ``1 / bag length`` for ``"mean"``) is added to its
+    row directly. Per-id weights that need a gradient go through ``F.embedding_bag`` instead.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, position: Tensor, offsets: Tensor, mode: str, weights: Tensor | None) -> Tensor:
+        lengths = offsets[1:] - offsets[:-1]
+        ctx.save_for_backward(position, lengths, weights)
+        ctx.mode, ctx.num_rows = mode, len(rows)
+        return F.embedding_bag(position, rows, offsets, mode=mode, per_sample_weights=weights, include_last_offset=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        position, lengths, weights = ctx.saved_tensors
+        if ctx.mode == "mean":
+            grad = grad / lengths.clamp(min=1).unsqueeze(1).to(grad.dtype)
+        bag = torch.repeat_interleave(torch.arange(len(lengths), device=grad.device), lengths, output_size=len(position))
+        per_id = grad.index_select(0, bag)
+        if weights is not None:
+            per_id = per_id * weights.unsqueeze(1)
+        rows_grad = grad.new_zeros(ctx.num_rows, grad.shape[1]).index_add_(0, position, per_id)
+        return rows_grad, None, None, None, None
+
+
+def _pool(rows: Tensor, position: Tensor, offsets: Tensor, mode: str, weights: Tensor | None) -> Tensor:
+    if weights is not None and weights.requires_grad:
+        return F.embedding_bag(position, rows, offsets, mode=mode, per_sample_weights=weights, include_last_offset=True)
+    return _Pool.apply(rows, position, offsets, mode, weights)
+
+
 def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[str, Any]) -> dict[str, Tensor]:
     """Every given feature's rows or pooled bags, all tables in one round. Collective (see the collection's ``forward``)."""
     tables, joint = collection.table_list, collection.joint_sharding
@@ -95,12 +129,13 @@ def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[s
         check([LookupHeader(0, *host[: LookupHeader.WIDTH - 1])])
     runs.finish(sum(map(sum, send_parts)))
     if route is not None:
-        rows = _rows_from_owners(collection, route, send_parts)
+        table_routes = [_table_route(route, send_parts, part, joint) for part in range(len(tables))]
+        rows = _rows_from_owners(collection, route, send_parts, table_routes)
     else:
         rows = []
         with torch.no_grad():
             for part, table in enumerate(tables):
-                local = joint.local_of_key(_table_keys(runs.unique, send_parts, part)) - joint.offsets[part]
+                local = _table_keys(runs.unique, send_parts, part) - joint.offsets[part]  # one owner: the joint local id
                 rows.append(table.shard.index_select(0, local))
 
     used = {f.part for f in read}
@@ -109,16 +144,19 @@ def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[s
         mine = _table_keys(runs.unique, send_parts, part)
         table.stats.unique_ids += len(mine)
         if route is not None and route.records:
-            table.pending.route = _table_route(route, send_parts, part, joint)
+            table.pending.route = table_routes[part]
         if recording and part in used:
-            table_keys = joint.owner_of_key(mine) * table.sharding.block_size + (joint.local_of_key(mine) - joint.offsets[part])
+            if route is None:  # one owner: the joint local id is the table's key
+                table_keys = mine - joint.offsets[part]
+            else:
+                table_keys = joint.owner_of_key(mine) * table.sharding.block_size + (joint.local_of_key(mine) - joint.offsets[part])
             occurrences = _table_keys(counts, send_parts, part)
             record = table.pending.new_record(table.pending.route if route is not None else None, table_keys,
                                               occurrences=occurrences)  # fmt: skip
             token = torch.empty(0, device=device, requires_grad=True)
             rows[part] = _DistinctRows.apply(token, rows[part], record)
 
-    positions = _positions(runs, read, send_parts, joint)
+    positions = _positions(runs, read, keys, send_parts, joint)
     out = {}
     for feature, position in zip(read, positions):
         table_rows = rows[feature.part]
@@ -128,8 +166,7 @@ def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[s
             out[feature.name] = table_rows.index_select(0, position).view(*feature.shape, table_rows.shape[1])
         else:
             weights = feature.weights.to(table_rows.dtype) if feature.weights is not None else None
-            out[feature.name] = F.embedding_bag(position, table_rows, feature.offsets, mode=mode,
-                                                per_sample_weights=weights, include_last_offset=True)  # fmt: skip
+            out[feature.name] = _pool(table_rows, position, feature.offsets, mode, weights)
     return out
 
 
@@ -139,10 +176,11 @@ def serve_collection(collection: "SparseEmbeddingCollection", route: Route) -> N
     check_collection_headers(collection, route.headers, Problem())
     route.recv_parts = parts_received(route.received, route.recv_splits, joint)  # a host read: this rank is idle
     send_parts = [[0] * joint.num_parts for _ in range(joint.world_size)]
-    _rows_from_owners(collection, route, send_parts)
+    table_routes = [_table_route(route, send_parts, part, joint) for part in range(joint.num_parts)]
+    _rows_from_owners(collection, route, send_parts, table_routes)
     if route.records:
-        for part, table in enumerate(collection.table_list):
-            table.pending.route = _table_route(route, send_parts, part, joint)
+        for table, table_route in zip(collection.table_list, table_routes):
+            table.pending.route = table_route
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -164,32 +202,39 @@ def _device_verdicts(fields: Tensor, read: list[FeatureIds], bad_offsets: Tensor
 
 
 def _table_keys(values: Tensor, send_parts: list[list[int]], part: int) -> Tensor:
-    """The entries of ``values`` (one per distinct joint key, in key order) that belong to table ``part``."""
+    """The entries of ``values`` (one per distinct joint key, in key order) that belong to table ``part``.
+
+    They sit in one block per owner (keys sort by owner, then table): a view for one rank.
+    """
     flat = [count for row in send_parts for count in row]
     starts = split_starts(flat)
     parts = len(send_parts[0])
-    blocks = [owner * parts + part for owner in range(len(send_parts))]
-    return _segments(values, [starts[b] for b in blocks], [flat[b] for b in blocks])
+    blocks = [values.narrow(0, starts[b], flat[b]) for b in (owner * parts + part for owner in range(len(send_parts)))]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
-def _positions(runs: SortedKeys, read: list[FeatureIds], send_parts: list[list[int]], joint: Any) -> list[Tensor]:
-    """For each feature, each id's row among its table's distinct rows (table order: owner, then row)."""
+def _positions(runs: SortedKeys, read: list[FeatureIds], keys: list[Tensor], send_parts: list[list[int]], joint: Any) -> list[Tensor]:
+    """For each feature, each id's row among its table's distinct rows (table order: owner, then row).
+
+    ``keys`` are the features' joint keys. A distinct key in block (owner ``j``, table ``t``)
+    moves from its place among all distinct keys to its place among table ``t``'s: by the
+    number of table ``t``'s keys of owners before ``j`` less the number of all keys before the block.
+    """
     if not read:
         return []
-    parts = joint.num_parts
+    parts, world_size = joint.num_parts, joint.world_size
     flat = [count for row in send_parts for count in row]
     block_starts = split_starts(flat)
-    # Distinct rows of table t that belong to owners before owner j: where block (j, t) starts in the table's rows.
-    table_starts = [sum(send_parts[o][t] for o in range(j)) for j in range(len(send_parts)) for t in range(parts)]
-    device = runs.sorted.device
-    delta = torch.tensor([table_starts[b] - block_starts[b] for b in range(len(flat))], device=device)
+    table_starts = [sum(send_parts[o][t] for o in range(j)) for j in range(world_size) for t in range(parts)]
+    shift = [table_starts[b] - block_starts[b] for b in range(len(flat))]
     inverse = runs.inverse().to(torch.int64).split([len(f.ids) for f in read])
-    positions = []
-    for feature, run in zip(read, inverse):
-        key = runs.unique.index_select(0, run)
-        block = joint.owner_of_key(key) * parts + feature.part
-        positions.append(run + delta.index_select(0, block))
-    return positions
+    if world_size == 1:  # one block per table
+        return [run + shift[feature.part] for feature, run in zip(read, inverse)]
+    delta = torch.tensor(shift, device=runs.sorted.device)
+    return [
+        run + delta.index_select(0, joint.owner_of_key(key) * parts + feature.part)
+        for feature, run, key in zip(read, inverse, keys)
+    ]
 
 
 def _table_route(route: Route, send_parts: list[list[int]], part: int, joint: Any) -> Route:
@@ -202,7 +247,9 @@ def _table_route(route: Route, send_parts: list[list[int]], part: int, joint: An
     return Route([send_parts[r][part] for r in range(world_size)], recv, received, route.headers)
 
 
-def _rows_from_owners(collection: "SparseEmbeddingCollection", route: Route, send_parts: list[list[int]]) -> list[Tensor]:
+def _rows_from_owners(
+    collection: "SparseEmbeddingCollection", route: Route, send_parts: list[list[int]], table_routes: list[Route]
+) -> list[Tensor]:
     """Stage 2 for all tables: owners gather and send every table's rows in one buffer; returns each table's rows."""
     tables, joint = collection.table_list, collection.joint_sharding
     world_size, first = joint.world_size, tables[0]
@@ -211,9 +258,8 @@ def _rows_from_owners(collection: "SparseEmbeddingCollection", route: Route, sen
     pieces = []
     with torch.no_grad():
         gathered = []
-        for part, table in enumerate(tables):
-            local = _table_route(route, send_parts, part, joint).received
-            gathered.append(table.shard.index_select(0, local).to(wire))
+        for table, table_route in zip(tables, table_routes):
+            gathered.append(table.shard.index_select(0, table_route.received).to(wire))
         starts = [split_starts(route.recv_parts[r][part] for r in range(world_size)) for part in range(len(tables))]
         for dest in range(world_size):
             for part, rows in enumerate(gathered):

@@ -32,6 +32,7 @@ the ids and groups them by the rank they go to; under ``"range"`` the key is the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -146,16 +147,16 @@ class JointSharding:
     def num_parts(self) -> int:
         return len(self.shardings)
 
-    @property
+    @cached_property
     def offsets(self) -> tuple[int, ...]:
         """Where each table's local ids start in a joint local id (and, last, ``block_size``)."""
         return (0, *accumulate(s.block_size for s in self.shardings))
 
-    @property
+    @cached_property
     def block_size(self) -> int:
         return self.offsets[-1]
 
-    @property
+    @cached_property
     def key_bound(self) -> int:
         return self.world_size * self.block_size
 

@@ -36,6 +36,9 @@ def test_quick_benchmark_writes_results_and_report(tmp_path):
     assert all("error" not in r for r in runs), [r.get("error") for r in runs]
     ours = next(r for r in runs if r["method"] == "ours")
     assert ours["bytes_sent_per_step"] > 0 and ours["lower_bound_bytes_per_step"] > 0
+    collection = doc["collection"]["distributed"]["methods"]
+    assert collection["collection"]["all_to_all_per_step"] == 3 and collection["separate"]["all_to_all_per_step"] > 26
+    assert "collection" in doc["collection"]["single_process"]["methods"]
     assert doc["targets"] and all({"name", "target", "measured", "met"} <= set(t) for t in doc["targets"])
     text = page.read_text()
     assert "### Targets" in text and "quick" in text and "![benchmarks-single.png]" in text

@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
 export OMP_NUM_THREADS ?= 1
 export DGLBACKEND ?= pytorch
 
-.PHONY: setup demo demo-plain test bench clean
+.PHONY: setup demo demo-plain dlrm test bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ demo: $(STAMP)
 # The same kind of training without Lightning: DistMult on WN18RR with torch.distributed alone.
 demo-plain: $(STAMP)
 	$(PY) examples/train_plain_torch.py --world-size 2
+
+# DLRM with 26 sparse features in one SparseEmbeddingCollection (examples/dlrm), 2 CPU processes.
+dlrm: $(STAMP)
+	cd examples/dlrm && ../../$(PY) main.py fit --config config.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest

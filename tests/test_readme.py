@@ -39,3 +39,23 @@ def test_readme_lightning_example_trains(rank_pools):
     for loss, moved_rows, looked_up_rows in rank_pools(2).run(_run_readme_module):
         assert math.isfinite(loss)
         assert moved_rows == looked_up_rows  # exactly the rows the data touched were trained
+
+
+def _collection_example() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    (block,) = [b for b in blocks if "SparseEmbeddingCollection(" in b]
+    return block
+
+
+def _run_collection_example() -> dict:
+    namespace: dict = {}
+    exec(_collection_example(), namespace)
+    out = namespace["out"]
+    sum(v.sum() for v in out.values()).backward()
+    namespace["optimizer"].step()
+    return {k: tuple(v.shape) for k, v in out.items()}
+
+
+def test_readme_collection_example_runs_on_every_rank(rank_pools):
+    for shapes in rank_pools(2).run(_run_collection_example):
+        assert shapes == {"user": (2, 16), "candidate": (2, 2, 16), "history": (2, 16)}

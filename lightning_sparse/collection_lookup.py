@@ -38,7 +38,6 @@ from lightning_sparse.exchange import (
     UNREADABLE,
     LookupHeader,
     Route,
-    SortedKeys,
     _segments,
     exchange_values,
     ids_to_owners,
@@ -46,6 +45,7 @@ from lightning_sparse.exchange import (
     split_starts,
 )
 from lightning_sparse.features import FeatureIds, Problem, read_features
+from lightning_sparse.grouping import SortedKeys
 from lightning_sparse.lookup import _DEVICES, _DTYPES, _TYPES, _name
 
 if TYPE_CHECKING:

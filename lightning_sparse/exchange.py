@@ -33,14 +33,14 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.profiler import record_function
 
 from lightning_sparse.faults import PeerFailure, collective
+from lightning_sparse.grouping import SortedKeys, coalesce
 from lightning_sparse.sharding import JointSharding, RowSharding
 
-__all__ = ["PeerFailure"]  # re-exported: a lost peer's error, raised by every stage
+__all__ = ["PeerFailure", "SortedKeys", "coalesce"]  # re-exported: a lost peer's error; the one sort
 
 ProcessGroup = dist.ProcessGroup
 
@@ -68,75 +68,6 @@ class ExchangeStats:
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, type(getattr(self, name))())
-
-
-# ---------------------------------------------------------------------------- one sort: dedup and group
-_INT32_LIMIT = 2**31 - 1
-
-class SortedKeys:
-    """One stable sort of keys, and the runs of equal keys it forms.
-
-    Sorting owner-major keys gives everything the sparse path needs from a batch: the distinct
-    keys in ascending order (so grouped by owner), how many go to each owner
-    (:meth:`counts_below`), where each input landed (:meth:`inverse`), and the runs a segment
-    sum adds up (:meth:`segment_sum`). Only :meth:`finish` may read the host (the number of
-    distinct keys), and not when the caller already knows it.
-
-    >>> runs = SortedKeys(torch.tensor([7, 3, 7, 9])).finish()
-    >>> runs.unique.tolist(), runs.inverse().tolist(), runs.counts().tolist()
-    ([3, 7, 9], [1, 0, 1, 2], [1, 2, 1])
-    >>> runs.segment_sum(torch.tensor([[1.0], [2.0], [3.0], [4.0]])).view(-1).tolist()
-    [2.0, 4.0, 4.0]
-    """
-
-    def __init__(self, keys: Tensor, bound: int | None = None) -> None:
-        """``bound``: all keys are below it. Below 2**31 the sort runs on int32 keys, a third faster."""
-        if bound is not None and bound <= _INT32_LIMIT and keys.dtype == torch.int64:
-            keys = keys.to(torch.int32)
-        self.sorted, self.perm = torch.sort(keys, stable=True)
-        is_first = torch.ones_like(self.sorted, dtype=torch.bool)
-        if len(keys) > 1:
-            torch.ne(self.sorted[1:], self.sorted[:-1], out=is_first[1:])
-        self.is_first = is_first  # where each run (distinct key) starts in sorted order
-        self._run = torch.cumsum(is_first, 0)  # 1 + index of the run each sorted position belongs to
-        self.unique = self.offsets = keys.new_empty(0, dtype=torch.int64)
-
-    def run_index(self) -> Tensor:
-        """For each sorted position, the index of its key among the distinct keys."""
-        return self._run - 1
-
-    def counts_below(self, boundaries: Tensor) -> Tensor:
-        """How many distinct keys are smaller than each boundary (no host read)."""
-        positions = torch.searchsorted(self.sorted, boundaries.to(self.sorted.dtype))
-        return torch.cat([self._run.new_zeros(1), self._run]).index_select(0, positions)
-
-    def finish(self, num_unique: int | None = None) -> "SortedKeys":
-        """Materialize ``unique`` and ``offsets`` (where each run starts in sorted order)."""
-        if num_unique is not None and self.is_first.is_cuda:  # no host read for the output size
-            self.offsets = torch.nonzero_static(self.is_first, size=num_unique).view(-1)
-        else:
-            self.offsets = torch.nonzero(self.is_first).view(-1)
-        self.unique = self.sorted.index_select(0, self.offsets).to(torch.int64)
-        return self
-
-    def inverse(self) -> Tensor:
-        """For each input position, the index of its key in ``unique``."""
-        return torch.empty_like(self.perm).index_copy_(0, self.perm, self.run_index())
-
-    def counts(self) -> Tensor:
-        """Occurrences of each distinct key."""
-        ends = torch.cat([self.offsets[1:], self.offsets.new_full((1,), len(self.sorted))])
-        return ends - self.offsets
-
-    def segment_sum(self, values: Tensor) -> Tensor:
-        """Add up the rows of ``values`` (one per input key) that share a key: ``[len(unique), width]``."""
-        return F.embedding_bag(self.perm, values.contiguous(), self.offsets, mode="sum")
-
-
-def coalesce(keys: Tensor, values: Tensor, bound: int | None = None) -> tuple[Tensor, Tensor]:
-    """Sum the rows of ``values`` that share a key; returns (ascending distinct keys, their sums)."""
-    runs = SortedKeys(keys, bound).finish()
-    return runs.unique, runs.segment_sum(values)
 
 
 def host_tensor(values: Sequence[int | float], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_sparse.exchange import Route, SortedKeys
+from lightning_sparse.exchange import Route
+from lightning_sparse.grouping import SortedKeys
 
 
 class LookupRecord:

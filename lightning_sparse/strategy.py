@@ -3,22 +3,22 @@
 Narrow overrides, each calling ``super()``:
 
 - ``model_to_device``: shard every SparseEmbedding of the module over the process group
-  (idempotent: trained shards survive later validate/test/predict calls);
+  (idempotent: trained shards survive later validate/test/predict calls), and number the
+  lookup units (tables, then SparseEmbeddingCollections) that idle ranks serve;
 - ``setup_optimizers``: add the optimizers of ``configure_sparse_optimizers()`` (and their LR
   schedulers) after the dense ones, so checkpoints, schedulers and LearningRateMonitor see them;
 - ``backward`` / ``optimizer_step``: after the last backward of a step, exchange and apply
   the sparse gradients, with one skip decision for dense and sparse under ``16-mixed``;
 - ``*_step`` of validation, test and predict: a rank that has run out of batches keeps serving
   lookups (``serve_lookups``) until all ranks are done, so uneven loaders never hang;
-- checkpoint hooks: sharded checkpoints through torch.distributed.checkpoint
-  (``lightning_sparse/checkpoint.py``): each rank writes and reads only its rows, and a
-  checkpoint loads on any number of ranks.
+- checkpoint hooks (the ``SparseCheckpointHooks`` mixin, ``lightning_sparse/checkpoint/hooks.py``):
+  sharded checkpoints through torch.distributed.checkpoint; each rank writes and reads only its
+  rows, and a checkpoint loads on any number of ranks.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import atexit
 import gc
@@ -31,7 +31,6 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import (
     LightningOptimizer,
-    _MockOptimizer,
     _configure_optimizers,
     _configure_schedulers_automatic_opt,
     _configure_schedulers_manual_opt,
@@ -39,16 +38,12 @@ from lightning.pytorch.core.optimizer import (
 )
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH
-from torch import Tensor
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sparse import checkpoint
+from lightning_sparse.checkpoint.hooks import SparseCheckpointHooks
 from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.lookup import serve_lookups
@@ -60,7 +55,7 @@ from lightning_sparse.optim.base import SparseOptimizer
 log = logging.getLogger(__name__)
 
 
-class SparseDDPStrategy(DDPStrategy):
+class SparseDDPStrategy(SparseCheckpointHooks, DDPStrategy):
     """DDP for dense parameters; row-sharded SparseEmbedding tables updated by sparse optimizers."""
 
     strategy_name = "sparse_ddp"
@@ -275,121 +270,6 @@ class SparseDDPStrategy(DDPStrategy):
         output = super().predict_step(*args, **kwargs)
         self._serve_after_last_batch(self.lightning_module.trainer.predict_loop)
         return output
-
-    # ------------------------------------------------------------------ checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # tables are sharded and optimizers exist: each rank loads straight into its rows
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        # Sharded: load_checkpoint already restored them. Weights only: they start afresh.
-        return not (self._restored_sharded or self._restored_weights_only)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's dense state; the tables are written by ``save_checkpoint`` from the module itself."""
-        return checkpoint.dense_module_state(self.lightning_module)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if isinstance(inner, SparseOptimizer):  # per-row state is written by save_checkpoint, one tensor at a time
-            return checkpoint.dense_optimizer_state(inner)
-        if isinstance(inner, _MockOptimizer):
-            return {}
-        return get_optimizer_state_dict(self.lightning_module, inner)
-
-    @override
-    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write a sharded checkpoint (see ``lightning_sparse/checkpoint``). Collective."""
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options: it writes with DCP.")
-        path = Path(self.broadcast(filepath))
-        dense, rest = checkpoint.split_tensors({"state_dict": checkpoint_dict.pop("state_dict", {})})
-        dense = dense or {}
-        optimizer_states = checkpoint_dict.pop("optimizer_states", None)
-        meta = {**checkpoint_dict, "state_dict_rest": (rest or {}).get("state_dict", {})}
-        sparse: dict[int, SparseOptimizer] = {}
-        if optimizer_states is not None:
-            meta["optimizer_states_rest"] = []
-            for index, state in enumerate(optimizer_states):
-                state_tensors, state_rest = checkpoint.split_tensors(state)
-                dense[f"optimizer_{index}"] = state_tensors or {}
-                meta["optimizer_states_rest"].append(state_rest or {})
-            sparse = {i: opt for i, opt in enumerate(self.optimizers) if isinstance(opt, SparseOptimizer)}
-        meta["sparse_tables"] = {t.name: [t.num_embeddings, t.embedding_dim] for t in self._tables}
-        log.debug("%s: saving %s (%d tables, %d sparse optimizers)", type(self).__name__, path, len(self._tables), len(sparse))
-        checkpoint.save(path, self.lightning_module, sparse, dense, meta)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded checkpoint into the module and (when fitting) the optimizers; return the rest.
-
-        Works on any number of ranks and either sharding scheme. A single file with full tables
-        loads too: one Lightning wrote, or a plain state dict (``python -m lightning_sparse export``),
-        which restores weights only (optimizers, schedulers and loops start afresh). Collective.
-        """
-        path = Path(self.broadcast(checkpoint_path))
-        self._restored_sharded = checkpoint.is_sharded(path)
-        self._restored_weights_only = False
-        if not self._restored_sharded:
-            kind, loaded = checkpoint.load_file(path, weights_only=True if weights_only is None else weights_only)
-            log.debug("loading %s checkpoint %s", kind, path)
-            return loaded if kind == "lightning" else self._weights_only_checkpoint(loaded)
-        checkpoint.verify(path)
-        meta = checkpoint.load_meta(path, weights_only=True if weights_only is None else weights_only)
-        log.debug("%s: loading sharded checkpoint %s on %d ranks", type(self).__name__, path, self.world_size)
-        module = self.lightning_module
-        checkpoint.load_module(path, module, strict=module.strict_loading)
-        rests = meta.pop("optimizer_states_rest", None)
-        if module.trainer.state.fn == TrainerFn.FITTING and rests is not None:
-            if len(rests) != len(self.optimizers):
-                raise MisconfigurationException(
-                    f"Checkpoint {path} holds {len(rests)} optimizer states but the module has {len(self.optimizers)} "
-                    f"optimizers (dense and sparse). HINT: resume with the same configure_optimizers and "
-                    f"configure_sparse_optimizers."
-                )
-            for index, (optimizer, rest) in enumerate(zip(self.optimizers, rests)):
-                self._load_optimizer(path, index, optimizer, rest)
-        return meta
-
-    def _weights_only_checkpoint(self, state_dict: dict[str, Tensor]) -> dict[str, Any]:
-        """What Lightning restores from a plain state dict: the weights; optimizers and schedulers as they are now."""
-        import lightning
-
-        self._restored_weights_only = True
-        return {
-            "pytorch-lightning_version": lightning.__version__,
-            "state_dict": state_dict,
-            "lr_schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
-        }
-
-    def _load_optimizer(self, path: Path, index: int, optimizer: Optimizer, rest: dict[str, Any]) -> None:
-        if isinstance(optimizer, SparseOptimizer):
-            checkpoint.load_sparse_optimizer(path, index, optimizer, rest["param_groups"])
-        elif not isinstance(optimizer, _MockOptimizer):
-            state = get_optimizer_state_dict(self.lightning_module, optimizer)
-            checkpoint.load_tensors(path, {f"optimizer_{index}": {"state": state["state"]}}, f"the state of {type(optimizer).__name__}")
-            state["param_groups"] = rest["param_groups"]
-            set_optimizer_state_dict(self.lightning_module, optimizer, state)
-
-    @override
-    def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:
-        if "state_dict" in checkpoint_dict:  # a single file; each table keeps the rows of its full tensor it owns
-            super().load_model_state_dict(checkpoint_dict, strict=strict)
-        elif not self._restored_sharded:
-            raise RuntimeError(
-                f"The checkpoint to restore has no 'state_dict' (keys: {sorted(checkpoint_dict)[:8]}). HINT: pass a "
-                f"checkpoint written by Trainer(strategy='sparse_ddp') or by `python -m lightning_sparse export`."
-            )
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            checkpoint.remove(filepath)
 
     # ------------------------------------------------------------------ stats
     def pop_sparse_stats(self) -> ExchangeStats:

@@ -164,7 +164,6 @@ def reference_sgd_mean(lr, batches, world_size):
     """SGD with DGL's duplicate_grads="mean": each row's summed gradient divided by its occurrences over all ranks."""
     weights = {t: ls.init.normal()(torch.arange(n), d, seed).to(dtype) for t, (n, d, dtype, seed) in TABLES.items()}
     for samples in batches:
-        grads = {t: torch.zeros_like(w) for t, w in weights.items()}
         counts = {t: torch.zeros(len(w), dtype=torch.float64) for t, w in weights.items()}
         params = {t: w.clone().requires_grad_() for t, w in weights.items()}
         for rank, part in enumerate(torch.tensor_split(torch.arange(len(samples)), world_size)):

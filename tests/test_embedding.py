@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lightning_sparse as ls
-from rank_pool import DEVICES, RankError
+from rank_pool import DEVICES
 
 
 def _rank() -> tuple[int, int]:

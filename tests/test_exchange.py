@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 import lightning_sparse as ls
-from lightning_sparse.exchange import SortedKeys, coalesce
+from lightning_sparse.grouping import SortedKeys, coalesce
 from rank_pool import DEVICES
 
 HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "equal"}

@@ -29,7 +29,8 @@ from torch.profiler import record_function
 
 from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.exchange import ExchangeStats, IncomingGrads, OutgoingGrads, SortedKeys, coalesce, grads_to_owners
+from lightning_sparse.exchange import ExchangeStats, IncomingGrads, OutgoingGrads, grads_to_owners
+from lightning_sparse.grouping import SortedKeys, coalesce
 from lightning_sparse.pending import LookupRecord
 
 DUPLICATE_GRADS = ("sum", "mean")

@@ -67,31 +67,34 @@ class _DistinctRows(torch.autograd.Function):
 
 
 class _Pool(torch.autograd.Function):
-    """Bags pooled from distinct rows: ``F.embedding_bag`` forward; backward one ``index_add_`` into the rows.
+    """Bags pooled from distinct rows, both ways without an ``[ids, dim]`` tensor.
 
-    ``F.embedding_bag``'s own backward sorts the ids again for every feature; here each id's
-    bag gradient (scaled by its weight, or by ``1 / bag length`` for ``"mean"``) is added to its
-    row directly. Per-id weights that need a gradient go through ``F.embedding_bag`` instead.
+    Forward is ``F.embedding_bag`` over the distinct rows. Backward is the same operation
+    turned around: each distinct row's gradient is a weighted sum of the gradients of the bags
+    that hold it, so one ``F.embedding_bag`` over the bags' gradients, with the ids sorted by
+    row, gives ``[distinct rows, dim]`` directly (weights: the per-id weights, or ``1 / bag
+    length`` for ``"mean"``). Per-id weights that need a gradient go through ``F.embedding_bag``'s
+    own backward instead (see :func:`_pool`).
     """
 
     @staticmethod
     def forward(ctx: Any, rows: Tensor, position: Tensor, offsets: Tensor, mode: str, weights: Tensor | None) -> Tensor:
-        lengths = offsets[1:] - offsets[:-1]
-        ctx.save_for_backward(position, lengths, weights)
+        ctx.save_for_backward(position, offsets, weights)
         ctx.mode, ctx.num_rows = mode, len(rows)
         return F.embedding_bag(position, rows, offsets, mode=mode, per_sample_weights=weights, include_last_offset=True)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
-        position, lengths, weights = ctx.saved_tensors
-        if ctx.mode == "mean":
-            grad = grad / lengths.clamp(min=1).unsqueeze(1).to(grad.dtype)
+        position, offsets, weights = ctx.saved_tensors
+        lengths = offsets[1:] - offsets[:-1]
         bag = torch.repeat_interleave(torch.arange(len(lengths), device=grad.device), lengths, output_size=len(position))
-        per_id = grad.index_select(0, bag)
-        if weights is not None:
-            per_id = per_id * weights.unsqueeze(1)
-        rows_grad = grad.new_zeros(ctx.num_rows, grad.shape[1]).index_add_(0, position, per_id)
-        return rows_grad, None, None, None, None
+        scale = weights
+        if ctx.mode == "mean":
+            scale = (1 / lengths.clamp(min=1).to(grad.dtype)).index_select(0, bag)
+        order = torch.argsort(position, stable=True)
+        starts = torch.searchsorted(position.index_select(0, order), torch.arange(ctx.num_rows, device=grad.device))
+        return F.embedding_bag(bag.index_select(0, order), grad.contiguous(), starts, mode="sum",
+                               per_sample_weights=None if scale is None else scale.index_select(0, order)), None, None, None, None  # fmt: skip
 
 
 def _pool(rows: Tensor, position: Tensor, offsets: Tensor, mode: str, weights: Tensor | None) -> Tensor:

@@ -382,7 +382,13 @@ def _load_collection_and_evaluate(ckpt: str) -> tuple[dict, float]:
 
 
 def test_checkpoint_saved_on_two_ranks_loads_on_three_and_serves_empty_ranks(rank_pools, tmp_path):
+    from lightning_sparse import checkpoint
+
     (expected, ckpt), _ = rank_pools(2).run(_save_collection, str(tmp_path))
+    checkpoint.export(ckpt, tmp_path / "exported.pt")  # one process: full tables under the collection's keys
+    exported = torch.load(tmp_path / "exported.pt", weights_only=True)
+    torch.testing.assert_close(exported["embeddings.tables.users.weight"], expected["users"], rtol=0, atol=0)
+    torch.testing.assert_close(exported["embeddings.tables.items.weight"], expected["items"], rtol=0, atol=0)
     for got, seconds in rank_pools(3).run(_load_collection_and_evaluate, ckpt):
         assert seconds < 20
         for key, value in expected.items():

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from lightning_sparse.collection_lookup import lookup_features, serve_collection
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.exchange import ExchangeStats, Route
-from lightning_sparse.features import POOLING, as_feature_dict
+from lightning_sparse.features import POOLING
 from lightning_sparse.sharding import JointSharding
 
 
@@ -182,13 +182,10 @@ class SparseEmbeddingCollection(nn.Module):
         (see the class docstring), in the same order as the other tables and collections of the
         group. Differentiable with respect to the rows (and per-id weights) when grad mode is on.
         """
-        given = as_feature_dict(features)
-        if given is None:
-            given = {"<input>": features}  # not a mapping: reported on every rank by the lookup
         for table in self.table_list:
             table.check_first_lookup()
         self.materialize()
-        return lookup_features(self, given)
+        return lookup_features(self, features)
 
     def serve(self, route: Route) -> None:
         """Answer a round of this collection's lookups made by other ranks (see ``serve_lookups``)."""

@@ -103,7 +103,7 @@ def _pool(rows: Tensor, position: Tensor, offsets: Tensor, mode: str, weights: T
     return _Pool.apply(rows, position, offsets, mode, weights)
 
 
-def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[str, Any]) -> dict[str, Tensor]:
+def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[str, Any] | Any) -> dict[str, Tensor]:
     """Every given feature's rows or pooled bags, all tables in one round. Collective (see the collection's ``forward``)."""
     tables, joint = collection.table_list, collection.joint_sharding
     first = tables[0]
@@ -315,6 +315,6 @@ def check_collection_headers(collection: "SparseEmbeddingCollection", headers: l
                              f"never decrease, and end at len(values). HINT: build them with JaggedIds(values, "
                              f"lengths=...).")  # fmt: skip
         if h.error == BAD_INPUT:
-            words = problem.words if own and problem.words else "see that rank's error"
+            words = problem.words if own and problem.words else f"HINT: the error raised on rank {rank} names the problem and its fix"
             raise ValueError(f"{feature} got input it cannot use on {where}: {words}")
         raise RuntimeError(f"{collection.name}: rank {rank} reported error code {h.error}.")

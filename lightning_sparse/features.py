@@ -104,7 +104,7 @@ def as_feature_dict(features: Any) -> Mapping[str, Any] | None:
 
 
 def read_features(
-    features: Mapping[str, Any],
+    features: Any,
     names: list[str],
     parts: list[int],
     pooling: list[str],
@@ -112,10 +112,18 @@ def read_features(
 ) -> tuple[list[FeatureIds], Problem, Tensor | None]:
     """Read every given feature; returns them, the first problem found, and device flags (per feature read) for bad offsets.
 
+    ``features``: a mapping of feature name to input, or a TorchRec ``KeyedJaggedTensor``.
+
     ``names``, ``parts`` and ``pooling`` describe the collection's features. Features after a
     problem are left out (the lookup will raise on every rank anyway).
     """
     read: list[FeatureIds] = []
+    given = as_feature_dict(features)
+    if given is None:
+        words = (f"a collection takes a dict of feature name -> ids (or JaggedIds), or a KeyedJaggedTensor; got "
+                 f"{type(features).__name__}. HINT: collection({{{names[0]!r}: ids, ...}}).")  # fmt: skip
+        return read, Problem(BAD_INPUT, words=words), None
+    features = given
     bad_offsets: list[Tensor] = []
     fits = torch.zeros((), dtype=torch.bool, device=device)
     jagged_seen = False

@@ -283,6 +283,21 @@ BAD_FEATURES = {
 }  # fmt: skip
 
 
+def _not_a_dict(bad_rank):
+    rank = torch.distributed.get_rank()
+    collection = _small_collection()
+    try:
+        collection([torch.tensor([1])] if rank == bad_rank else {})
+    except ValueError as err:
+        return str(err)
+
+
+def test_input_that_is_not_a_dict_raises_on_every_rank(rank_pools):
+    own, other = rank_pools(2).run(_not_a_dict, 0)
+    assert "takes a dict of feature name" in own and "got list" in own and "HINT" in own
+    assert "rank 0" in other and "got input it cannot use" in other
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("case", list(BAD_FEATURES))
 def test_bad_input_raises_the_same_error_on_every_rank(rank_pools, world_size, case):

@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
 export OMP_NUM_THREADS ?= 1
 export DGLBACKEND ?= pytorch
 
-.PHONY: setup demo demo-plain dlrm test bench clean
+.PHONY: setup demo demo-plain dlrm test docs bench clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ dlrm: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+# The documentation site (MkDocs, strict: any warning fails) into site/; `mkdocs serve` to browse it.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
 # The benchmark suite (about 10 minutes on 2 cores; run it on an idle machine): writes
 # benchmarks/results/bench.json, the plots and the results block of docs/benchmarks.md.
 # BENCH_ARGS="--quick" for a smoke run, "--device cuda" to add the GPU section.
@@ -43,4 +47,4 @@ bench: $(STAMP)
 	$(PY) -W ignore benchmarks/bench.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

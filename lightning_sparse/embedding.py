@@ -37,7 +37,8 @@ class SparseEmbedding(nn.Module):
             default ``lightning_sparse.init.normal()`` (std ``1/sqrt(embedding_dim)``).
         seed: initial values depend only on ``(seed, global row id)``, so the same seed gives the
             same logical table on any number of ranks and under both sharding schemes.
-        dtype, device: of the shard.
+        dtype: of the shard.
+        device: of the shard.
         process_group: the ranks that share the table; default: the default group at the time
             the shard materializes, or a plain local table when none is initialized. The table
             holds no strong reference to it: ``destroy_process_group()`` releases it.

@@ -1,0 +1,89 @@
+"""The knowledge-graph example: sharded filtered ranking equals a brute-force one, and CI-sized runs train."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_models as lm
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "kge"
+
+
+def _load(name: str, file: str):
+    """The example's module under a name of its own (examples/dlrm has a data.py and a model.py too)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLE / file)
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+kge_data = _load("kge_data", "data.py")
+kge_model = _load("kge_model", "model.py")
+
+pytestmark = pytest.mark.skipif(not (kge_data.DEFAULT_DIR / "train.txt").is_file(), reason="WN18RR not in ../shared/data")
+
+
+def brute_force_ranks(model, queries: torch.Tensor, known: dict) -> torch.Tensor:
+    """Filtered rank of each query's answer against all entities, in one process, the textbook way."""
+    entities, relations = model.entities.full_weight(), model.relations.full_weight()
+    ranks = []
+    for h, r, t in queries.tolist():
+        q = model.query(entities[h : h + 1], relations[r : r + 1])
+        scores = model.score(q, entities)[0].double()
+        target = scores[t].item()
+        others = torch.ones_like(scores, dtype=torch.bool)
+        others[known[h * model.hparams.num_relations + r]] = False  # every known answer, the true one included
+        greater = int((scores[others] > target).sum())
+        ties = int((scores[others] == target).sum())
+        ranks.append(1 + greater + ties / 2)
+    return torch.tensor(ranks, dtype=torch.float64)
+
+
+def _validate(world_size: int, model_name: str) -> dict:
+    lm.lightning_env(torch.distributed.get_rank(), world_size)
+    datamodule = kge_data.KGDataModule(limit_train=2000, limit_eval=150, eval_batch_size=64)
+    model = kge_model.KGE(model=model_name, num_entities=datamodule.num_entities, num_relations=datamodule.num_relations, dim=16,
+                training="negatives" if model_name == "rotate" else "1vsall", init_std=0.5)  # fmt: skip
+    trainer = lm.trainer(world_size, limit_val_batches=None)
+    trainer.validate(model, datamodule=datamodule, verbose=False)
+    expected = brute_force_ranks(model, datamodule.eval_queries["valid"], datamodule.known)
+    return {"mrr": float(trainer.callback_metrics["val_mrr"]), "expected_mrr": float((1 / expected).mean()),
+            "hits10": float(trainer.callback_metrics["val_hits10"]), "expected_hits10": float((expected <= 10).double().mean())}  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("model_name", ["distmult", "complex", "rotate"])
+def test_sharded_filtered_ranking_equals_brute_force(rank_pools, world_size, model_name):
+    for result in rank_pools(world_size).run(_validate, world_size, model_name):
+        assert result["mrr"] == pytest.approx(result["expected_mrr"], rel=1e-6)
+        assert result["hits10"] == pytest.approx(result["expected_hits10"], rel=1e-6)
+
+
+def _fit(config: str, args: list[str]) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(
+        [sys.executable, "main.py", "fit", "--config", config, "--trainer.logger", "false", "--trainer.max_time", "null",
+         "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "model.EvalSummary", *args],
+        cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("config", ["distmult.yaml", "rotate.yaml"])
+def test_ci_sized_run_trains_on_two_processes(config):
+    """A slice of WN18RR, a few steps, one evaluation: the MRR beats chance by far."""
+    out = _fit(config, ["--data.limit_train", "3000", "--data.limit_eval", "200", "--trainer.max_epochs", "6",
+                        "--trainer.check_val_every_n_epoch", "6", "--model.dim", "32", "--model.lr", "0.3"])  # fmt: skip
+    mrr = [float(v) for v in re.findall(r"val: mrr ([0-9.]+)", out)]
+    assert mrr and mrr[-1] > 0.05, out  # chance: about 1e-4 for 40,943 entities

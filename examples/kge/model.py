@@ -149,7 +149,8 @@ class KGE(LightningModule):
         h, r, t = triples.unbind(1)
         rows = self.entities(torch.cat([h, t]))
         heads, tails = rows.chunk(2)
-        q = self.query(F.dropout(heads, self.hparams.dropout, self.training), self.relations(r))
+        p = self.hparams.dropout
+        q = self.query(F.dropout(heads, p, self.training), F.dropout(self.relations(r), p, self.training))
         if self.hparams.training == "1vsall":
             loss = self._one_vs_all(q, tails)
         else:

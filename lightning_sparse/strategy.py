@@ -309,8 +309,10 @@ def _destroy_process_groups_at_exit() -> None:
     _AT_EXIT_REGISTERED = True
 
     def destroy() -> None:
+        # Work and tensors of finished collectives still referenced from garbage cycles go first, also
+        # when the program destroyed the group itself: freed now, not during interpreter finalization.
+        gc.collect()
         if dist.is_available() and dist.is_initialized():
-            gc.collect()  # work still referenced from garbage cycles goes first
             try:
                 dist.destroy_process_group()
             except Exception as err:  # noqa: BLE001 - exiting anyway

@@ -46,7 +46,7 @@ from lightning_sparse.exchange import (
 )
 from lightning_sparse.features import FeatureIds, Problem, read_features
 from lightning_sparse.grouping import SortedKeys
-from lightning_sparse.lookup import _DEVICES, _DTYPES, _TYPES, _name
+from lightning_sparse.lookup import _DEVICES, _DTYPES, _TYPES, _name, check_one_unit
 
 if TYPE_CHECKING:
     from lightning_sparse.collection import SparseEmbeddingCollection
@@ -131,20 +131,18 @@ def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[s
         route, send_parts = None, [host[LookupHeader.WIDTH - 1 :]]
         check([LookupHeader(0, *host[: LookupHeader.WIDTH - 1])])
     runs.finish(sum(map(sum, send_parts)))
+    blocks = _Blocks(send_parts)
+    distinct = [blocks.take(runs.unique, part) for part in range(len(tables))]  # each table's distinct joint keys
     if route is not None:
         table_routes = [_table_route(route, send_parts, part, joint) for part in range(len(tables))]
         rows = _rows_from_owners(collection, route, send_parts, table_routes)
     else:
-        rows = []
-        with torch.no_grad():
-            for part, table in enumerate(tables):
-                local = _table_keys(runs.unique, send_parts, part) - joint.offsets[part]  # one owner: the joint local id
-                rows.append(table.shard.index_select(0, local))
+        with torch.no_grad():  # one owner: a joint local id less the table's offset is the row
+            rows = [table.shard.index_select(0, mine - joint.offsets[part]) for part, (table, mine) in enumerate(zip(tables, distinct))]
 
     used = {f.part for f in read}
     counts = runs.counts() if recording else None
-    for part, table in enumerate(tables):
-        mine = _table_keys(runs.unique, send_parts, part)
+    for part, (table, mine) in enumerate(zip(tables, distinct)):
         table.stats.unique_ids += len(mine)
         if route is not None and route.records:
             table.pending.route = table_routes[part]
@@ -153,13 +151,13 @@ def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[s
                 table_keys = mine - joint.offsets[part]
             else:
                 table_keys = joint.owner_of_key(mine) * table.sharding.block_size + (joint.local_of_key(mine) - joint.offsets[part])
-            occurrences = _table_keys(counts, send_parts, part)
+            occurrences = blocks.take(counts, part)
             record = table.pending.new_record(table.pending.route if route is not None else None, table_keys,
                                               occurrences=occurrences)  # fmt: skip
             token = torch.empty(0, device=device, requires_grad=True)
             rows[part] = _DistinctRows.apply(token, rows[part], record)
 
-    positions = _positions(runs, read, keys, send_parts, joint)
+    positions = _positions(runs, read, keys, send_parts, blocks, joint)
     out = {}
     for feature, position in zip(read, positions):
         table_rows = rows[feature.part]
@@ -204,19 +202,27 @@ def _device_verdicts(fields: Tensor, read: list[FeatureIds], bad_offsets: Tensor
     fields[LookupHeader.slot("id_min") : LookupHeader.slot("id_max") + 1] = ranges[first] * bad
 
 
-def _table_keys(values: Tensor, send_parts: list[list[int]], part: int) -> Tensor:
-    """The entries of ``values`` (one per distinct joint key, in key order) that belong to table ``part``.
+class _Blocks:
+    """Where each (owner, table) block of a round's distinct keys starts, computed once per round.
 
-    They sit in one block per owner (keys sort by owner, then table): a view for one rank.
+    Distinct keys sort by owner, then table: table ``t``'s keys are one block per owner.
     """
-    flat = [count for row in send_parts for count in row]
-    starts = split_starts(flat)
-    parts = len(send_parts[0])
-    blocks = [values.narrow(0, starts[b], flat[b]) for b in (owner * parts + part for owner in range(len(send_parts)))]
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+    def __init__(self, send_parts: list[list[int]]) -> None:
+        self.world_size, self.parts = len(send_parts), len(send_parts[0])
+        self.counts = [count for row in send_parts for count in row]
+        self.starts = split_starts(self.counts)
+
+    def take(self, values: Tensor, part: int) -> Tensor:
+        """The entries of ``values`` (one per distinct key, in key order) of table ``part``: a view for one rank."""
+        blocks = [values.narrow(0, self.starts[b], self.counts[b])
+                  for b in (owner * self.parts + part for owner in range(self.world_size))]  # fmt: skip
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
-def _positions(runs: SortedKeys, read: list[FeatureIds], keys: list[Tensor], send_parts: list[list[int]], joint: Any) -> list[Tensor]:
+def _positions(
+    runs: SortedKeys, read: list[FeatureIds], keys: list[Tensor], send_parts: list[list[int]], blocks: _Blocks, joint: Any
+) -> list[Tensor]:
     """For each feature, each id's row among its table's distinct rows (table order: owner, then row).
 
     ``keys`` are the features' joint keys. A distinct key in block (owner ``j``, table ``t``)
@@ -226,10 +232,8 @@ def _positions(runs: SortedKeys, read: list[FeatureIds], keys: list[Tensor], sen
     if not read:
         return []
     parts, world_size = joint.num_parts, joint.world_size
-    flat = [count for row in send_parts for count in row]
-    block_starts = split_starts(flat)
     table_starts = [sum(send_parts[o][t] for o in range(j)) for j in range(world_size) for t in range(parts)]
-    shift = [table_starts[b] - block_starts[b] for b in range(len(flat))]
+    shift = [table_starts[b] - blocks.starts[b] for b in range(len(blocks.counts))]
     inverse = runs.inverse().to(torch.int64).split([len(f.ids) for f in read])
     if world_size == 1:  # one block per table
         return [run + shift[feature.part] for feature, run in zip(read, inverse)]
@@ -281,13 +285,7 @@ def _rows_from_owners(
 
 def check_collection_headers(collection: "SparseEmbeddingCollection", headers: list[LookupHeader], problem: Problem) -> None:
     """Raise, on every rank alike, if any rank's header shows bad input or another lookup unit in this round."""
-    units = sorted({h.table for h in headers if h.active})
-    if len(units) > 1:
-        raise RuntimeError(
-            f"Ranks looked up different tables in the same round (lookup units {units}, this rank: {collection.name}). "
-            f"HINT: every rank must call its SparseEmbeddings and collections in the same order, every step, also with "
-            f"empty ids."
-        )
+    check_one_unit(headers, collection.name)
     for rank, h in enumerate(headers):
         if h.error == OK:
             continue

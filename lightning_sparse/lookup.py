@@ -182,18 +182,23 @@ def serve_lookups(tables: list["SparseEmbedding"]) -> int:
         rounds += 1
 
 
+def check_one_unit(headers: list[LookupHeader], name: str) -> None:
+    """Raise, on every rank alike, if the active ranks looked up different tables or collections in one round."""
+    units = sorted({h.table for h in headers if h.active})
+    if len(units) > 1:
+        raise RuntimeError(
+            f"Ranks looked up different tables in the same round (lookup units {units}, this rank: {name}). "
+            f"HINT: every rank must call its SparseEmbeddings and collections in the same order, every step, "
+            f"also with empty ids."
+        )
+
+
 def check_headers(table: "SparseEmbedding", headers: list[LookupHeader], own_problem: str | None = None) -> None:
     """Raise, on every rank alike, if any rank's header shows bad input or a different table.
 
     ``own_problem``: this rank's own account of its bad input, added to the message on this rank.
     """
-    tables = sorted({h.table for h in headers if h.active})
-    if len(tables) > 1:
-        raise RuntimeError(
-            f"Ranks looked up different tables in the same round (table indices {tables}, "
-            f"this rank: {table.name}). HINT: every rank must call its SparseEmbeddings in the same order, "
-            f"every step, also with empty ids."
-        )
+    check_one_unit(headers, table.name)
     for rank, h in enumerate(headers):
         where = "this rank" if rank == table.rank else f"rank {rank}"
         if h.error == NOT_A_TENSOR:

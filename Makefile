@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
 export OMP_NUM_THREADS ?= 1
 export DGLBACKEND ?= pytorch
 
-.PHONY: setup demo demo-plain dlrm test docs bench clean
+.PHONY: setup demo demo-plain dlrm graphs test docs bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ demo-plain: $(STAMP)
 # DLRM with 26 sparse features in one SparseEmbeddingCollection (examples/dlrm), 2 CPU processes.
 dlrm: $(STAMP)
 	cd examples/dlrm && ../../$(PY) main.py fit --config config.yaml
+
+# GraphSAGE on learnable node rows and DeepWalk with DGL (examples/dgl), 2 CPU processes, about 2 minutes.
+graphs: $(STAMP)
+	cd examples/dgl && ../../$(PY) sage.py fit --config sage.yaml && ../../$(PY) deepwalk.py fit --config deepwalk.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -20,7 +20,6 @@ class KGECLI(LightningCLI):
 
 
 def main() -> None:
-    torch.set_num_threads(1)
     try:
         KGECLI(KGE, KGDataModule, save_config_callback=None)
     finally:

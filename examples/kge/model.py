@@ -29,8 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torchmetrics import MeanMetric
 
 import lightning_sparse as ls
@@ -53,6 +52,39 @@ class _Gather(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad)  # every rank's loss may depend on every rank's part (gloo has no reduce_scatter)
         return grad.narrow(0, ctx.rank * ctx.rows, ctx.rows)
+
+
+class _ScoreLogSumExp(torch.autograd.Function):
+    """``logsumexp(queries @ rows.T, dim=1)`` with one ``[B, N]`` buffer and one ``exp``.
+
+    Autograd's ``logsumexp`` of a product keeps the scores, takes ``exp`` in forward and again in
+    backward, and allocates three ``[B, N]`` temporaries; on CPU that cost as much as the matrix
+    products. Here forward turns the scores into ``exp(score - max)`` in place and backward scales
+    that same buffer into the softmax gradient, so a step is the three products and one ``exp``.
+    """
+
+    @staticmethod
+    def forward(ctx, queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] == 0:  # a rank that owns no rows adds nothing to the sum
+            ctx.empty = True
+            ctx.save_for_backward(queries, rows)
+            return queries.new_full((queries.shape[0],), float("-inf"))
+        ctx.empty = False
+        numerators = queries @ rows.T
+        top = numerators.amax(dim=1, keepdim=True)
+        total = numerators.sub_(top).exp_().sum(dim=1)
+        ctx.save_for_backward(queries, rows, numerators, total)
+        return top.squeeze(1) + total.log()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if ctx.empty:
+            queries, rows = ctx.saved_tensors
+            return torch.zeros_like(queries), torch.zeros_like(rows)
+        queries, rows, numerators, total = ctx.saved_tensors
+        weights = numerators.mul_((grad / total).unsqueeze(1))  # in place (a second backward raises: version check)
+        return weights @ rows, weights.T @ queries
 
 
 def gather(x: torch.Tensor, differentiable: bool = True) -> torch.Tensor:
@@ -96,8 +128,11 @@ class KGE(LightningModule):
             raise ValueError(f"{model} splits rows into real and imaginary halves: dim must be even, got {dim}.")
         init = ls.init.normal(init_std)
         self.entities = ls.SparseEmbedding(num_entities, dim, init=init, seed=1, sharding=sharding)
-        relation_dim = dim // 2 if model == "rotate" else dim  # RotatE: one phase per complex coordinate
-        self.relations = ls.SparseEmbedding(num_relations, relation_dim, init=init, seed=2, sharding=sharding)
+        if model == "rotate":  # one phase per complex coordinate, in units of pi: uniform over the circle
+            relation_dim, relation_init = dim // 2, ls.init.uniform(-1.0, 1.0)
+        else:
+            relation_dim, relation_init = dim, init
+        self.relations = ls.SparseEmbedding(num_relations, relation_dim, init=relation_init, seed=2, sharding=sharding)
         self.metrics = torch.nn.ModuleDict({
             f"{split}_{name}": MeanMetric() for split in ("val", "test") for name in ("mrr", "hits1", "hits3", "hits10")
         })  # fmt: skip
@@ -109,7 +144,9 @@ class KGE(LightningModule):
             return heads * relations
         a, b = heads.chunk(2, dim=-1)
         if self.hparams.model == "rotate":
-            phase = relations * math.pi / self.hparams.init_std  # rows start ~N(0, std): phases ~N(0, pi)
+            # Phases in units of pi: an optimizer step of lr turns a rotation by at most about lr * pi whatever
+            # init_std (scaling rows of std init_std to phases of std pi multiplied that by 1 / init_std).
+            phase = relations * math.pi
             c, d = torch.cos(phase), torch.sin(phase)
         else:
             c, d = relations.chunk(2, dim=-1)
@@ -163,7 +200,7 @@ class KGE(LightningModule):
     def _one_vs_all(self, q: torch.Tensor, tails: torch.Tensor) -> torch.Tensor:
         _, own = self.own_entity_rows()
         everyone = gather(q)  # [W * B, d]: every rank's queries
-        partial = torch.logsumexp(self.score(everyone, own), dim=1)  # over the entities this rank owns
+        partial = _ScoreLogSumExp.apply(everyone, own)  # over the entities this rank owns (scores are products)
         total = torch.logsumexp(gather(partial.unsqueeze(0)), dim=0)  # over all entities
         mine = total.narrow(0, self.entities.rank * len(q), len(q))
         return (mine - self.pair_score(q, tails)).mean()

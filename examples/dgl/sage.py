@@ -3,8 +3,8 @@
 Graphs without node features (or with features worth learning) give every node a learnable row.
 Here those rows live in a ``SparseEmbedding`` sharded over the ranks, DGL samples the neighbourhoods
 (``NeighborSampler`` as the ``collate_fn`` of the loader that Lightning shards), and the GraphSAGE
-layers are dense parameters in DDP. The task: find each node's planted community from 10% labelled
-nodes and the edges.
+layers are dense parameters in DDP. The task: find each node's planted community from half of the nodes
+labelled and the edges (with 10% labelled, learnable rows overfit: see docs/graphs.md).
 
     cd examples/dgl && python sage.py fit --config sage.yaml
 """

@@ -14,17 +14,15 @@ from __future__ import annotations
 import dgl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader
-from torchmetrics.classification import MulticlassAccuracy
 
 import lightning_sparse as ls
 
 from cli import main
-from graphs import PlantedGraph, planted_communities
+from graphs import CommunityModule, PlantedGraphData
 
 
-class RandomWalks(LightningDataModule):
+class RandomWalks(PlantedGraphData):
     """Training batches: (centres, contexts) pairs from walks; evaluation batches: (nodes, communities)."""
 
     def __init__(
@@ -41,13 +39,8 @@ class RandomWalks(LightningDataModule):
         eval_batch_size: int = 4096,
         seed: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(num_nodes, communities, degree_in, degree_out, labeled, seed)
         self.save_hyperparameters()
-        self.planted: PlantedGraph = planted_communities(num_nodes, communities, degree_in, degree_out, labeled, seed)
-
-    @property
-    def num_nodes(self) -> int:
-        return self.planted.num_nodes
 
     def _pairs(self, starts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         walks, _ = dgl.sampling.random_walk(self.planted.graph, torch.stack(starts), length=self.hparams.walk_length)
@@ -59,9 +52,6 @@ class RandomWalks(LightningDataModule):
         centres, contexts = torch.cat(centres), torch.cat(contexts)
         keep = (centres >= 0) & (contexts >= 0)  # -1 marks a walk that ended early (no edge out)
         return centres[keep], contexts[keep]
-
-    def setup(self, stage: str) -> None:
-        dgl.seed(self.hparams.seed + (self.trainer.global_rank if self.trainer else 0))
 
     def train_dataloader(self) -> DataLoader:
         starts = torch.arange(self.num_nodes).repeat(self.hparams.walks_per_node)
@@ -78,20 +68,17 @@ class RandomWalks(LightningDataModule):
         return self._eval_loader(self.planted.test)
 
 
-class DeepWalk(LightningModule):
+class DeepWalk(CommunityModule):
     """Skip-gram with ``negatives`` uniform negatives per pair over two sharded tables."""
 
     def __init__(
         self, num_nodes: int, num_classes: int = 10, dim: int = 64, negatives: int = 5, lr: float = 0.01
     ) -> None:
-        super().__init__()
+        super().__init__(num_classes)
         self.save_hyperparameters()
         self.nodes = ls.SparseEmbedding(num_nodes, dim, init=ls.init.uniform(-0.5 / dim, 0.5 / dim), seed=0)
         self.contexts = ls.SparseEmbedding(num_nodes, dim, init=ls.init.zeros())
         self.centroids: torch.Tensor | None = None  # [communities, dim], set before each evaluation
-        self.accuracy = torch.nn.ModuleDict(
-            {split: MulticlassAccuracy(num_classes, average="micro") for split in ("val", "test")}
-        )
 
     def training_step(self, batch, batch_idx):
         centres, contexts = batch
@@ -120,17 +107,9 @@ class DeepWalk(LightningModule):
         sums = torch.zeros(self.hparams.num_classes, rows.shape[1], device=self.device).index_add_(0, labels, rows)
         return F.normalize(sums, dim=1)
 
-    def _evaluate(self, batch, split: str) -> None:
+    def communities(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         nodes, labels = batch.unbind(1)
-        predicted = (F.normalize(self.nodes(nodes), dim=1) @ self.centroids.T).argmax(1)
-        self.accuracy[split](predicted, labels)
-        self.log(f"{split}_acc", self.accuracy[split], prog_bar=True, batch_size=len(labels))
-
-    def validation_step(self, batch, batch_idx):
-        self._evaluate(batch, "val")
-
-    def test_step(self, batch, batch_idx):
-        self._evaluate(batch, "test")
+        return (F.normalize(self.nodes(nodes), dim=1) @ self.centroids.T).argmax(1), labels
 
     def configure_optimizers(self):
         return None  # tables only

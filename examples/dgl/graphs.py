@@ -1,4 +1,5 @@
-"""Graphs with planted communities, generated in the example (no download), and their node splits.
+"""Graphs with planted communities, generated in the example (no download), their node splits, and
+the DataModule and LightningModule bases both examples build on.
 
 A planted-partition graph (a stochastic block model): every node belongs to one of ``communities``
 equal-sized communities, draws ``degree_in`` neighbours inside its community and ``degree_out``
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import dgl
 import torch
+from lightning.pytorch import LightningDataModule, LightningModule
+from torchmetrics.classification import MulticlassAccuracy
 
 
 @dataclass(frozen=True)
@@ -52,3 +55,46 @@ def planted_communities(
     n_val = (num_nodes - n_train) // 2
     train, val, test = order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :]
     return PlantedGraph(graph, labels, train.sort().values, val.sort().values, test.sort().values)
+
+
+class PlantedGraphData(LightningDataModule):
+    """Holds the planted graph (the same on every rank) and gives each rank its own DGL random stream."""
+
+    def __init__(
+        self, num_nodes: int, communities: int, degree_in: int, degree_out: int, labeled: float, seed: int
+    ) -> None:
+        super().__init__()
+        self.planted = planted_communities(num_nodes, communities, degree_in, degree_out, labeled, seed)
+        self.seed = seed
+
+    @property
+    def num_nodes(self) -> int:
+        return self.planted.num_nodes
+
+    def setup(self, stage: str) -> None:
+        dgl.seed(self.seed + (self.trainer.global_rank if self.trainer else 0))  # each rank its own samples
+
+
+class CommunityModule(LightningModule):
+    """Validation and test: the accuracy of ``communities(batch)``, a torchmetrics metric synced over ranks."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.accuracy = torch.nn.ModuleDict(
+            {split: MulticlassAccuracy(num_classes, average="micro") for split in ("val", "test")}
+        )
+
+    def communities(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(predicted, true) communities of an evaluation batch's nodes."""
+        raise NotImplementedError
+
+    def _evaluate(self, batch, split: str) -> None:
+        predicted, labels = self.communities(batch)
+        self.accuracy[split](predicted, labels)
+        self.log(f"{split}_acc", self.accuracy[split], prog_bar=True, batch_size=len(labels))
+
+    def validation_step(self, batch, batch_idx):
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate(batch, "test")

@@ -15,17 +15,15 @@ import dgl
 import torch
 import torch.nn.functional as F
 from dgl.nn import SAGEConv
-from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader
-from torchmetrics.classification import MulticlassAccuracy
 
 import lightning_sparse as ls
 
 from cli import main
-from graphs import PlantedGraph, planted_communities
+from graphs import CommunityModule, PlantedGraphData
 
 
-class SampledCommunities(LightningDataModule):
+class SampledCommunities(PlantedGraphData):
     """Batches ``(input_nodes, blocks, labels)`` of DGL-sampled neighbourhoods around labelled seed nodes."""
 
     def __init__(
@@ -39,14 +37,9 @@ class SampledCommunities(LightningDataModule):
         batch_size: int = 256,
         seed: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(num_nodes, communities, degree_in, degree_out, labeled, seed)
         self.save_hyperparameters()
-        self.planted: PlantedGraph = planted_communities(num_nodes, communities, degree_in, degree_out, labeled, seed)
         self.sampler = dgl.dataloading.NeighborSampler(list(fanouts))
-
-    @property
-    def num_nodes(self) -> int:
-        return self.planted.num_nodes
 
     def _sample(self, seeds: list[torch.Tensor]) -> tuple[torch.Tensor, list, torch.Tensor]:
         input_nodes, output_nodes, blocks = self.sampler.sample(self.planted.graph, torch.stack(seeds))
@@ -55,9 +48,6 @@ class SampledCommunities(LightningDataModule):
     def _loader(self, nodes: torch.Tensor, shuffle: bool) -> DataLoader:
         # A plain loader over node ids: Lightning adds its DistributedSampler, DGL samples in collate_fn.
         return DataLoader(nodes, batch_size=self.hparams.batch_size, shuffle=shuffle, collate_fn=self._sample)
-
-    def setup(self, stage: str) -> None:
-        dgl.seed(self.hparams.seed + (self.trainer.global_rank if self.trainer else 0))  # each rank its own samples
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.planted.train, shuffle=True)
@@ -69,7 +59,7 @@ class SampledCommunities(LightningDataModule):
         return self._loader(self.planted.test, shuffle=False)
 
 
-class GraphSAGE(LightningModule):
+class GraphSAGE(CommunityModule):
     """Two mean-aggregating SAGE layers over learnable node rows; cross entropy on the communities."""
 
     def __init__(
@@ -82,13 +72,10 @@ class GraphSAGE(LightningModule):
         lr: float = 0.01,
         sparse_lr: float = 0.05,
     ) -> None:
-        super().__init__()
+        super().__init__(num_classes)
         self.save_hyperparameters()
         self.features = ls.SparseEmbedding(num_nodes, dim, init=ls.init.normal(0.1), seed=0)
         self.layers = torch.nn.ModuleList([SAGEConv(dim, hidden, "mean"), SAGEConv(hidden, num_classes, "mean")])
-        self.accuracy = torch.nn.ModuleDict(
-            {split: MulticlassAccuracy(num_classes, average="micro") for split in ("val", "test")}
-        )
 
     def forward(self, input_nodes: torch.Tensor, blocks: list) -> torch.Tensor:
         h = self.features(input_nodes)  # the sampled neighbourhood's rows, from their owner ranks
@@ -104,16 +91,9 @@ class GraphSAGE(LightningModule):
         self.log("train_loss", loss, prog_bar=True, batch_size=len(labels))
         return loss
 
-    def _evaluate(self, batch, split: str) -> None:
+    def communities(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         input_nodes, blocks, labels = batch
-        self.accuracy[split](self(input_nodes, blocks).argmax(1), labels)
-        self.log(f"{split}_acc", self.accuracy[split], prog_bar=True, batch_size=len(labels))
-
-    def validation_step(self, batch, batch_idx):
-        self._evaluate(batch, "val")
-
-    def test_step(self, batch, batch_idx):
-        self._evaluate(batch, "test")
+        return self(input_nodes, blocks).argmax(1), labels
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.layers.parameters(), lr=self.hparams.lr)

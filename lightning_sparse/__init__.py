@@ -1,9 +1,10 @@
 """lightning-sparse: row-sharded embedding tables and sparse optimizers for PyTorch (Lightning).
 
-Importing the package registers ``Trainer(strategy="sparse_ddp")``.
+Importing the package registers ``Trainer(strategy="sparse_ddp")`` and an exit handler that
+releases the process groups before the interpreter finalizes (``lightning_sparse.exits``).
 """
 
-from lightning_sparse import init
+from lightning_sparse import exits, init
 from lightning_sparse.callbacks import SparseStatsMonitor
 from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.embedding import SparseEmbedding, full_state_dict
@@ -16,6 +17,8 @@ from lightning_sparse.sharding import RowSharding
 from lightning_sparse.strategy import SparseDDPStrategy  # registers strategy="sparse_ddp"
 
 __version__ = "0.1.0"
+
+exits.install()
 
 __all__ = [
     "JaggedIds",
@@ -32,6 +35,7 @@ __all__ = [
     "SparseSGD",
     "SparseStatsMonitor",
     "full_state_dict",
+    "exits",
     "init",
     "serve_lookups",
 ]

@@ -3,7 +3,9 @@
 A ``RowInit`` is any callable ``init(global_ids, embedding_dim, seed) -> Tensor`` that returns
 ``[len(global_ids), embedding_dim]`` values for the given rows. Because every rank asks only for
 the rows it owns, the same ``seed`` gives the same logical table on 1, 2 or 3 ranks and under
-both sharding schemes, and no rank ever builds the whole table.
+both sharding schemes, and no rank ever builds the whole table. The initializers made here
+pickle (``functools.partial`` of module functions), so a module holding tables can be sent to
+ranks started with ``start_method="spawn"``.
 
 The random initializers use a counter-based generator: each element is a hash of
 ``(seed, row, column)``, so row ``r`` gets the same values whichever rank computes it.
@@ -18,7 +20,8 @@ True
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -49,35 +52,35 @@ def _uniform01(global_ids: Tensor, embedding_dim: int, seed: int, stream: int) -
 
 def normal(std: float | None = None, mean: float = 0.0) -> RowInit:
     """Normal rows; ``std`` defaults to ``1 / sqrt(embedding_dim)`` (the package's default init)."""
+    return partial(_normal, std=std, mean=mean)
 
-    def init(global_ids: Tensor, embedding_dim: int, seed: int) -> Tensor:
-        scale = std if std is not None else 1.0 / math.sqrt(embedding_dim)
-        u1 = _uniform01(global_ids, embedding_dim, seed, stream=0)
-        u2 = _uniform01(global_ids, embedding_dim, seed, stream=1)
-        z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)  # Box-Muller
-        return (z * scale + mean).to(torch.float32)
 
-    return init
+def _normal(global_ids: Tensor, embedding_dim: int, seed: int, *, std: float | None, mean: float) -> Tensor:
+    scale = std if std is not None else 1.0 / math.sqrt(embedding_dim)
+    u1 = _uniform01(global_ids, embedding_dim, seed, stream=0)
+    u2 = _uniform01(global_ids, embedding_dim, seed, stream=1)
+    z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)  # Box-Muller
+    return (z * scale + mean).to(torch.float32)
 
 
 def uniform(a: float = -0.1, b: float = 0.1) -> RowInit:
     """Rows uniform in ``[a, b)``."""
     if not a < b:
         raise ValueError(f"Invalid uniform bounds: a={a}, b={b}. HINT: a must be smaller than b.")
+    return partial(_uniform, a=a, b=b)
 
-    def init(global_ids: Tensor, embedding_dim: int, seed: int) -> Tensor:
-        return (_uniform01(global_ids, embedding_dim, seed, stream=0) * (b - a) + a).to(torch.float32)
 
-    return init
+def _uniform(global_ids: Tensor, embedding_dim: int, seed: int, *, a: float, b: float) -> Tensor:
+    return (_uniform01(global_ids, embedding_dim, seed, stream=0) * (b - a) + a).to(torch.float32)
 
 
 def zeros() -> RowInit:
     """All-zero rows."""
+    return _zeros
 
-    def init(global_ids: Tensor, embedding_dim: int, seed: int) -> Tensor:
-        return torch.zeros(len(global_ids), embedding_dim, device=global_ids.device)
 
-    return init
+def _zeros(global_ids: Tensor, embedding_dim: int, seed: int) -> Tensor:
+    return torch.zeros(len(global_ids), embedding_dim, device=global_ids.device)
 
 
 def from_tensor(table: Tensor) -> RowInit:
@@ -89,14 +92,15 @@ def from_tensor(table: Tensor) -> RowInit:
     if table.dim() != 2:
         raise ValueError(f"Invalid pretrained table shape: {tuple(table.shape)}. HINT: pass a 2-D [rows, dim] tensor.")
 
-    def init(global_ids: Tensor, embedding_dim: int, seed: int) -> Tensor:
-        if table.shape[1] != embedding_dim:
-            raise ValueError(
-                f"Pretrained table has dim {table.shape[1]} but the SparseEmbedding has embedding_dim={embedding_dim}."
-            )
-        return table[global_ids.to(table.device)]
+    return partial(_from_tensor, table=table)
 
-    return init
+
+def _from_tensor(global_ids: Tensor, embedding_dim: int, seed: int, *, table: Tensor) -> Tensor:
+    if table.shape[1] != embedding_dim:
+        raise ValueError(
+            f"Pretrained table has dim {table.shape[1]} but the SparseEmbedding has embedding_dim={embedding_dim}."
+        )
+    return table[global_ids.to(table.device)]
 
 
 def from_file(path: str, key: str | None = None) -> RowInit:

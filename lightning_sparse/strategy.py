@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import atexit
 import gc
 import logging
 import signal
@@ -46,6 +45,7 @@ from typing_extensions import override
 from lightning_sparse.checkpoint.hooks import SparseCheckpointHooks
 from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.embedding import SparseEmbedding
+from lightning_sparse.launcher import SparseMultiProcessingLauncher
 from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.exchange import ExchangeStats
 from lightning_sparse.faults import PeerFailure, is_peer_failure
@@ -84,9 +84,10 @@ class SparseDDPStrategy(SparseCheckpointHooks, DDPStrategy):
 
     # ------------------------------------------------------------------ setup and teardown
     @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        _destroy_process_groups_at_exit()
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method != "popen":  # ranks in child processes: rank 0 hands back full tables
+            self._launcher = SparseMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -103,8 +104,8 @@ class SparseDDPStrategy(SparseCheckpointHooks, DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        # DDP's wrapper, unwrapped by Lightning, lives in reference cycles with its reducer's last
-        # collective; free them now, not at interpreter shutdown (see _destroy_process_groups_at_exit).
+        # DDP's wrapper, unwrapped by Lightning, lives in reference cycles with its reducer (which
+        # holds the process group); free them now, not at interpreter shutdown (see exits.py).
         gc.collect()
 
     @override
@@ -289,36 +290,6 @@ class SparseDDPStrategy(SparseCheckpointHooks, DDPStrategy):
                 cls,
                 description="DDP for dense parameters; row-sharded SparseEmbedding tables with sparse optimizers",
             )
-
-
-_AT_EXIT_REGISTERED = False
-
-
-def _destroy_process_groups_at_exit() -> None:
-    """Register, once, an exit handler that destroys the process groups while the interpreter is alive.
-
-    A gloo process group still alive when the interpreter finalizes can abort the process
-    ("terminate called without an active exception", SIGABRT): its worker threads release
-    finished collectives, and the tensors they hold, after Python is gone (torch issue #190489;
-    pytorch/pytorch#179291 proposed this handler for torch itself). Lightning leaves the group
-    for the next fit; if the program does not destroy it, this handler does, at exit.
-    """
-    global _AT_EXIT_REGISTERED
-    if _AT_EXIT_REGISTERED:
-        return
-    _AT_EXIT_REGISTERED = True
-
-    def destroy() -> None:
-        # Work and tensors of finished collectives still referenced from garbage cycles go first, also
-        # when the program destroyed the group itself: freed now, not during interpreter finalization.
-        gc.collect()
-        if dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as err:  # noqa: BLE001 - exiting anyway
-                log.debug("destroying the process group at exit failed: %s", err)
-
-    atexit.register(destroy)
 
 
 def _serve_when_skipped(loop: Any, strategy: SparseDDPStrategy) -> None:

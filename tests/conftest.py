@@ -8,6 +8,9 @@ import torch  # noqa: E402
 
 from rank_pool import RankPool  # noqa: E402
 
+# Start-up hooks for the exit stress script's child processes, never for this one.
+collect_ignore = ["exits/widen"]
+
 torch.set_num_threads(1)
 
 
@@ -25,5 +28,10 @@ def rank_pools():
         return pools[key]
 
     yield get
+    errors = []
     for pool in pools.values():
-        pool.close()
+        try:
+            pool.close()  # checks that every rank exited with code 0
+        except AssertionError as err:
+            errors.append(str(err))
+    assert not errors, "; ".join(errors)

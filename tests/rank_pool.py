@@ -82,7 +82,8 @@ def _worker(rank: int, world_size: int, port: int, device: str, inbox: mp.Queue,
             except BaseException as err:  # noqa: BLE001 - every error goes back to the test
                 outbox.put((rank, _dumps(("err", RankError(type(err).__name__, str(err), traceback.format_exc())))))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a job may have destroyed it
+            dist.destroy_process_group()
 
 
 def free_port() -> int:
@@ -142,9 +143,14 @@ class RankPool:
         return results
 
     def close(self) -> None:
+        """Stop the ranks; raises unless each exited with code 0 (an abort at exit is -6)."""
         for inbox in self._inboxes:
             inbox.put(None)
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+                p.join()
+        codes = [p.exitcode for p in self._procs]
+        if not self.broken and codes != [0] * self.world_size:
+            raise AssertionError(f"the ranks of a {self.world_size}-rank pool exited with codes {codes}")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import assert_clean_exit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +25,7 @@ def test_quick_benchmark_writes_results_and_report(tmp_path):
         [sys.executable, "-W", "ignore", str(ROOT / "benchmarks" / "bench.py"), "--quick", "--out", str(out), "--doc", str(page)],
         capture_output=True, text=True, timeout=280, env=env,
     )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert_clean_exit(run)
     doc = json.loads(out.read_text())
     assert doc["quick"] and doc["machine"]["cpu_count"] and doc["versions"]["torch"] and doc["code"]["commit"]
     kinds = {(r["name"], r["kind"]) for r in doc["single_process"][0]["results"]}

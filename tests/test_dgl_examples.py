@@ -16,6 +16,7 @@ pytest.importorskip("dgl")
 EXAMPLE = Path(__file__).parent.parent / "examples" / "dgl"
 sys.path.insert(0, str(EXAMPLE))
 import graphs
+from processes import assert_clean_exit
 
 
 def test_planted_communities_are_reproducible_and_planted():
@@ -41,7 +42,7 @@ def _fit(script: str, args: list[str]) -> float:
         [sys.executable, script, "fit", "--config", config, "--trainer.logger", "false", *args],
         cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=280, check=False,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_clean_exit(result)
     found = re.findall(r"test_acc\s+([0-9.]+)", result.stdout)
     assert found, result.stdout[-3000:]
     return float(found[-1])

@@ -15,6 +15,7 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "dlrm"
 sys.path.insert(0, str(EXAMPLE))
 
 import data as dlrm_data  # noqa: E402
+from processes import assert_clean_exit
 
 
 def write_tsv(path: Path, lines: int, seed: int = 0) -> None:
@@ -69,7 +70,7 @@ def _fit(args: list[str], timeout: int = 240) -> str:
         [sys.executable, "main.py", "fit", "--config", "config.yaml", "--trainer.logger", "false", *args],
         cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_clean_exit(result)
     return result.stdout
 
 

@@ -1,14 +1,16 @@
-"""Clean exits: nothing of lightning_sparse holds the process group, and fit-gather-destroy-exit never aborts.
+"""Clean exits: nothing of lightning_sparse holds the process group, and no exit shape aborts.
 
-The abort ("terminate called without an active exception", SIGABRT, about 1 run in 12) came from
-a process group that outlived ``destroy_process_group()`` because a table held it: gloo's worker
-threads then released it during interpreter shutdown (torch issue #190489). Tables and optimizers
-now look the group up when needed, or hold a user's group weakly.
+The abort ("terminate called without an active exception", SIGABRT) is a gloo worker thread
+asking for the GIL during interpreter finalization (the chain is in lightning_sparse/exits.py).
+``tests/exits/stress.py`` runs every exit shape a user has with the race widened; this suite runs
+a sample of it that fails on the code before the exit handler (13 of 30 widened plain-torch runs
+aborted there).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
-import lightning_sparse as ls
 from rank_pool import RankPool
 
-SCRIPT = Path(__file__).parent / "scripts" / "fit_and_exit.py"
-RUNS, AT_ONCE = 30, 3
+import lightning_sparse as ls
+from lightning_sparse import exits
+
+sys.path.insert(0, str(Path(__file__).parent / "exits"))
+from stress import report, stress
+
+PLAIN_TORCH = ["torch-spawn", "torch-spawn-destroy", "torchrun"]
 
 
 def _holders_of_the_group() -> list[str]:
@@ -66,20 +71,44 @@ def test_a_table_used_after_destroy_process_group_says_so():
         assert "has been destroyed" in message and "HINT" in message
 
 
-@pytest.mark.timeout(900)
-def test_fit_gather_destroy_exit_never_aborts(tmp_path):
-    """30 runs of 2 spawned ranks that fit with sparse_ddp, gather a table, destroy the group and exit."""
-    failures = []
-    for start in range(0, RUNS, AT_ONCE):
-        runs = [
-            subprocess.Popen([sys.executable, str(SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-            for _ in range(min(AT_ONCE, RUNS - start))
-        ]
-        for run in runs:
-            output, _ = run.communicate(timeout=300)
-            if run.returncode != 0 or "terminate called" in output or output.count(" done") != 2:
-                failures.append(f"exit code {run.returncode}:\n{output[-2000:]}")
-    assert not failures, f"{len(failures)} of {RUNS} runs did not exit cleanly:\n" + "\n".join(failures[:2])
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _release(with_ddp: bool) -> dict:
+    """Run the exit handler's work by hand: are the group's worker threads gone, is the process quiet?"""
+    if with_ddp:  # DDP keeps a C++ reference to the group, even once the wrapper is freed (torch 2.13)
+        head = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+        head(torch.ones(1, 2)).sum().backward()
+    out = torch.empty(2)
+    dist.all_to_all_single(out, torch.arange(2.0))
+    before = _threads()
+    exits.release_process_groups()  # this process imported torch.distributed.checkpoint: the group stays
+    return {"initialized": dist.is_initialized(), "quiet": exits._runnable_threads() == 0, "threads": (before, _threads())}
+
+
+@pytest.mark.parametrize("with_ddp", [False, True], ids=["free", "held-by-ddp"])
+def test_release_destroys_the_groups_and_drains_their_workers(with_ddp):
+    pool = RankPool(2)  # its group is destroyed: not a shared pool
+    try:
+        results = pool.run(_release, with_ddp, timeout=60)
+    finally:
+        pool.close()
+    for result in results:
+        assert not result["initialized"] and result["quiet"], result
+
+
+@pytest.mark.timeout(600)
+def test_every_exit_shape_exits_cleanly_with_the_race_widened():
+    """The plain-torch shapes twice and the launchers no other test uses once, race widened.
+
+    Before the exit handler, 13 of 30 widened plain-torch runs aborted (none of 50 Lightning runs):
+    this sample passed on that code about once in 50 tries. Every shape, many times: stress.py.
+    """
+    plan = PLAIN_TORCH * 2 + ["fit-spawn", "torchrun-fit"]
+    results = stress(len(plan), plan, widen=True, parallel=2)
+    failed = [r for r in results if not r.clean]
+    assert not failed, report(results) + "\n" + "\n".join(f"--- {r.shape}: exit code {r.returncode}\n{r.tail[-1500:]}" for r in failed[:2])
 
 
 def _running(pid: int) -> bool:
@@ -100,7 +129,7 @@ def test_a_hung_rank_does_not_outlive_the_fit(tmp_path):
     pid_file = tmp_path / "pid"
     start = time.monotonic()
     run = subprocess.run([sys.executable, str(Path(__file__).parent / "scripts" / "hang_one_rank.py"), str(pid_file), "sleep"],
-                         capture_output=True, text=True, timeout=150, cwd=tmp_path)  # fmt: skip
+                         check=False, capture_output=True, text=True, timeout=150, cwd=tmp_path)  # fmt: skip
     seconds = time.monotonic() - start
     pid = int(pid_file.read_text())
     time.sleep(1)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import lightning_models as lm
+from processes import assert_clean_exit
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "kge"
 
@@ -75,7 +76,7 @@ def _fit(config: str, args: list[str]) -> str:
          "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "model.EvalSummary", *args],
         cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=280, check=False,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_clean_exit(result)
     return result.stdout
 
 

@@ -1,0 +1,111 @@
+"""Run the exit-shape programs many times and count the runs that did not exit cleanly.
+
+Usage::
+
+    python tests/exits/stress.py --runs 1000              # round-robin over every shape, race widened
+    python tests/exits/stress.py --runs 40 --shapes fit,torch-spawn --no-widen --json out.json
+
+A run is *aborted* when its output says "terminate called" or a process died of SIGABRT, and
+*failed* when it exited non-zero or did not finish within ``--timeout`` seconds. ``--widen``
+(the default) puts ``widen/sitecustomize.py`` on PYTHONPATH: one CPU per process and a one-second
+GIL switch interval, which turns the rare abort at exit into a frequent one on code that has it.
+Exits 0 when every run was clean. tests/test_exits.py runs a small sample of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from programs import SHAPES
+
+ABORT_MARKS = ("terminate called", "SIGABRT", "Signals.SIGABRT", "exitcode -6", "exit code -6")
+
+
+@dataclass
+class Run:
+    shape: str
+    returncode: int | None  # None: killed at the timeout
+    aborted: bool
+    seconds: float
+    tail: str
+
+    @property
+    def clean(self) -> bool:
+        return self.returncode == 0 and not self.aborted
+
+
+def run_once(shape: str, widen: bool, timeout: float) -> Run:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if widen:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "widen"), env.get("PYTHONPATH")]))
+        env["LS_EXIT_WIDEN"] = "1"
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"exit-{shape}-") as workdir:
+        process = subprocess.Popen([sys.executable, str(HERE / "programs.py"), shape], cwd=workdir, env=env, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            output, _ = process.communicate(timeout=timeout)
+            code: int | None = process.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the program and every rank it launched
+            output, _ = process.communicate()
+            code = None
+    aborted = code in (-signal.SIGABRT, 128 + signal.SIGABRT) or any(mark in output for mark in ABORT_MARKS)
+    return Run(shape, code, aborted, time.monotonic() - start, output[-3000:])
+
+
+def stress(runs: int, shapes: list[str], widen: bool = True, parallel: int = 2, timeout: float = 240) -> list[Run]:
+    """``runs`` programs, round-robin over ``shapes``, ``parallel`` at a time."""
+    plan = [shapes[i % len(shapes)] for i in range(runs)]
+    with ThreadPoolExecutor(parallel) as pool:
+        return list(pool.map(lambda shape: run_once(shape, widen, timeout), plan))
+
+
+def report(results: list[Run]) -> str:
+    lines = [f"{'shape':<22}{'runs':>6}{'aborted':>9}{'failed':>8}{'mean s':>8}"]
+    for shape in dict.fromkeys(r.shape for r in results):
+        mine = [r for r in results if r.shape == shape]
+        failed = sum(not r.clean for r in mine)
+        lines.append(f"{shape:<22}{len(mine):>6}{sum(r.aborted for r in mine):>9}{failed:>8}"
+                     f"{sum(r.seconds for r in mine) / len(mine):>8.1f}")  # fmt: skip
+    codes = Counter(r.returncode for r in results)
+    lines.append(f"{'all':<22}{len(results):>6}{sum(r.aborted for r in results):>9}{sum(not r.clean for r in results):>8}"
+                 f"   exit codes: {dict(codes)}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=len(SHAPES) * 10)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, from: " + ", ".join(SHAPES))
+    parser.add_argument("--widen", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--json", type=Path, help="write every run's result here")
+    args = parser.parse_args()
+    start = time.monotonic()
+    results = stress(args.runs, args.shapes.split(","), args.widen, args.parallel, args.timeout)
+    print(report(results))
+    print(f"{len(results)} runs in {time.monotonic() - start:.0f} s, race {'widened' if args.widen else 'not widened'}")
+    for bad in [r for r in results if not r.clean][:3]:
+        print(f"--- {bad.shape}: exit code {bad.returncode}\n{bad.tail[-1500:]}")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0 if all(r.clean for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,7 +21,6 @@ other, sent once each way (the row to the requester, its gradient back), at 4 by
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import resource
@@ -40,6 +39,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
+
+from lightning_sparse import exits  # noqa: E402
 
 METHODS = ("ours", "sparse_ddp", "dgl", "sparse_grad_ddp", "lightning_ddp")
 LIGHTNING = ("sparse_ddp", "lightning_ddp")
@@ -295,11 +296,9 @@ def rank_main(rank: int, cfg: dict, method: str, rows: int, port: int, out_dir: 
         result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
     result["peak_rss_mib"] = _peak_rss_mib()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    # Lightning's objects hold the process group in reference cycles: free them before the group,
-    # so that nothing of it is left for interpreter shutdown (see docs/benchmarks.md, caveats).
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # Lightning's objects hold the process group in reference cycles: free them and the group now,
+    # not at interpreter shutdown (see docs/benchmarks.md, caveats, and lightning_sparse.exits).
+    exits.release_process_groups()
 
 
 def _free_port() -> int:

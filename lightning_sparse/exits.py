@@ -30,8 +30,7 @@ programs get it too) :func:`release_process_groups` therefore
 1. collects garbage, so works, DDP wrappers and groups held only by reference cycles go now;
 2. destroys every process group still registered with ``torch.distributed``;
 3. so frees every group that nothing else holds: its destructor joins its worker threads with
-   the GIL released, so every pending release happens now (a group some garbage still held
-   goes with a second collection);
+   the GIL released, so every pending release happens now;
 4. waits, with the GIL released, until no other thread of the process is runnable (at most
    ``DRAIN_TIMEOUT_S``): a group that a live object still holds keeps its workers, and a worker
    with a work left to release gets the GIL now instead of during finalization.
@@ -48,7 +47,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 
 import torch.distributed as dist
 
@@ -82,26 +80,12 @@ def release_process_groups() -> None:
     Called by the exit handler; a program may also call it itself before it ends.
     """
     gc.collect()
-    groups = _registered_groups()
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception as err:  # noqa: BLE001 - exiting anyway; the drain below still runs
             log.debug("destroying the process groups at exit failed: %s", err)
-    if any(group() is not None for group in groups):
-        gc.collect()  # a group that only garbage still held
-        alive = sum(group() is not None for group in groups)
-        log.debug("%d process groups are still referenced at exit; draining their workers", alive)
     _drain_other_threads()
-
-
-def _registered_groups() -> list[weakref.ref]:
-    """Weak references to the groups ``torch.distributed`` knows, to tell afterwards which survived."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return []
-    from torch.distributed import distributed_c10d
-
-    return [weakref.ref(group) for group in list(distributed_c10d._world.pg_map)]
 
 
 def _drain_other_threads(timeout: float = DRAIN_TIMEOUT_S) -> bool:

@@ -4,6 +4,7 @@ Usage::
 
     python tests/exits/stress.py --runs 1000              # round-robin over every shape, race widened
     python tests/exits/stress.py --runs 40 --shapes fit,torch-spawn --no-widen --json out.json
+    python tests/exits/stress.py --runs 1000 --progress runs.jsonl  # one line per run as it ends
 
 A run is *aborted* when its output says "terminate called" or a process died of SIGABRT, and
 *failed* when it exited non-zero or did not finish within ``--timeout`` seconds. ``--widen``
@@ -23,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,11 +68,26 @@ def run_once(shape: str, widen: bool, timeout: float) -> Run:
     return Run(shape, code, aborted, time.monotonic() - start, output[-3000:])
 
 
-def stress(runs: int, shapes: list[str], widen: bool = True, parallel: int = 2, timeout: float = 240) -> list[Run]:
-    """``runs`` programs, round-robin over ``shapes``, ``parallel`` at a time."""
+def stress(runs: int, shapes: list[str], widen: bool = True, parallel: int = 2, timeout: float = 240,
+           progress: Path | None = None) -> list[Run]:
+    """``runs`` programs, round-robin over ``shapes``, ``parallel`` at a time.
+
+    With ``progress``, every finished run is appended to that file as one JSON line and counted on
+    stdout, so a long stress that is cut off keeps what it measured.
+    """
     plan = [shapes[i % len(shapes)] for i in range(runs)]
+    results: list[Run] = []
     with ThreadPoolExecutor(parallel) as pool:
-        return list(pool.map(lambda shape: run_once(shape, widen, timeout), plan))
+        for done in as_completed([pool.submit(run_once, shape, widen, timeout) for shape in plan]):
+            run = done.result()
+            results.append(run)
+            if progress is not None:
+                with progress.open("a") as f:
+                    f.write(json.dumps(asdict(run)) + "\n")
+                bad = sum(not r.clean for r in results)
+                print(f"[{len(results)}/{runs}] {run.shape}: exit code {run.returncode}, "
+                      f"{'ABORT' if run.aborted else 'ok'} ({bad} not clean so far)", flush=True)  # fmt: skip
+    return results
 
 
 def report(results: list[Run]) -> str:
@@ -95,9 +111,10 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=240)
     parser.add_argument("--json", type=Path, help="write every run's result here")
+    parser.add_argument("--progress", type=Path, help="append each run's result here as it finishes (JSON lines)")
     args = parser.parse_args()
     start = time.monotonic()
-    results = stress(args.runs, args.shapes.split(","), args.widen, args.parallel, args.timeout)
+    results = stress(args.runs, args.shapes.split(","), args.widen, args.parallel, args.timeout, args.progress)
     print(report(results))
     print(f"{len(results)} runs in {time.monotonic() - start:.0f} s, race {'widened' if args.widen else 'not widened'}")
     for bad in [r for r in results if not r.clean][:3]:

@@ -35,7 +35,7 @@ class RowAdamReference:
         self.b1, self.b2 = betas
         self.m = torch.zeros_like(weight)
         self.v = torch.zeros_like(weight)
-        self.t = torch.zeros(weight.shape[0])
+        self.t = torch.zeros(weight.shape[0], dtype=torch.int64)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -47,7 +47,7 @@ class RowAdamReference:
         else:
             g = g + self.wd * w
         self.t[rows] += 1
-        t = self.t[rows].unsqueeze(1)
+        t = self.t[rows].unsqueeze(1).to(self.weight.dtype)  # bias corrections in the table dtype, as SparseAdam
         self.m[rows] = self.b1 * self.m[rows] + (1 - self.b1) * g
         self.v[rows] = self.b2 * self.v[rows] + (1 - self.b2) * g * g
         m_hat = self.m[rows] / (1 - self.b1**t)

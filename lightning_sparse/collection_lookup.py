@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.profiler import record_function
 
 from lightning_sparse.exchange import (
     BAD_DTYPE,
@@ -36,16 +37,16 @@ from lightning_sparse.exchange import (
     OK,
     OUT_OF_RANGE,
     UNREADABLE,
+    Headers,
     LookupHeader,
     Route,
-    _segments,
     exchange_values,
     ids_to_owners,
     parts_received,
-    split_starts,
 )
 from lightning_sparse.features import FeatureIds, Problem, read_features
-from lightning_sparse.grouping import SortedKeys
+from lightning_sparse.grouping import SortedKeys, transpose_blocks
+from lightning_sparse.packing import common_unit, pack, unpack
 from lightning_sparse.lookup import _DEVICES, _DTYPES, _TYPES, _name, check_one_unit
 
 if TYPE_CHECKING:
@@ -119,47 +120,45 @@ def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[s
     keys = [joint.key(f.part, f.ids.clamp(0, tables[f.part].num_embeddings - 1)) for f in read]
     runs = SortedKeys(torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64, device=device), joint.key_bound)
 
-    def check(headers: list[LookupHeader]) -> None:
+    def check(headers: Headers) -> None:
         check_collection_headers(collection, headers, problem)
 
     if world_size > 1:
         route = ids_to_owners(runs, joint, fields, group, rank, collection.stats, check)
-        send_parts = route.send_parts
+        mine = _TableMajor(route.send_parts, route.device_parts[0])
     else:  # nothing to exchange: one host read for the verdict and the ids per table
         below = runs.counts_below(joint.part_boundaries(device))
-        host = torch.cat([fields, below[1:] - below[:-1]]).tolist()
-        route, send_parts = None, [host[LookupHeader.WIDTH - 1 :]]
-        check([LookupHeader(0, *host[: LookupHeader.WIDTH - 1])])
-    runs.finish(sum(map(sum, send_parts)))
-    blocks = _Blocks(send_parts)
-    distinct = [blocks.take(runs.unique, part) for part in range(len(tables))]  # each table's distinct joint keys
+        per_table = (below[1:] - below[:-1]).view(1, -1)
+        on_host = torch.cat([fields, per_table.view(-1)]).cpu()
+        route, mine = None, _TableMajor(on_host[LookupHeader.WIDTH - 1 :].view(1, -1), per_table)
+        check(Headers.of(LookupHeader(0, *on_host[: LookupHeader.WIDTH - 1].tolist())))
+    runs.finish(mine.total)
+    distinct = mine.split(runs.unique)  # each table's distinct joint keys, by owner
     if route is not None:
-        table_routes = [_table_route(route, send_parts, part, joint) for part in range(len(tables))]
-        rows = _rows_from_owners(collection, route, send_parts, table_routes)
+        table_routes = _table_routes(route, joint)
+        rows = _rows_from_owners(collection, route, mine, table_routes)
     else:
         with torch.no_grad():  # one owner: a joint local id less the table's offset is the row
-            rows = [table.shard.index_select(0, mine - joint.offsets[part]) for part, (table, mine) in enumerate(zip(tables, distinct))]
+            rows = [table.shard.index_select(0, keys - joint.offsets[part]) for part, (table, keys) in enumerate(zip(tables, distinct))]
 
     used = {f.part for f in read}
-    counts = runs.counts() if recording else None
-    for part, (table, mine) in enumerate(zip(tables, distinct)):
-        table.stats.unique_ids += len(mine)
+    occurrences = mine.split(runs.counts()) if recording else None
+    for part, (table, table_keys) in enumerate(zip(tables, distinct)):
+        table.stats.unique_ids += len(table_keys)
         if route is not None and route.records:
             table.pending.route = table_routes[part]
         if recording and part in used:
-            if route is None:  # one owner: the joint local id is the table's key
-                table_keys = mine - joint.offsets[part]
-            else:
-                table_keys = joint.owner_of_key(mine) * table.sharding.block_size + (joint.local_of_key(mine) - joint.offsets[part])
-            occurrences = blocks.take(counts, part)
-            record = table.pending.new_record(table.pending.route if route is not None else None, table_keys,
-                                              occurrences=occurrences)  # fmt: skip
+            local = joint.local_of_key(table_keys) - joint.offsets[part]
+            if route is not None:  # the table's own owner-major keys
+                local = joint.owner_of_key(table_keys) * table.sharding.block_size + local
+            record = table.pending.new_record(table.pending.route if route is not None else None, local,
+                                              occurrences=occurrences[part])  # fmt: skip
             token = torch.empty(0, device=device, requires_grad=True)
             rows[part] = _DistinctRows.apply(token, rows[part], record)
 
-    positions = _positions(runs, read, keys, send_parts, blocks, joint)
+    within = mine.within_table(runs.inverse().to(torch.int64)).split([len(f.ids) for f in read]) if read else []
     out = {}
-    for feature, position in zip(read, positions):
+    for feature, position in zip(read, within):
         table_rows = rows[feature.part]
         tables[feature.part].stats.ids_looked_up += len(feature.ids)
         mode = collection.feature_pooling[feature.index]
@@ -175,10 +174,12 @@ def serve_collection(collection: "SparseEmbeddingCollection", route: Route) -> N
     """Answer the other ranks' lookup round of ``collection`` on a rank with no lookups of its own."""
     joint = collection.joint_sharding
     check_collection_headers(collection, route.headers, Problem())
-    route.recv_parts = parts_received(route.received, route.recv_splits, joint)  # a host read: this rank is idle
-    send_parts = [[0] * joint.num_parts for _ in range(joint.world_size)]
-    table_routes = [_table_route(route, send_parts, part, joint) for part in range(joint.num_parts)]
-    _rows_from_owners(collection, route, send_parts, table_routes)
+    device_recv = parts_received(route.received, route.recv_splits, joint)
+    route.recv_parts = device_recv.cpu()  # a host read: this rank is idle
+    nothing = torch.zeros(joint.world_size, joint.num_parts, dtype=torch.int64)
+    route.send_parts, route.device_parts = nothing, (nothing.to(device_recv.device), device_recv)
+    table_routes = _table_routes(route, joint)
+    _rows_from_owners(collection, route, _TableMajor(route.send_parts, route.device_parts[0]), table_routes)
     if route.records:
         for table, table_route in zip(collection.table_list, table_routes):
             table.pending.route = table_route
@@ -202,93 +203,67 @@ def _device_verdicts(fields: Tensor, read: list[FeatureIds], bad_offsets: Tensor
     fields[LookupHeader.slot("id_min") : LookupHeader.slot("id_max") + 1] = ranges[first] * bad
 
 
-class _Blocks:
-    """Where each (owner, table) block of a round's distinct keys starts, computed once per round.
+class _TableMajor:
+    """Items of a round in (rank, table) blocks, seen table by table: (table, rank) blocks.
 
-    Distinct keys sort by owner, then table: table ``t``'s keys are one block per owner.
+    A round's distinct keys sort by owner, then table; an owner receives them by requester,
+    then table. A table wants its own items, by rank: one gather (:func:`transpose_blocks`)
+    turns the whole round around, whatever the number of ranks and tables. ``counts`` is
+    ``[W, T]`` on the host, ``device_counts`` the same on the items' device.
     """
 
-    def __init__(self, send_parts: list[list[int]]) -> None:
-        self.world_size, self.parts = len(send_parts), len(send_parts[0])
-        self.counts = [count for row in send_parts for count in row]
-        self.starts = split_starts(self.counts)
+    def __init__(self, counts: Tensor, device_counts: Tensor) -> None:
+        self.counts, self.device_counts = counts, device_counts
+        self.total = int(counts.sum())
+        self.per_table = counts.sum(0).tolist()
+        self.gather = transpose_blocks(device_counts, self.total)
 
-    def take(self, values: Tensor, part: int) -> Tensor:
-        """The entries of ``values`` (one per distinct key, in key order) of table ``part``: a view for one rank."""
-        blocks = [values.narrow(0, self.starts[b], self.counts[b])
-                  for b in (owner * self.parts + part for owner in range(self.world_size))]  # fmt: skip
-        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    def split(self, values: Tensor) -> list[Tensor]:
+        """``values`` (one per item, by rank, then table) as one tensor per table, each by rank."""
+        return list(values.index_select(0, self.gather).split(self.per_table))
 
-
-def _positions(
-    runs: SortedKeys, read: list[FeatureIds], keys: list[Tensor], send_parts: list[list[int]], blocks: _Blocks, joint: Any
-) -> list[Tensor]:
-    """For each feature, each id's row among its table's distinct rows (table order: owner, then row).
-
-    ``keys`` are the features' joint keys. A distinct key in block (owner ``j``, table ``t``)
-    moves from its place among all distinct keys to its place among table ``t``'s: by the
-    number of table ``t``'s keys of owners before ``j`` less the number of all keys before the block.
-    """
-    if not read:
-        return []
-    parts, world_size = joint.num_parts, joint.world_size
-    table_starts = [sum(send_parts[o][t] for o in range(j)) for j in range(world_size) for t in range(parts)]
-    shift = [table_starts[b] - blocks.starts[b] for b in range(len(blocks.counts))]
-    inverse = runs.inverse().to(torch.int64).split([len(f.ids) for f in read])
-    if world_size == 1:  # one block per table
-        return [run + shift[feature.part] for feature, run in zip(read, inverse)]
-    delta = torch.tensor(shift, device=runs.sorted.device)
-    return [
-        run + delta.index_select(0, joint.owner_of_key(key) * parts + feature.part)
-        for feature, run, key in zip(read, inverse, keys)
-    ]
+    def within_table(self, items: Tensor) -> Tensor:
+        """For items given by their index in the round, each one's index among its table's items."""
+        by_table = torch.empty_like(self.gather).index_copy_(0, self.gather, torch.arange(self.total, device=self.gather.device))
+        per_table = self.device_counts.sum(0)
+        table = torch.repeat_interleave(torch.arange(self.counts.shape[1], device=per_table.device).repeat(self.counts.shape[0]),
+                                        self.device_counts.view(-1), output_size=self.total)  # fmt: skip
+        return (by_table - (torch.cumsum(per_table, 0) - per_table).index_select(0, table)).index_select(0, items)
 
 
-def _table_route(route: Route, send_parts: list[list[int]], part: int, joint: Any) -> Route:
-    """Table ``part``'s share of a joint route: its splits, and the local rows the owner sent."""
-    world_size = joint.world_size
-    starts = split_starts(route.recv_splits)
-    seg_starts = [starts[r] + sum(route.recv_parts[r][:part]) for r in range(world_size)]
-    recv = [route.recv_parts[r][part] for r in range(world_size)]
-    received = _segments(route.received, seg_starts, recv) - joint.offsets[part]
-    return Route([send_parts[r][part] for r in range(world_size)], recv, received, route.headers)
+def _table_routes(route: Route, joint: Any) -> list[Route]:
+    """Each table's share of a joint route: its splits, and the local rows the owner sent (by requester)."""
+    received = _TableMajor(route.recv_parts, route.device_parts[1]).split(route.received)
+    send, recv = route.send_parts.t().tolist(), route.recv_parts.t().tolist()
+    return [Route(send[part], recv[part], rows - joint.offsets[part], route.headers) for part, rows in enumerate(received)]
 
 
 def _rows_from_owners(
-    collection: "SparseEmbeddingCollection", route: Route, send_parts: list[list[int]], table_routes: list[Route]
+    collection: "SparseEmbeddingCollection", route: Route, mine: _TableMajor, table_routes: list[Route]
 ) -> list[Tensor]:
-    """Stage 2 for all tables: owners gather and send every table's rows in one buffer; returns each table's rows."""
+    """Stage 2 for all tables: owners gather every table's rows and send them in one buffer; returns each table's rows."""
     tables, joint = collection.table_list, collection.joint_sharding
-    world_size, first = joint.world_size, tables[0]
-    wire = collection.wire_dtype
+    first, wire = tables[0], collection.wire_dtype
     widths = [t.embedding_dim for t in tables]
-    pieces = []
-    with torch.no_grad():
-        gathered = []
-        for table, table_route in zip(tables, table_routes):
-            gathered.append(table.shard.index_select(0, table_route.received).to(wire))
-        starts = [split_starts(route.recv_parts[r][part] for r in range(world_size)) for part in range(len(tables))]
-        for dest in range(world_size):
-            for part, rows in enumerate(gathered):
-                pieces.append(rows.narrow(0, starts[part][dest], route.recv_parts[dest][part]).reshape(-1))
-    send_sizes = [sum(c * w for c, w in zip(route.recv_parts[r], widths)) for r in range(world_size)]
-    recv_sizes = [sum(c * w for c, w in zip(send_parts[r], widths)) for r in range(world_size)]
-    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=wire, device=first.device)
-    back = exchange_values(send, send_sizes, recv_sizes, first.process_group, world_size, first.rank, collection.stats)
-    blocks = back.split([c * w for row in send_parts for c, w in zip(row, widths)])
-    parts = len(tables)
-    return [
-        torch.cat([blocks[r * parts + part] for r in range(world_size)]).view(-1, table.embedding_dim).to(table.dtype)
-        for part, table in enumerate(tables)
-    ]
+    unit = common_unit(widths)
+    with record_function("lightning_sparse.rows_to_requesters"), torch.no_grad():
+        gathered = [table.shard.index_select(0, table_route.received).to(wire) for table, table_route in zip(tables, table_routes)]
+        send, send_sizes = pack(gathered, route.recv_parts.t(), route.device_parts[1].t(), unit)
+        recv_sizes = (mine.counts * torch.tensor(widths)).sum(1).tolist()
+        back = exchange_values(send, send_sizes, recv_sizes, first.process_group, joint.world_size, first.rank, collection.stats)
+        rows = unpack(back, mine.counts.t(), mine.device_counts.t(), widths, unit)
+    return [piece.to(table.dtype) for piece, table in zip(rows, tables)]
 
 
-def check_collection_headers(collection: "SparseEmbeddingCollection", headers: list[LookupHeader], problem: Problem) -> None:
-    """Raise, on every rank alike, if any rank's header shows bad input or another lookup unit in this round."""
+def check_collection_headers(collection: "SparseEmbeddingCollection", headers: Headers, problem: Problem) -> None:
+    """Raise, on every rank alike, if any rank's header shows bad input or another lookup unit in this round.
+
+    The lowest rank with an error code is reported.
+    """
     check_one_unit(headers, collection.name)
-    for rank, h in enumerate(headers):
-        if h.error == OK:
-            continue
+    rank = headers.first(headers.column("error") != OK)
+    if rank is not None:
+        h = headers[rank]
         own = rank == collection.rank
         where = "this rank" if own else f"rank {rank}"
         feature = collection.describe_feature(h.part)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import astuple, dataclass, field
+from functools import cached_property
 from itertools import accumulate
 from typing import Callable, Sequence
 
@@ -37,7 +38,8 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from lightning_sparse.faults import PeerFailure, collective
-from lightning_sparse.grouping import SortedKeys, coalesce
+from lightning_sparse.grouping import SortedKeys, coalesce, transpose_blocks
+from lightning_sparse.packing import common_unit, pack, to_device, unpack
 from lightning_sparse.sharding import JointSharding, RowSharding
 
 __all__ = ["PeerFailure", "SortedKeys", "coalesce"]  # re-exported: a lost peer's error; the one sort
@@ -90,9 +92,10 @@ def exchange_counts(send: Tensor, group: ProcessGroup | None, world_size: int, s
     """
     if world_size == 1:
         return send
+    send = send.contiguous()
     recv = torch.empty_like(send)
     with collective("all-to-all of split sizes"):
-        dist.all_to_all_single(recv, send.contiguous(), group=group)
+        dist.all_to_all_single(recv, send, group=group)
     if stats is not None:  # what crossed to other ranks: all rows but our own
         row = send[0].numel() * send.element_size()
         stats.bytes_sent += row * (world_size - 1)
@@ -177,6 +180,44 @@ class LookupHeader:
         return list(cls.__dataclass_fields__).index(name) - 1
 
 
+class Headers:
+    """Every rank's :class:`LookupHeader` of one round, as one host tensor ``[W, WIDTH]`` (``count`` first).
+
+    Questions about all ranks are tensor operations (no Python loop over ranks); ``headers[r]``
+    gives rank ``r``'s header as a :class:`LookupHeader`, for the error messages.
+    """
+
+    def __init__(self, table: Tensor) -> None:
+        self.table = table
+
+    @classmethod
+    def of(cls, header: LookupHeader) -> "Headers":
+        """One rank's header as the headers of a one-rank round."""
+        return cls(torch.tensor([astuple(header)], dtype=torch.int64))
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, rank: int) -> LookupHeader:
+        return LookupHeader(*self.table[rank].tolist())
+
+    def column(self, name: str) -> Tensor:
+        return self.table[:, LookupHeader.slot(name) + 1]
+
+    def first(self, flags: Tensor) -> int | None:
+        """The lowest rank whose flag is set, if any."""
+        return int(flags.to(torch.int64).argmax()) if bool(flags.any()) else None
+
+    @property
+    def records(self) -> bool:
+        """Whether any rank records the lookup for a gradient."""
+        return bool(self.column("record").any())
+
+    def active_units(self) -> list[int]:
+        """The lookup units (tables, collections) that the active ranks called in this round, ascending."""
+        return torch.unique(self.column("table")[self.column("active") != 0]).tolist()
+
+
 @dataclass
 class Route:
     """How one lookup's ids travelled, kept to send the rows back and, later, their gradients.
@@ -190,15 +231,27 @@ class Route:
     send_splits: list[int]
     recv_splits: list[int]
     received: Tensor
-    headers: list[LookupHeader]
-    # For several tables in one round (a JointSharding): ids per (rank, table), ``[W][T]``.
-    send_parts: list[list[int]] | None = None
-    recv_parts: list[list[int]] | None = None
+    headers: Headers
+    # For several tables in one round (a JointSharding): ids per (rank, table), ``[W, T]`` int64,
+    # on the host (``send_parts``, ``recv_parts``) and on the ids' device (``device_parts``: send, recv).
+    send_parts: Tensor | None = None
+    recv_parts: Tensor | None = None
+    device_parts: tuple[Tensor, Tensor] | None = None
+
+    @cached_property
+    def send_counts(self) -> Tensor:
+        """``send_splits`` as a host tensor."""
+        return torch.tensor(self.send_splits, dtype=torch.int64)
+
+    @cached_property
+    def recv_counts(self) -> Tensor:
+        """``recv_splits`` as a host tensor."""
+        return torch.tensor(self.recv_splits, dtype=torch.int64)
 
     @property
     def records(self) -> bool:
         """Whether any rank records this lookup for a gradient (the same answer on every rank)."""
-        return any(h.record for h in self.headers)
+        return self.headers.records
 
 
 # Id slots per destination in the next lookup round of each process group. Every rank derives it
@@ -219,7 +272,7 @@ def ids_to_owners(
     group: ProcessGroup,
     rank: int,
     stats: ExchangeStats | None = None,
-    check: Callable[[list[LookupHeader]], None] | None = None,
+    check: Callable[[Headers], None] | None = None,
 ) -> Route:
     """Stage 1: every rank's header and its distinct ids, grouped by owner, in one all-to-all.
 
@@ -255,25 +308,25 @@ def ids_to_owners(
             read = [counts, recv[:, :width].reshape(-1)]
             if parts:
                 below_parts = runs.counts_below(sharding.part_boundaries(device))
-                read += [below_parts[1:] - below_parts[:-1], _parts_in_slots(recv, sharding)]
-            host = torch.cat(read).tolist()  # the stage's one host read
-        send_splits = host[:world_size]
-        headers = [LookupHeader(*host[world_size + width * r : world_size + width * (r + 1)]) for r in range(world_size)]
+                device_parts = ((below_parts[1:] - below_parts[:-1]).view(world_size, parts), _parts_in_slots(recv, sharding))
+                read += [part.reshape(-1) for part in device_parts]
+            on_host = torch.cat(read).cpu()  # the stage's one host read
+        send_splits = on_host[:world_size].tolist()
+        headers = Headers(on_host[world_size : world_size * (1 + width)].view(world_size, width))
         if parts:
-            flat_parts = host[world_size * (1 + width) :]
-            send_parts = [flat_parts[r * parts : (r + 1) * parts] for r in range(world_size)]
-            recv_parts = [flat_parts[(world_size + r) * parts : (world_size + r + 1) * parts] for r in range(world_size)]
-        most = max(h.most for h in headers)
+            send_parts, recv_parts = on_host[world_size * (1 + width) :].view(2, world_size, parts).unbind(0)
+        most = int(headers.column("most").max())
         _SLOTS[group] = _next_slots(most)
         if check is not None:
             check(headers)
-        recv_splits = [h.count for h in headers]
+        recv_splits = headers.table[:, 0].tolist()
         received = _segments(recv.view(-1), [r * (width + slots) + width for r in range(world_size)],
                              [min(c, slots) for c in recv_splits])  # fmt: skip
         if most > slots:  # overflow: the ids beyond the slots, in a second round
             received = _overflow(runs, sharding, send_splits, recv_splits, slots, received, group, rank, stats)
             if parts:  # the slots held only some ids: count them all (a second host read, with the second round)
-                recv_parts = parts_received(received, recv_splits, sharding)
+                device_parts = (device_parts[0], parts_received(received, recv_splits, sharding))
+                recv_parts = device_parts[1].cpu()
     if stats is not None:
         sent = world_size * (width + slots) * 8
         stats.bytes_sent += sent * (world_size - 1) // world_size
@@ -282,31 +335,31 @@ def ids_to_owners(
         stats.exchange_seconds += time.perf_counter() - start
     route = Route(send_splits, recv_splits, received, headers)
     if parts:
-        route.send_parts, route.recv_parts = send_parts, recv_parts
+        route.send_parts, route.recv_parts, route.device_parts = send_parts, recv_parts, device_parts
     return route
 
 
 def _parts_in_slots(recv: Tensor, sharding: JointSharding) -> Tensor:
-    """Ids per (source, table) among the received slots, ``[W * T]``, without a host read."""
+    """Ids per (source, table) among the received slots, ``[W, T]``, without a host read."""
     world_size, parts, width = sharding.world_size, sharding.num_parts, LookupHeader.WIDTH
-    ids = recv[:, width:]
+    ids = recv[:, width:].contiguous()  # a view with a row stride; bucketize wants contiguous values
     used = torch.arange(ids.shape[1], device=recv.device).unsqueeze(0) < recv[:, :1]
     where = sharding.part_of_local(ids) + torch.arange(world_size, device=recv.device).unsqueeze(1) * parts
-    return torch.zeros(world_size * parts, dtype=torch.int64, device=recv.device).index_add_(
-        0, where.reshape(-1), used.reshape(-1).to(torch.int64)
-    )
+    where = torch.where(used, where, world_size * parts).reshape(-1)  # unused slots count in a last bin, dropped
+    counts = torch.zeros(world_size * parts + 1, dtype=torch.int64, device=recv.device)
+    return counts.scatter_add_(0, where, torch.ones_like(where))[:-1].view(world_size, parts)
 
 
-def parts_received(received: Tensor, recv_splits: Sequence[int], sharding: JointSharding) -> list[list[int]]:
-    """Ids per (source, table) in a route's ``received`` joint local ids, ``[W][T]`` (one host read)."""
+def parts_received(received: Tensor, recv_splits: Sequence[int], sharding: JointSharding) -> Tensor:
+    """Ids per (source, table) in a route's ``received`` joint local ids, ``[W, T]`` on their device (no host read)."""
     world_size, parts = sharding.world_size, sharding.num_parts
     source = torch.repeat_interleave(
         torch.arange(world_size, device=received.device), host_tensor(recv_splits, torch.int64, received.device),
         output_size=len(received),
     )  # fmt: skip
-    counts = torch.bincount(source * parts + sharding.part_of_local(received), minlength=world_size * parts)
-    flat = counts.tolist()
-    return [flat[r * parts : (r + 1) * parts] for r in range(world_size)]
+    where = source * parts + sharding.part_of_local(received)
+    counts = torch.zeros(world_size * parts, dtype=torch.int64, device=received.device)
+    return counts.scatter_add_(0, where, torch.ones_like(where)).view(world_size, parts)
 
 
 def _pack(runs: SortedKeys, sharding: RowSharding, below: Tensor, slots: int, device: torch.device) -> Tensor:
@@ -350,11 +403,9 @@ def _overflow(runs, sharding, send_splits, recv_splits, slots, received, group, 
     extra_recv = [max(0, c - slots) for c in recv_splits]
     extra = _segments(local, [s + slots for s in starts[:-1]], extra_send)
     extra = exchange_values(extra, extra_send, extra_recv, group, world_size, rank, stats)
-    parts, first, second = [], split_starts([min(c, slots) for c in recv_splits]), split_starts(extra_recv)
-    for source in range(world_size):
-        parts.append(received[first[source] : first[source + 1]])
-        parts.append(extra[second[source] : second[source + 1]])
-    return torch.cat(parts)
+    counts = torch.tensor([[min(c, slots) for c in recv_splits], extra_recv], dtype=torch.int64)  # [2, W]
+    both = torch.cat([received, extra])  # all slots' ids by source, then all extra ids by source
+    return both.index_select(0, to_device(transpose_blocks(counts, len(both)), both.device))  # by source
 
 
 # ---------------------------------------------------------------------------- stage 2: rows to requesters
@@ -444,7 +495,7 @@ def grads_to_owners(
     start = time.perf_counter()
     with record_function("lightning_sparse.grads_to_owners"):
         incoming, codes = _routed_round(tables, group, world_size, rank, wire_dtype, device, stats)
-        if any(code & _HAS_OTHERS for row in codes for code in row):
+        if bool((codes & _HAS_OTHERS).any()):
             general = _general_round(tables, group, world_size, rank, wire_dtype, device, stats)
             for table, (rows, values) in zip(incoming, general):
                 if len(rows):
@@ -470,89 +521,75 @@ def _keep_local(table: OutgoingGrads) -> IncomingGrads:
     return incoming
 
 
-def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) -> tuple[list[IncomingGrads], list[list[int]]]:
+def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) -> tuple[list[IncomingGrads], Tensor]:
+    """Every table's routed rows and this rank's control codes, one message per destination (:func:`pack`)."""
     codes = [_HAS_ROUTED * (t.routed is not None) + _HAS_OTHERS * (t.others is not None) for t in tables]
     code_values = host_tensor(codes, wire_dtype, device)
     for index, table in enumerate(tables):
         if table.nonfinite is not None:  # device flag: no host read here
             code_values[index] += _NONFINITE * table.nonfinite.to(wire_dtype)
-    send_starts = [split_starts(t.route.send_splits) if t.route else None for t in tables]
-    pieces, send_sizes, recv_sizes = [], [], []
-    for dest in range(world_size):
-        send_size, recv_size = len(tables), len(tables)
-        for table, starts in zip(tables, send_starts):
-            if table.route is None:
-                continue
-            rows = table.route.send_splits[dest]
-            if table.routed is not None:
-                pieces.append(table.routed.narrow(0, starts[dest], rows).to(wire_dtype).reshape(-1))
-            else:  # no gradient here for this lookup: placeholders, marked unused by the control code
-                pieces.append(torch.empty(rows * table.width, dtype=wire_dtype, device=device))
-            send_size += rows * table.width
-            recv_size += table.route.recv_splits[dest] * table.width
-        pieces.append(code_values)
-        send_sizes.append(send_size)
-        recv_sizes.append(recv_size)
-    recv = exchange_values(torch.cat(pieces), send_sizes, recv_sizes, group, world_size, rank, stats)
-
-    # Per source: each table's rows, then the source's control codes.
-    blocks, code_slices, offset = [], [], 0
-    for source in range(world_size):
-        for index, table in enumerate(tables):
-            if table.route is not None:
-                rows = table.route.recv_splits[source]
-                blocks.append((source, index, offset, rows))
-                offset += rows * table.width
-        code_slices.append(recv.narrow(0, offset, len(tables)))
-        offset += len(tables)
+    routed = [t for t in tables if t.route is not None]
+    unit = common_unit([t.width for t in routed])
+    code_width = -(-len(tables) // unit) * unit  # the codes ride as one row per destination
+    code_row = torch.zeros(code_width, dtype=wire_dtype, device=device)
+    code_row[: len(tables)] = code_values
+    rows = [t.routed.to(wire_dtype) if t.routed is not None  # else placeholders, marked unused by the code
+            else torch.zeros(sum(t.route.send_splits), t.width, dtype=wire_dtype, device=device) for t in routed]  # fmt: skip
+    rows.append(code_row.expand(world_size, code_width))
+    one_each = torch.ones(world_size, dtype=torch.int64)
+    send_counts = torch.stack([t.route.send_counts for t in routed] + [one_each])  # [tables + 1, W]
+    recv_counts = torch.stack([t.route.recv_counts for t in routed] + [one_each])
+    widths = [t.width for t in routed] + [code_width]
+    flat, send_sizes = pack(rows, send_counts, to_device(send_counts, device), unit)
+    recv_sizes = (recv_counts * torch.tensor(widths).unsqueeze(1)).sum(0).tolist()
+    recv = exchange_values(flat, send_sizes, recv_sizes, group, world_size, rank, stats)
+    *pieces, sources_codes = unpack(recv, recv_counts, to_device(recv_counts, device), widths, unit)
     with collective("all-to-all of gradients"):
-        all_codes = torch.stack(code_slices).to(torch.int64).tolist()  # [W][T], the round's one host read
-    incoming = [
-        IncomingGrads([], [], touched=any(row[i] & (_HAS_ROUTED | _HAS_OTHERS) for row in all_codes),
-                      nonfinite_ranks=[r for r, row in enumerate(all_codes) if row[i] & _NONFINITE])
-        for i in range(len(tables))
-    ]  # fmt: skip
-    recv_starts = [split_starts(t.route.recv_splits) if t.route else None for t in tables]
-    for source, index, offset, rows in blocks:
-        if rows and all_codes[source][index] & _HAS_ROUTED:
-            table = tables[index]
-            incoming[index].rows.append(table.route.received.narrow(0, recv_starts[index][source], rows))
-            incoming[index].values.append(recv.narrow(0, offset, rows * table.width).view(rows, table.width))
+        all_codes = sources_codes[:, : len(tables)].to(torch.int64).cpu()  # [W, T], the round's one host read
+    used = (all_codes & (_HAS_ROUTED | _HAS_OTHERS)) != 0
+    nonfinite = (all_codes & _NONFINITE) != 0
+    incoming = [IncomingGrads([], [], touched=bool(used[:, i].any()),
+                              nonfinite_ranks=nonfinite[:, i].nonzero().view(-1).tolist() if nonfinite[:, i].any() else [])
+                for i in range(len(tables))]  # fmt: skip
+    pieces_of = dict(zip((id(t) for t in routed), pieces))
+    for index, table in enumerate(tables):
+        if table.route is None:
+            continue
+        sent = ((all_codes[:, index] & _HAS_ROUTED) != 0) & (table.route.recv_counts > 0)  # sources with rows for us
+        if not sent.any():
+            continue
+        received, values = table.route.received, pieces_of[id(table)]
+        if not sent.all():  # drop the placeholders of sources without a gradient (a host-side index)
+            keep = torch.repeat_interleave(sent, table.route.recv_counts).nonzero().view(-1)
+            keep = to_device(keep, device)
+            received, values = received.index_select(0, keep), values.index_select(0, keep)
+        incoming[index].rows.append(received)
+        incoming[index].values.append(values)
+        incoming[index].merged = int(sent.sum()) > 1  # rows of several sources: a row may repeat
     return incoming, all_codes
 
 
 def _general_round(tables, group, world_size, rank, wire_dtype, device, stats) -> list[tuple[Tensor, Tensor]]:
     """A header of counts per (owner, table), then rows of (local id, values) of every table in one buffer."""
     empty_counts = torch.zeros(world_size, dtype=torch.int64, device=device)
-    counts = torch.stack([t.others[2] if t.others is not None else empty_counts for t in tables], dim=1)  # [W, T]
-    recv_counts = exchange_counts(counts, group, world_size, stats)
+    counts = torch.stack([t.others[2] if t.others is not None else empty_counts for t in tables])  # [T, W]
+    recv_counts = exchange_counts(counts.t().contiguous(), group, world_size, stats).t()  # [T, W]: from each source
     with collective("all-to-all of gradient counts"):
-        host = torch.cat([counts, recv_counts]).tolist()  # the round's one host read
-    send_l, recv_l = host[:world_size], host[world_size:]
+        host = torch.stack([counts, recv_counts]).cpu()  # the round's one host read
     id_width = 8 // torch.empty(0, dtype=wire_dtype).element_size()
     widths = [id_width + t.width for t in tables]
-    pieces = []
     wire = []
-    for t in tables:
+    for t, width in zip(tables, widths):
         if t.others is None:
-            wire.append(torch.empty(0, id_width + t.width, dtype=wire_dtype, device=device))
+            wire.append(torch.empty(0, width, dtype=wire_dtype, device=device))
             continue
         ids, values = t.others[0], t.others[1]
         # Each row: its local id's 8 bytes reinterpreted in the wire dtype (exact), then its values.
         wire.append(torch.cat([ids.contiguous().view(wire_dtype).view(-1, id_width), values.to(wire_dtype)], dim=1))
-    starts = [split_starts(row[i] for row in send_l) for i in range(len(tables))]
-    for dest in range(world_size):
-        for i in range(len(tables)):
-            pieces.append(wire[i].narrow(0, starts[i][dest], send_l[dest][i]).reshape(-1))
-    recv = exchange_values(
-        torch.cat(pieces),
-        [sum(c * w for c, w in zip(row, widths)) for row in send_l],
-        [sum(c * w for c, w in zip(row, widths)) for row in recv_l],
-        group, world_size, rank, stats,
-    )  # fmt: skip
-    parts = recv.split([c * w for row in recv_l for c, w in zip(row, widths)])
-    out = []
-    for i in range(len(tables)):
-        rows = torch.cat([parts[source * len(tables) + i] for source in range(world_size)]).view(-1, widths[i])
-        out.append((rows[:, :id_width].reshape(-1).view(torch.int64), rows[:, id_width:]))
-    return out
+    unit = common_unit(widths)
+    flat, send_sizes = pack(wire, host[0], counts, unit)
+    recv_sizes = (host[1] * torch.tensor(widths).unsqueeze(1)).sum(0).tolist()
+    recv = exchange_values(flat, send_sizes, recv_sizes, group, world_size, rank, stats)
+    # the ids' values are copied out first: a view into the buffer may start at an offset that is no multiple of 8 bytes
+    return [(rows[:, :id_width].reshape(-1).clone().view(torch.int64), rows[:, id_width:])
+            for rows in unpack(recv, host[1], recv_counts, widths, unit)]  # fmt: skip

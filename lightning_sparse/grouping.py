@@ -79,3 +79,26 @@ def coalesce(keys: Tensor, values: Tensor, bound: int | None = None) -> tuple[Te
     """Sum the rows of ``values`` that share a key; returns (ascending distinct keys, their sums)."""
     runs = SortedKeys(keys, bound).finish()
     return runs.unique, runs.segment_sum(values)
+
+
+def transpose_blocks(counts: Tensor, total: int) -> Tensor:
+    """The gather that turns a layout of ``[A, B]`` blocks from ``a``-major into ``b``-major order.
+
+    Block ``(a, b)`` holds ``counts[a, b]`` consecutive items; in the input the blocks go
+    ``(0, 0), (0, 1), ..., (1, 0), ...``, in the output ``(0, 0), (1, 0), ..., (0, 1), ...``.
+    Returns ``index`` (``[total]``, ``total = counts.sum()``) with ``output = input[index]``:
+    one ``index_select`` instead of ``A * B`` slices. The exchange uses it to turn items grouped
+    by (rank, table) into items grouped by (table, rank) and back.
+
+    >>> transpose_blocks(torch.tensor([[1, 2], [0, 3]]), 6).tolist()   # a0: x | y y, a1: - | z z z
+    [0, 1, 2, 3, 4, 5]
+    >>> transpose_blocks(torch.tensor([[2, 1], [1, 0]]), 4).tolist()   # x x | y, z | -  ->  x x z | y
+    [0, 1, 3, 2]
+    """
+    flat = counts.reshape(-1)
+    in_starts = torch.cumsum(flat, 0) - flat  # where block (a, b) starts in the input, a-major
+    by_b = counts.t().reshape(-1)
+    out_starts = torch.cumsum(by_b, 0) - by_b  # where block (a, b) starts in the output, listed b-major
+    shift = in_starts.view(counts.shape).t().reshape(-1) - out_starts
+    block = torch.repeat_interleave(torch.arange(len(by_b), device=counts.device), by_b, output_size=total)
+    return torch.arange(total, device=counts.device) + shift.index_select(0, block)

@@ -32,6 +32,7 @@ from lightning_sparse.exchange import (
     NOT_A_TENSOR,
     OK,
     UNREADABLE,
+    Headers,
     LookupHeader,
     SortedKeys,
     ids_to_owners,
@@ -119,7 +120,7 @@ def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
         if id_range is not None:
             low, high = id_range.tolist()  # the one host read
             header = replace(header, id_min=low, id_max=high)
-        check([header])
+        check(Headers.of(header))
         record = table.pending.new_record(None, flat) if recording else None
         return _rows(table, shard, flat, ids.shape, record)
 
@@ -164,7 +165,7 @@ def serve_lookups(tables: list["SparseEmbedding"]) -> int:
     idle = LookupHeader(active=0).fields(first.device)
     while True:
         route = ids_to_owners(nothing, first.sharding, idle, group, rank, first.stats)
-        active = [h.table for h in route.headers if h.active]
+        active = route.headers.active_units()
         if not active:
             return rounds
         unit = tables[active[0]]
@@ -182,9 +183,9 @@ def serve_lookups(tables: list["SparseEmbedding"]) -> int:
         rounds += 1
 
 
-def check_one_unit(headers: list[LookupHeader], name: str) -> None:
+def check_one_unit(headers: Headers, name: str) -> None:
     """Raise, on every rank alike, if the active ranks looked up different tables or collections in one round."""
-    units = sorted({h.table for h in headers if h.active})
+    units = headers.active_units()
     if len(units) > 1:
         raise RuntimeError(
             f"Ranks looked up different tables in the same round (lookup units {units}, this rank: {name}). "
@@ -193,13 +194,16 @@ def check_one_unit(headers: list[LookupHeader], name: str) -> None:
         )
 
 
-def check_headers(table: "SparseEmbedding", headers: list[LookupHeader], own_problem: str | None = None) -> None:
+def check_headers(table: "SparseEmbedding", headers: Headers, own_problem: str | None = None) -> None:
     """Raise, on every rank alike, if any rank's header shows bad input or a different table.
 
     ``own_problem``: this rank's own account of its bad input, added to the message on this rank.
+    The lowest rank with an error code is reported, else the lowest with an id out of range.
     """
     check_one_unit(headers, table.name)
-    for rank, h in enumerate(headers):
+    rank = headers.first(headers.column("error") != OK)
+    if rank is not None:
+        h = headers[rank]
         where = "this rank" if rank == table.rank else f"rank {rank}"
         if h.error == NOT_A_TENSOR:
             kind = own_problem if rank == table.rank and own_problem else _name(h.detail, _TYPES, "another type")
@@ -219,18 +223,18 @@ def check_headers(table: "SparseEmbedding", headers: list[LookupHeader], own_pro
                 f"{_name(h.dtype, _DTYPES)}{detail}). HINT: pass ids that hold data, on the CPU or on the table's "
                 f"device ({table.device})."
             )
-        if h.error != OK:
-            raise RuntimeError(f"{table.name}: rank {rank} reported error code {h.error}.")
-    for rank, h in enumerate(headers):
-        if h.id_min < 0 or h.id_max >= table.num_embeddings:
-            where = "this rank" if rank == table.rank else f"rank {rank}"
-            if h.id_min < 0 and _name(h.dtype, _DTYPES) == "torch.uint64":
-                raise IndexError(
-                    f"{table.name} got an id of 2**63 or more (dtype torch.uint64) on {where}; valid ids are "
-                    f"0..{table.num_embeddings - 1}. HINT: remap ids into range or enlarge the table."
-                )
-            value = h.id_min if h.id_min < 0 else h.id_max
+        raise RuntimeError(f"{table.name}: rank {rank} reported error code {h.error}.")
+    rank = headers.first((headers.column("id_min") < 0) | (headers.column("id_max") >= table.num_embeddings))
+    if rank is not None:
+        h = headers[rank]
+        where = "this rank" if rank == table.rank else f"rank {rank}"
+        if h.id_min < 0 and _name(h.dtype, _DTYPES) == "torch.uint64":
             raise IndexError(
-                f"{table.name} got id {value} on {where}; valid ids are 0..{table.num_embeddings - 1} "
-                f"(num_embeddings={table.num_embeddings}). HINT: remap ids into range or enlarge the table."
+                f"{table.name} got an id of 2**63 or more (dtype torch.uint64) on {where}; valid ids are "
+                f"0..{table.num_embeddings - 1}. HINT: remap ids into range or enlarge the table."
             )
+        value = h.id_min if h.id_min < 0 else h.id_max
+        raise IndexError(
+            f"{table.name} got id {value} on {where}; valid ids are 0..{table.num_embeddings - 1} "
+            f"(num_embeddings={table.num_embeddings}). HINT: remap ids into range or enlarge the table."
+        )

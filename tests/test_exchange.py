@@ -15,22 +15,38 @@ import lightning_sparse as ls
 from lightning_sparse.grouping import SortedKeys, coalesce
 from rank_pool import DEVICES
 
-HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "equal"}
+HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "equal", "cpu"}
+CREATIONS = {"tensor", "zeros", "ones", "empty", "full", "arange"}
 
 
 class HostReads(TorchFunctionMode):
-    """Counts calls that copy a tensor's values to the host (a device sync on a GPU)."""
+    """Counts calls that copy a device tensor's values to the host (a device sync on a GPU).
+
+    On the CPU every tensor is on the host, so the mode tells the two apart as a GPU would:
+    tensors copied out with ``.cpu()`` or created without a ``device`` are host tensors, and so
+    is every result of an operation on host tensors only; reading those costs no sync.
+    """
 
     def __init__(self, ignore: list[torch.Tensor] = ()) -> None:
         super().__init__()
         self.calls: list[str] = []
         self._ignore = {id(t) for t in ignore}
+        self._host: dict[int, torch.Tensor] = {}  # id -> tensor, kept alive so that ids are not reused
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in HOST_READS and not (args and id(args[0]) in self._ignore):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+        on_host = bool(tensors) and all(id(t) in self._host for t in tensors)
+        if name in HOST_READS and not on_host and not (args and id(args[0]) in self._ignore):
             self.calls.append(name)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        if name == "cpu" or on_host or (name in CREATIONS and not tensors and kwargs.get("device") is None):
+            for t in out if isinstance(out, (list, tuple)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self._host[id(t)] = t
+        return out
 
 
 # ---------------------------------------------------------------- one sort
@@ -119,7 +135,7 @@ def _one_rank_reads():
     emb = ls.SparseEmbedding(50, 4)
     opt = ls.SparseAdam([emb], lr=0.1)
     with HostReads() as forward_reads:
-        out = emb(torch.tensor([3, 1, 3, 49]))
+        out = emb(torch.tensor([3, 1, 3, 49], device="cpu"))  # data: on the device (see HostReads)
     with HostReads() as backward_reads:
         out.sum().backward()
     with HostReads(ignore=[opt.state[emb.shard]["step"]]) as step_reads:
@@ -140,7 +156,8 @@ def _routed_bytes():
     emb(ids).sum().backward()
     opt.step()
     owned_by_peer = int(torch.unique(ids).remainder(2).ne(rank).sum())  # "mod": row r lives on rank r % 2
-    return opt.stats.bytes_sent, owned_by_peer * dim * 4 + 4  # rows of float32, one control value
+    # rows of float32, then one control value per table, padded to a whole unit (here: one row of `dim` values)
+    return opt.stats.bytes_sent, owned_by_peer * dim * 4 + dim * 4
 
 
 def test_routed_gradients_carry_no_ids(rank_pools):

@@ -72,7 +72,23 @@ def initial_shards() -> dict[str, torch.Tensor]:
     return {t: torch.randn(rows, dim, generator=gen).to(dtype) for t, (rows, dim, dtype) in TABLES.items()}
 
 
-def train_mirrored(name: str, kwargs: dict, scheme: str, world_size: int) -> tuple[list[dict], dict]:
+def halves(batch: dict, accumulate: bool) -> list[dict]:
+    """The batch, or its two halves (accumulated before one step: the general gradient round runs too)."""
+    if not accumulate:
+        return [batch]
+    half = BATCH // 2
+
+    def cut(bags: tuple, first: bool) -> tuple:
+        ids, lengths, weights = bags
+        split = int(lengths[:half].sum())
+        pick = (lambda t: t[:split]) if first else (lambda t: t[split:])  # noqa: E731
+        return pick(ids), lengths[:half] if first else lengths[half:], None if weights is None else pick(weights)
+
+    return [{key: cut(value, first) if isinstance(value, tuple) else (value[:half] if first else value[half:])
+             for key, value in batch.items()} for first in (True, False)]  # fmt: skip
+
+
+def train_mirrored(name: str, kwargs: dict, scheme: str, world_size: int, accumulate: bool = False) -> tuple[list[dict], dict]:
     shards = initial_shards()
     tables = {t: ls.SparseEmbedding(rows * world_size, dim, dtype=dtype, sharding=scheme)
               for t, (rows, dim, dtype) in TABLES.items()}  # fmt: skip
@@ -84,26 +100,27 @@ def train_mirrored(name: str, kwargs: dict, scheme: str, world_size: int) -> tup
                                               "tags": "tag"}, pooling={"clicked": "sum", "tags": "mean"})  # fmt: skip
     opt = getattr(ls, name)([collection], **kwargs)
     outputs = []
-    for batch in make_batches(world_size):
-        out = collection({
-            "user": batch["user"],
-            "clicked": ls.JaggedIds(batch["clicked"][0], lengths=batch["clicked"][1], weights=batch["clicked"][2]),
-            "candidates": batch["candidates"],
-            "tags": ls.JaggedIds(batch["tags"][0], lengths=batch["tags"][1]),
-        })  # fmt: skip
-        outputs.append({k: v.detach().clone() for k, v in out.items()})
-        (loss_of(out, batch["target"]) * world_size).backward()  # gradients are averaged over the ranks, as by DDP
+    for whole in make_batches(world_size):
+        for batch in halves(whole, accumulate):
+            out = collection({
+                "user": batch["user"],
+                "clicked": ls.JaggedIds(batch["clicked"][0], lengths=batch["clicked"][1], weights=batch["clicked"][2]),
+                "candidates": batch["candidates"],
+                "tags": ls.JaggedIds(batch["tags"][0], lengths=batch["tags"][1]),
+            })  # fmt: skip
+            outputs.append({k: v.detach().clone() for k, v in out.items()})
+            (loss_of(out, batch["target"]) * world_size).backward()  # gradients are averaged over the ranks, as by DDP
         opt.step()
         opt.zero_grad()
     return outputs, {t: table.shard.detach().clone() for t, table in tables.items()}
 
 
-def train_reference(name: str, kwargs: dict, scheme: str, world_size: int) -> tuple[list[dict], dict]:
+def train_reference(name: str, kwargs: dict, scheme: str, world_size: int, accumulate: bool = False) -> tuple[list[dict], dict]:
     weights = {t: torch.nn.Parameter(shard) for t, shard in initial_shards().items()}
     local = {t: ls.RowSharding(rows * world_size, world_size, scheme).to_local for t, (rows, _, _) in TABLES.items()}
     opts = [make_reference(name, w, kwargs) for w in weights.values()]
     outputs = []
-    for batch in make_batches(world_size):
+    for batch in (half for whole in make_batches(world_size) for half in halves(whole, accumulate)):
 
         def bags(table: str, ids: torch.Tensor, lengths: torch.Tensor, w: torch.Tensor | None, mode: str) -> torch.Tensor:
             offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
@@ -119,9 +136,10 @@ def train_reference(name: str, kwargs: dict, scheme: str, world_size: int) -> tu
         }
         outputs.append({k: v.detach().clone() for k, v in out.items()})
         loss_of(out, batch["target"]).backward()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        if len(outputs) % (2 if accumulate else 1) == 0:
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
     return outputs, {t: w.detach() for t, w in weights.items()}
 
 
@@ -141,6 +159,20 @@ def test_collection_at_large_world_size_matches_plain_torch(mirror, case, scheme
         torch.testing.assert_close(shards[t], expected[t], rtol=1e-5, atol=1e-6)
         assert not torch.equal(expected[t], initial_shards()[t]), "the run must actually train"
     assert mirror.counts.calls["all_to_all_single"] >= 3 * STEPS
+
+
+@pytest.mark.parametrize("mirror", [1024], indirect=True, ids=lambda w: f"W{w}")
+def test_accumulation_at_large_world_size_matches_plain_torch(mirror):
+    """Two lookups before each step: the first one's gradients take the general round (ids and values)."""
+    world_size = mirror.size()
+    outputs, shards = train_mirrored("SparseAdagrad", dict(lr=0.3), "mod", world_size, accumulate=True)
+    expected_outputs, expected = train_reference("SparseAdagrad", dict(lr=0.3), "mod", world_size, accumulate=True)
+    assert len(outputs) == len(expected_outputs) == 2 * STEPS
+    for out, ref in zip(outputs, expected_outputs):
+        for feature in ref:
+            torch.testing.assert_close(out[feature], ref[feature], rtol=1e-5, atol=1e-6)
+    for t in TABLES:
+        torch.testing.assert_close(shards[t], expected[t], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mirror", [1024], indirect=True, ids=lambda w: f"W{w}")

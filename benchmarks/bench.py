@@ -8,7 +8,7 @@ Sections (see each module's docstring): ``single_process`` (every sparse optimiz
 torch's and FBGEMM's, and against memory floors), ``distributed`` (2 gloo ranks: ours, Lightning
 ``sparse_ddp``, DGL, DDP with sparse gradients, Lightning ``ddp`` with a dense table),
 ``collection`` (26 tables: one SparseEmbeddingCollection against 26 separate tables on 2 ranks,
-and against FBGEMM's TBE in one process) and ``gpu``
+and against FBGEMM's TBE in one process), ``scale`` (one rank of W up to 4,096, simulated) and ``gpu``
 (the update kernels' bandwidth against a device copy). The JSON records the machine, versions,
 thread counts, allocator settings and commit; ``report.py`` turns it into tables, plots and the
 verdict on each target. Measure on an otherwise idle machine: the figures are wall-clock times.
@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import collection  # noqa: E402
 import distributed  # noqa: E402
 import report  # noqa: E402
+import scale  # noqa: E402
 import single_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +46,7 @@ FULL = {
     "distributed": dict(rows_list=[100_000, 1_000_000, 4_000_000], batches=[4096, 65536], methods=list(distributed.METHODS)),
     "gpu": dict(rows=4_000_000, dim=64, batch=262_144),
     "collection": dict(max_rows=1_000_000, batch=2048, rounds=5, steps_per_round=3),
+    "scale": dict(worlds=[8, 64, 512, 1024, 4096], workloads=["26 tables", "1 table"], batch=4096, rows_cap=20_000, steps=5),
 }
 QUICK = {
     "single_process": dict(rows=100_000, dim=64, batch=4096, rounds=2, steps_per_round=2, threads=2),
@@ -52,6 +54,7 @@ QUICK = {
                         budget_s=0.5, min_steps=3, max_steps=10, warmup=2),  # fmt: skip
     "gpu": dict(rows=100_000, dim=64, batch=4096),
     "collection": dict(max_rows=20_000, batch=256, rounds=2, steps_per_round=2),
+    "scale": dict(worlds=[8, 256], workloads=["26 tables"], batch=128, rows_cap=1000, steps=2, in_process=True),
 }
 
 
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     doc["distributed"] = distributed.run(**{**plan["distributed"], "methods": methods})
     print("26 tables (SparseEmbeddingCollection)...", flush=True)
     doc["collection"] = collection.run(**plan["collection"])
+    print("scale simulator (one rank of W)...", flush=True)
+    doc["scale"] = scale.run(**plan["scale"])
     if args.device == "cuda":
         import gpu
 

@@ -94,6 +94,11 @@ def targets(doc: dict) -> list[dict]:
     if "collection" in s1 and "fbgemm" in s1:
         ratio = s1["fbgemm"]["step_ms_median"] / s1["collection"]["step_ms_median"]
         add("1 process, 26 tables: collection vs FBGEMM CPU TBE (row-wise Adagrad fused)", "no slower (>= 1x)", ratio, ratio >= 1)
+    scale = {(r["workload"], r["world_size"]): r for r in doc.get("scale", {}).get("results", [])}
+    for world, need in ((1024, 1.25), (4096, 1.5)):
+        if ("26 tables", 8) in scale and ("26 tables", world) in scale:
+            ratio = scale[("26 tables", world)]["step_ms"] / scale[("26 tables", 8)]["step_ms"]
+            add(f"simulator, 26 tables: step host time at W={world} / at W=8", f"<= {need}x", ratio, ratio <= need)
     gpu = doc.get("gpu", {})
     for r in gpu.get("results", []):
         add(f"1 GPU: {FAMILY_LABEL[r['family']]} update bandwidth / device copy", ">= 50%", 100 * r["fraction_of_copy"],
@@ -136,6 +141,7 @@ def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
         lines += _single_markdown(section)
     lines += _distributed_markdown(doc.get("distributed", {}))
     lines += _collection_markdown(doc.get("collection", {}))
+    lines += _scale_markdown(doc.get("scale", {}))
     gpu = doc.get("gpu", {})
     lines += ["", "### One GPU", ""]
     if "skipped" in gpu:
@@ -169,6 +175,18 @@ def _collection_markdown(section: dict) -> list[str]:
     if "fbgemm_skipped" in s:
         lines.append(f"\nFBGEMM not run: {s['fbgemm_skipped']}.")
     return lines
+
+
+def _scale_markdown(section: dict) -> list[str]:
+    if not section:
+        return []
+    import scale
+
+    return ["", "### Scale: one rank of W (simulator)", "",
+            f"Rank {section['rank']} of a W-rank job whose peers mirror it (`benchmarks/scale.py`): the all-to-alls are "
+            f"copies, so the step time is this rank's host work. {section['batch_per_rank']} samples per rank, at most "
+            f"{section['rows_cap']} rows per table per rank (the tables grow with W), dim 64, row-wise Adagrad, 1 thread. "
+            "Bytes and messages: what this rank would send to other ranks per step.", "", scale.table(section)]  # fmt: skip
 
 
 def _single_markdown(section: dict) -> list[str]:

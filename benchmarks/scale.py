@@ -6,6 +6,11 @@ host (sorting, packing, headers, the Python of the exchange, the update) at fixe
 the per-rank batch and shard size stay the same while ``W`` grows, and the tables grow with
 ``W`` (``rows per rank x W`` rows each).
 
+Ids are drawn as for an 8-rank job (``(rows * rand() ** 4).long()`` over ``rows per rank x 8``
+rows) and moved to pseudo-random rows of the W-rank tables by a fixed injective map
+(:func:`spread`): every W sees the same repeats, so the same number of distinct rows, and only
+their spread over the owners changes.
+
 Two workloads, both with row-wise Adagrad and dim 64:
 
 * ``26 tables``: one ``SparseEmbeddingCollection`` over Criteo's 26 tables, rows per rank
@@ -36,6 +41,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 HERE = Path(__file__).resolve().parent
 RANK = 1
+BASE_WORLD = 8  # ids are drawn as for a job of this size, then spread over the W-rank tables
+SPREAD = 1_000_003  # a prime: multiplying by it modulo the table size maps distinct ids to distinct ids
 STAGES = ("ids_to_owners", "rows_to_requesters", "grads_to_owners")
 
 
@@ -44,6 +51,19 @@ def _peak_rss_mib() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def spread(ids, rows: int):
+    """``ids`` drawn from the first ``rows_per_rank * BASE_WORLD`` rows, moved to pseudo-random rows of the table.
+
+    The map is injective, so the batch's repeats (how many distinct ids, how often each) are the
+    same at every W, and hot ids land on every owner, as hashed ids do; only the spread over
+    owners changes with W.
+    """
+    import math
+
+    factor = SPREAD if math.gcd(SPREAD, rows) == 1 else 1
+    return (ids * factor) % rows
 
 
 def measure(world_size: int, workload: str, batch: int, rows_cap: int, steps: int) -> dict:
@@ -70,7 +90,7 @@ def measure(world_size: int, workload: str, batch: int, rows_cap: int, steps: in
             for i, n in enumerate(per_rank):
                 lengths = torch.randint(1, 6, (batch,), generator=gen) if i in MULTI_HOT else None
                 count = int(lengths.sum()) if lengths is not None else batch
-                ids = (n * world_size * torch.rand(count, generator=gen) ** 4).long()
+                ids = spread((n * BASE_WORLD * torch.rand(count, generator=gen) ** 4).long(), n * world_size)
                 features[f"t{i}"] = ls.JaggedIds(ids, lengths=lengths) if lengths is not None else ids
             return features
 
@@ -81,7 +101,7 @@ def measure(world_size: int, workload: str, batch: int, rows_cap: int, steps: in
         module = ls.SparseEmbedding(rows_cap * world_size, DIM)
 
         def make_input() -> torch.Tensor:
-            return (rows_cap * world_size * torch.rand(batch, generator=gen) ** 4).long()
+            return spread((rows_cap * BASE_WORLD * torch.rand(batch, generator=gen) ** 4).long(), rows_cap * world_size)
 
         def forward(ids: torch.Tensor) -> torch.Tensor:
             return module(ids).pow(2).sum()
@@ -121,11 +141,16 @@ def measure(world_size: int, workload: str, batch: int, rows_cap: int, steps: in
     }  # fmt: skip
 
 
-def run(worlds: list[int], workloads: list[str], batch: int, rows_cap: int, steps: int, timeout: float = 900) -> dict:
-    """Every (workload, W) in its own process (a fresh peak memory); the results in ``bench.json``'s shape."""
+def run(worlds: list[int], workloads: list[str], batch: int, rows_cap: int, steps: int, in_process: bool = False,
+        timeout: float = 900) -> dict:  # fmt: skip
+    """Every (workload, W) in its own process (a fresh peak memory; ``in_process``: here, for a smoke run)."""
     results = []
     for workload in workloads:
         for world_size in worlds:
+            if in_process:
+                result = measure(world_size, workload, batch, rows_cap, steps)
+                results.append(result)
+                continue
             cmd = [sys.executable, "-W", "ignore", str(Path(__file__).resolve()), "--worker", str(world_size),
                    "--workload", workload, "--batch", str(batch), "--rows-cap", str(rows_cap), "--steps", str(steps)]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

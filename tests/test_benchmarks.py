@@ -40,8 +40,12 @@ def test_quick_benchmark_writes_results_and_report(tmp_path):
     collection = doc["collection"]["distributed"]["methods"]
     assert collection["collection"]["all_to_all_per_step"] == 3 and collection["separate"]["all_to_all_per_step"] > 26
     assert "collection" in doc["collection"]["single_process"]["methods"]
+    scale = {r["world_size"]: r for r in doc["scale"]["results"]}
+    assert set(scale) == {8, 256}  # simulated: 3 all-to-alls per step, each to every other rank
+    assert all(r["collectives"] == 3 and r["peer_messages"] == 3 * (w - 1) for w, r in scale.items())
     assert doc["targets"] and all({"name", "target", "measured", "met"} <= set(t) for t in doc["targets"])
     text = page.read_text()
     assert "### Targets" in text and "quick" in text and "![benchmarks-single.png]" in text
+    assert "### Scale: one rank of W (simulator)" in text
     assert (tmp_path / "benchmarks-single.png").stat().st_size > 0
     assert text.startswith((ROOT / "docs" / "benchmarks.md").read_text().split("<!-- results:begin -->")[0])

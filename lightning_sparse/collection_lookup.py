@@ -235,7 +235,8 @@ def _table_routes(route: Route, joint: Any) -> list[Route]:
     """Each table's share of a joint route: its splits, and the local rows the owner sent (by requester)."""
     received = _TableMajor(route.recv_parts, route.device_parts[1]).split(route.received)
     send, recv = route.send_parts.t().tolist(), route.recv_parts.t().tolist()
-    return [Route(send[part], recv[part], rows - joint.offsets[part], route.headers) for part, rows in enumerate(received)]
+    return [Route(send[part], recv[part], rows - joint.offsets[part], route.headers, send_counts=route.send_parts[:, part],
+                  recv_counts=route.recv_parts[:, part]) for part, rows in enumerate(received)]  # fmt: skip
 
 
 def _rows_from_owners(

@@ -28,7 +28,6 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import astuple, dataclass, field
-from functools import cached_property
 from itertools import accumulate
 from typing import Callable, Sequence
 
@@ -238,15 +237,15 @@ class Route:
     recv_parts: Tensor | None = None
     device_parts: tuple[Tensor, Tensor] | None = None
 
-    @cached_property
-    def send_counts(self) -> Tensor:
-        """``send_splits`` as a host tensor."""
-        return torch.tensor(self.send_splits, dtype=torch.int64)
+    # The splits as host int64 tensors (made from the lists when not given).
+    send_counts: Tensor | None = None
+    recv_counts: Tensor | None = None
 
-    @cached_property
-    def recv_counts(self) -> Tensor:
-        """``recv_splits`` as a host tensor."""
-        return torch.tensor(self.recv_splits, dtype=torch.int64)
+    def __post_init__(self) -> None:
+        if self.send_counts is None:
+            self.send_counts = torch.tensor(self.send_splits, dtype=torch.int64)
+        if self.recv_counts is None:
+            self.recv_counts = torch.tensor(self.recv_splits, dtype=torch.int64)
 
     @property
     def records(self) -> bool:
@@ -333,7 +332,7 @@ def ids_to_owners(
         stats.bytes_received += sent * (world_size - 1) // world_size
         stats.collectives += 1
         stats.exchange_seconds += time.perf_counter() - start
-    route = Route(send_splits, recv_splits, received, headers)
+    route = Route(send_splits, recv_splits, received, headers, send_counts=on_host[:world_size], recv_counts=headers.table[:, 0])
     if parts:
         route.send_parts, route.recv_parts, route.device_parts = send_parts, recv_parts, device_parts
     return route
@@ -546,26 +545,29 @@ def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) ->
     *pieces, sources_codes = unpack(recv, recv_counts, to_device(recv_counts, device), widths, unit)
     with collective("all-to-all of gradients"):
         all_codes = sources_codes[:, : len(tables)].to(torch.int64).cpu()  # [W, T], the round's one host read
-    used = (all_codes & (_HAS_ROUTED | _HAS_OTHERS)) != 0
+    touched = ((all_codes & (_HAS_ROUTED | _HAS_OTHERS)) != 0).any(0).tolist()
     nonfinite = (all_codes & _NONFINITE) != 0
-    incoming = [IncomingGrads([], [], touched=bool(used[:, i].any()),
-                              nonfinite_ranks=nonfinite[:, i].nonzero().view(-1).tolist() if nonfinite[:, i].any() else [])
+    any_nonfinite = nonfinite.any(0).tolist()
+    incoming = [IncomingGrads([], [], touched=touched[i],
+                              nonfinite_ranks=nonfinite[:, i].nonzero().view(-1).tolist() if any_nonfinite[i] else [])
                 for i in range(len(tables))]  # fmt: skip
-    pieces_of = dict(zip((id(t) for t in routed), pieces))
-    for index, table in enumerate(tables):
-        if table.route is None:
+    if not routed:
+        return incoming, all_codes
+    # Sources that sent this rank rows of each routed table, and those that marked them as placeholders.
+    with_rows = recv_counts[:-1] > 0  # [routed, W]
+    routed_index = torch.tensor([i for i, t in enumerate(tables) if t.route is not None])
+    sent = ((all_codes.index_select(1, routed_index) & _HAS_ROUTED) != 0).t() & with_rows
+    senders, complete = sent.sum(1).tolist(), (sent == with_rows).all(1).tolist()
+    for k, (index, values) in enumerate(zip(routed_index.tolist(), pieces)):
+        if not senders[k]:
             continue
-        sent = ((all_codes[:, index] & _HAS_ROUTED) != 0) & (table.route.recv_counts > 0)  # sources with rows for us
-        if not sent.any():
-            continue
-        received, values = table.route.received, pieces_of[id(table)]
-        if not sent.all():  # drop the placeholders of sources without a gradient (a host-side index)
-            keep = torch.repeat_interleave(sent, table.route.recv_counts).nonzero().view(-1)
-            keep = to_device(keep, device)
+        received = tables[index].route.received
+        if not complete[k]:  # drop the placeholders of sources without a gradient (a host-side index)
+            keep = to_device(torch.repeat_interleave(sent[k], recv_counts[k]).nonzero().view(-1), device)
             received, values = received.index_select(0, keep), values.index_select(0, keep)
         incoming[index].rows.append(received)
         incoming[index].values.append(values)
-        incoming[index].merged = int(sent.sum()) > 1  # rows of several sources: a row may repeat
+        incoming[index].merged = senders[k] > 1  # rows of several sources: a row may repeat
     return incoming, all_codes
 
 

@@ -95,10 +95,33 @@ def transpose_blocks(counts: Tensor, total: int) -> Tensor:
     >>> transpose_blocks(torch.tensor([[2, 1], [1, 0]]), 4).tolist()   # x x | y, z | -  ->  x x z | y
     [0, 1, 3, 2]
     """
-    flat = counts.reshape(-1)
-    in_starts = torch.cumsum(flat, 0) - flat  # where block (a, b) starts in the input, a-major
+    in_starts, out_starts = _block_starts(counts)
     by_b = counts.t().reshape(-1)
-    out_starts = torch.cumsum(by_b, 0) - by_b  # where block (a, b) starts in the output, listed b-major
-    shift = in_starts.view(counts.shape).t().reshape(-1) - out_starts
-    block = torch.repeat_interleave(torch.arange(len(by_b), device=counts.device), by_b, output_size=total)
-    return torch.arange(total, device=counts.device) + shift.index_select(0, block)
+    return _shifted(by_b, (in_starts - out_starts).view(counts.shape).t().reshape(-1), total)
+
+
+def transposed_places(counts: Tensor, total: int) -> Tensor:
+    """The scatter for the same turn: where each item of the ``a``-major layout lands in the ``b``-major one.
+
+    ``output[places] = input``; the inverse of :func:`transpose_blocks`, for a producer that
+    writes its items straight into the output (one copy instead of a concatenation and a gather).
+
+    >>> transposed_places(torch.tensor([[2, 1], [1, 0]]), 4).tolist()
+    [0, 1, 3, 2]
+    """
+    in_starts, out_starts = _block_starts(counts)
+    return _shifted(counts.reshape(-1), out_starts - in_starts, total)
+
+
+def _block_starts(counts: Tensor) -> tuple[Tensor, Tensor]:
+    """Where each block starts in the ``a``-major and in the ``b``-major layout, both listed ``a``-major."""
+    flat = counts.reshape(-1)
+    by_b = counts.t().reshape(-1)
+    out_starts = (torch.cumsum(by_b, 0) - by_b).view(counts.shape[1], counts.shape[0]).t().reshape(-1)
+    return torch.cumsum(flat, 0) - flat, out_starts
+
+
+def _shifted(sizes: Tensor, shift: Tensor, total: int) -> Tensor:
+    """``arange(total)`` plus, for each item, the shift of its block (blocks of ``sizes``, in order)."""
+    block = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes, output_size=total)
+    return torch.arange(total, device=sizes.device) + shift.index_select(0, block)

@@ -238,7 +238,8 @@ def _owned(table: SparseEmbedding, duplicate_grads: str, grads: IncomingGrads) -
     if grads.distinct:
         rows, values = grads.rows[0], grads.values[0]
     else:  # a row may have come from several ranks or lookups
-        rows, values = coalesce(torch.cat(grads.rows), torch.cat(grads.values), table.sharding.block_size)
+        rows, values = (torch.cat(pieces) if len(pieces) > 1 else pieces[0] for pieces in (grads.rows, grads.values))
+        rows, values = coalesce(rows, values, table.sharding.block_size)
     values = values.to(table.dtype)
     if duplicate_grads == "mean":
         return rows, values[:, :-1] / values[:, -1:], grads.touched

@@ -143,7 +143,8 @@ class LookupHeader:
 
     ``count`` differs per destination (the ids sent to it); the other fields are the same in
     every row a rank sends. ``error`` is a code (``OK``, ``BAD_DTYPE``, ``NOT_A_TENSOR``,
-    ``UNREADABLE``) with an argument in ``detail``; ``dtype`` names the dtype of the ids it was
+    ``UNREADABLE``; for a collection also ``OUT_OF_RANGE``, ``BAD_INPUT`` and ``BAD_OFFSETS``)
+    with an argument in ``detail``; ``dtype`` names the dtype of the ids it was
     given; ``id_min``/``id_max`` let every rank check every rank's ids against the table (both 0
     when a rank has none); ``table`` and ``active`` let a rank that has run out of batches
     answer the others (``serve_lookups``) and catch ranks that call tables out of order;

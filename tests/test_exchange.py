@@ -27,11 +27,12 @@ class HostReads(TorchFunctionMode):
     is every result of an operation on host tensors only; reading those costs no sync.
     """
 
-    def __init__(self, ignore: list[torch.Tensor] = ()) -> None:
+    def __init__(self, ignore: list[torch.Tensor] = (), follows: "HostReads | None" = None) -> None:
+        """``follows``: the mode of an earlier phase, whose host tensors (e.g. a route's splits) stay host tensors."""
         super().__init__()
         self.calls: list[str] = []
         self._ignore = {id(t) for t in ignore}
-        self._host: dict[int, torch.Tensor] = {}  # id -> tensor, kept alive so that ids are not reused
+        self._host: dict[int, torch.Tensor] = dict(follows._host) if follows else {}  # id -> tensor, kept alive
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -84,9 +85,9 @@ def _count_per_stage(accumulate: bool, device: str = "cpu"):
     opt.stats.reset()
     with HostReads() as forward_reads:
         outs = [emb(ids + i) for i in range(lookups)]
-    with HostReads() as backward_reads:
+    with HostReads(follows=forward_reads) as backward_reads:
         sum(out.sum() for out in outs).backward()
-    with HostReads(ignore=[opt.state[emb.shard]["step"]]) as step_reads:
+    with HostReads(ignore=[opt.state[emb.shard]["step"]], follows=backward_reads) as step_reads:
         opt.step()
     return (emb.stats.collectives, opt.stats.collectives, len(forward_reads.calls), len(backward_reads.calls),
             len(step_reads.calls), opt.stats.bytes_sent)  # fmt: skip
@@ -136,9 +137,9 @@ def _one_rank_reads():
     opt = ls.SparseAdam([emb], lr=0.1)
     with HostReads() as forward_reads:
         out = emb(torch.tensor([3, 1, 3, 49], device="cpu"))  # data: on the device (see HostReads)
-    with HostReads() as backward_reads:
+    with HostReads(follows=forward_reads) as backward_reads:
         out.sum().backward()
-    with HostReads(ignore=[opt.state[emb.shard]["step"]]) as step_reads:
+    with HostReads(ignore=[opt.state[emb.shard]["step"]], follows=backward_reads) as step_reads:
         opt.step()
     return len(forward_reads.calls), len(backward_reads.calls), len(step_reads.calls)
 

@@ -46,7 +46,9 @@ FULL = {
     "distributed": dict(rows_list=[100_000, 1_000_000, 4_000_000], batches=[4096, 65536], methods=list(distributed.METHODS)),
     "gpu": dict(rows=4_000_000, dim=64, batch=262_144),
     "collection": dict(max_rows=1_000_000, batch=2048, rounds=5, steps_per_round=3),
-    "scale": dict(worlds=[8, 64, 512, 1024, 4096], workloads=["26 tables", "1 table"], batch=4096, rows_cap=20_000, steps=5),
+    # (W, None): 1-D over W ranks; (W, G): 2-D, sharded over groups of G ranks, replicated W / G times.
+    "scale": dict(worlds=[(8, None), (64, None), (512, None), (1024, None), (4096, None), (1024, 128), (4096, 512)],
+                  workloads=["26 tables", "1 table"], batch=4096, rows_cap=20_000, steps=5),  # fmt: skip
 }
 QUICK = {
     "single_process": dict(rows=100_000, dim=64, batch=4096, rounds=2, steps_per_round=2, threads=2),
@@ -54,7 +56,8 @@ QUICK = {
                         budget_s=0.5, min_steps=3, max_steps=10, warmup=2),  # fmt: skip
     "gpu": dict(rows=100_000, dim=64, batch=4096),
     "collection": dict(max_rows=20_000, batch=256, rounds=2, steps_per_round=2),
-    "scale": dict(worlds=[8, 256], workloads=["26 tables"], batch=128, rows_cap=1000, steps=2, in_process=True),
+    "scale": dict(worlds=[(8, None), (256, None), (256, 32)], workloads=["26 tables"], batch=128, rows_cap=1000, steps=2,
+                  in_process=True),  # fmt: skip
 }
 
 

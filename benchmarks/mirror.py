@@ -17,6 +17,9 @@ sums. ``tests/test_scale.py`` checks exactly that against a plain-torch referenc
     >>> group = init_mirror(rank=3, world_size=1024)   # the default group from now on
     >>> ...                                            # build tables, look up, step
     >>> group.calls, group.peer_messages               # collectives called, messages to peers
+
+For 2-D sharding, :func:`mirror_groups` gives the rank its sharding group and replica group,
+both mirrored the same way (every replica sends what this rank sends).
 """
 
 from __future__ import annotations
@@ -121,12 +124,36 @@ class MirrorGroup(dist.ProcessGroup):
         self.counts.count("all_gather", self._world_size - 1, input.numel() * input.element_size())
         return _done(output)
 
+    def all_gather_single(self, output: Tensor, input: Tensor, opts: object = None) -> dist.Work:
+        return self._allgather_base(output, input, opts)
+
     def __repr__(self) -> str:
         return f"MirrorGroup(rank={self._rank}, world_size={self._world_size})"
 
 
 def _create(store: dist.Store, rank: int, world_size: int, timeout: object) -> MirrorGroup:
     return MirrorGroup(rank, world_size)
+
+
+def mirror_groups(rank: int, world_size: int, group_size: int) -> tuple[MirrorGroup, MirrorGroup]:
+    """This rank's (sharding group, replica group) of a mirrored 2-D job, after :func:`init_mirror`.
+
+    Only this rank's two groups are made (no W / G + G groups as ``sharding_groups`` makes), and
+    registered with c10d so that ``dist.get_rank(group)`` knows them.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    replicas = world_size // group_size
+    if replicas * group_size != world_size:
+        raise ValueError(f"group size {group_size} does not divide the world size {world_size}")
+    index, position = divmod(rank, group_size)
+    shard, replica = MirrorGroup(position, group_size), MirrorGroup(index, replicas)
+    c10d._world.pg_group_ranks[shard] = {index * group_size + p: p for p in range(group_size)}
+    c10d._world.pg_group_ranks[replica] = {q * group_size + position: q for q in range(replicas)}
+    for group in (shard, replica):
+        c10d._world.pg_map[group] = (BACKEND, dist.HashStore())
+        c10d._world.pg_backend_config[group] = f"cpu:{BACKEND},cuda:{BACKEND}"
+    return shard, replica
 
 
 def init_mirror(rank: int, world_size: int) -> MirrorGroup:

@@ -94,7 +94,8 @@ def targets(doc: dict) -> list[dict]:
     if "collection" in s1 and "fbgemm" in s1:
         ratio = s1["fbgemm"]["step_ms_median"] / s1["collection"]["step_ms_median"]
         add("1 process, 26 tables: collection vs FBGEMM CPU TBE (row-wise Adagrad fused)", "no slower (>= 1x)", ratio, ratio >= 1)
-    scale = {(r["workload"], r["world_size"]): r for r in doc.get("scale", {}).get("results", [])}
+    scale = {(r["workload"], r["world_size"]): r for r in doc.get("scale", {}).get("results", [])
+             if r.get("group_size", r["world_size"]) == r["world_size"]}  # 1-D runs  # fmt: skip
     for world, need in ((1024, 1.25), (4096, 1.5)):
         if ("26 tables", 8) in scale and ("26 tables", world) in scale:
             ratio = scale[("26 tables", world)]["step_ms"] / scale[("26 tables", 8)]["step_ms"]
@@ -186,7 +187,10 @@ def _scale_markdown(section: dict) -> list[str]:
             f"Rank {section['rank']} of a W-rank job whose peers mirror it (`benchmarks/scale.py`): the all-to-alls are "
             f"copies, so the step time is this rank's host work. {section['batch_per_rank']} samples per rank, at most "
             f"{section['rows_cap']} rows per table per rank (the tables grow with W), dim 64, row-wise Adagrad, 1 thread. "
-            "Bytes and messages: what this rank would send to other ranks per step.", "", scale.table(section)]  # fmt: skip
+            "Bytes and messages: what this rank would send to other ranks per step. G < W: 2-D sharding, tables "
+            "sharded over groups of G ranks (rows per rank as above) and replicated W / G times; the all-to-alls stay "
+            "inside the group, and the replicas' gradients are summed by two all-gathers over W / G ranks.", "",
+            scale.table(section)]  # fmt: skip
 
 
 def _single_markdown(section: dict) -> list[str]:

@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 RANK = 1
 BASE_WORLD = 8  # ids are drawn as for a job of this size, then spread over the W-rank tables
 SPREAD = 1_000_003  # a prime: multiplying by it modulo the table size maps distinct ids to distinct ids
-STAGES = ("ids_to_owners", "rows_to_requesters", "grads_to_owners")
+STAGES = ("ids_to_owners", "rows_to_requesters", "grads_to_owners", "grads_over_replicas")
 
 
 def _peak_rss_mib() -> float:
@@ -66,8 +66,12 @@ def spread(ids, rows: int):
     return (ids * factor) % rows
 
 
-def measure(world_size: int, workload: str, batch: int, rows_cap: int, steps: int) -> dict:
-    """In this process: rank ``RANK`` of a mirrored ``world_size``-rank job, ``steps`` timed steps."""
+def measure(world_size: int, workload: str, batch: int, rows_cap: int, steps: int, group_size: int | None = None) -> dict:
+    """In this process: rank ``RANK`` of a mirrored ``world_size``-rank job, ``steps`` timed steps.
+
+    ``group_size``: 2-D sharding, tables sharded over groups of that many ranks and replicated
+    across the ``world_size / group_size`` groups (so a table has ``rows per rank x group_size`` rows).
+    """
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -75,14 +79,21 @@ def measure(world_size: int, workload: str, batch: int, rows_cap: int, steps: in
     sys.path.insert(0, str(HERE))
     import lightning_sparse as ls
     from collection import CRITEO, DIM, LR, MULTI_HOT
-    from mirror import init_mirror
+    from mirror import init_mirror, mirror_groups
 
     torch.set_num_threads(1)
     group = init_mirror(RANK, world_size)
+    groups, placement = [group], {}
+    shard_ranks = world_size
+    if group_size is not None and group_size < world_size:
+        shard_group, replica_group = mirror_groups(RANK, world_size, group_size)
+        groups += [shard_group, replica_group]
+        placement = {"process_group": shard_group, "replica_group": replica_group}
+        shard_ranks = group_size
     gen = torch.Generator().manual_seed(0)
     if workload == "26 tables":
         per_rank = [max(100, min(c, rows_cap)) for c in CRITEO]
-        tables = {f"t{i}": ls.SparseEmbedding(n * world_size, DIM, seed=i) for i, n in enumerate(per_rank)}
+        tables = {f"t{i}": ls.SparseEmbedding(n * shard_ranks, DIM, seed=i, **placement) for i, n in enumerate(per_rank)}
         module = ls.SparseEmbeddingCollection(tables, pooling={f"t{i}": "sum" for i in MULTI_HOT})
 
         def make_input() -> dict:
@@ -90,7 +101,7 @@ def measure(world_size: int, workload: str, batch: int, rows_cap: int, steps: in
             for i, n in enumerate(per_rank):
                 lengths = torch.randint(1, 6, (batch,), generator=gen) if i in MULTI_HOT else None
                 count = int(lengths.sum()) if lengths is not None else batch
-                ids = spread((n * BASE_WORLD * torch.rand(count, generator=gen) ** 4).long(), n * world_size)
+                ids = spread((n * BASE_WORLD * torch.rand(count, generator=gen) ** 4).long(), n * shard_ranks)
                 features[f"t{i}"] = ls.JaggedIds(ids, lengths=lengths) if lengths is not None else ids
             return features
 
@@ -98,10 +109,10 @@ def measure(world_size: int, workload: str, batch: int, rows_cap: int, steps: in
             return sum(out.sum() for out in module(features).values())
 
     else:
-        module = ls.SparseEmbedding(rows_cap * world_size, DIM)
+        module = ls.SparseEmbedding(rows_cap * shard_ranks, DIM, **placement)
 
         def make_input() -> torch.Tensor:
-            return spread((rows_cap * BASE_WORLD * torch.rand(batch, generator=gen) ** 4).long(), rows_cap * world_size)
+            return spread((rows_cap * BASE_WORLD * torch.rand(batch, generator=gen) ** 4).long(), rows_cap * shard_ranks)
 
         def forward(ids: torch.Tensor) -> torch.Tensor:
             return module(ids).pow(2).sum()
@@ -121,10 +132,13 @@ def measure(world_size: int, workload: str, batch: int, rows_cap: int, steps: in
 
     for features in inputs[:2]:  # warm-up: slots settle, state allocated
         step(features)
-    group.counts.reset()
+    for g in groups:
+        g.counts.reset()
     timed = [step(features) for features in inputs[2:]]
-    per_step = {"peer_bytes": group.counts.peer_bytes / steps, "peer_messages": group.counts.peer_messages / steps,
-                "collectives": sum(group.counts.calls.values()) / steps}  # fmt: skip
+    per_step = {"peer_bytes": sum(g.counts.peer_bytes for g in groups) / steps,
+                "peer_messages": sum(g.counts.peer_messages for g in groups) / steps,
+                "all_to_all_peers": (groups[1] if len(groups) > 1 else group).counts.peer_messages / steps,
+                "collectives": sum(sum(g.counts.calls.values()) for g in groups) / steps}  # fmt: skip
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step(inputs[-1])
     stage_ms = {s: 0.0 for s in STAGES}
@@ -135,29 +149,39 @@ def measure(world_size: int, workload: str, batch: int, rows_cap: int, steps: in
     dist.destroy_process_group()
     med = lambda i: statistics.median(t[i] for t in timed) * 1e3  # noqa: E731
     return {
-        "world_size": world_size, "workload": workload, "batch_per_rank": batch, "rows_cap": rows_cap, "steps": steps,
+        "world_size": world_size, "group_size": group_size or world_size, "workload": workload, "batch_per_rank": batch, "rows_cap": rows_cap, "steps": steps,
         "step_ms": statistics.median(sum(t) for t in timed) * 1e3, "lookup_ms": med(0), "backward_ms": med(1),
         "optimizer_ms": med(2), "stage_ms": stage_ms, **per_step, "peak_rss_mib": _peak_rss_mib(),
     }  # fmt: skip
 
 
-def run(worlds: list[int], workloads: list[str], batch: int, rows_cap: int, steps: int, in_process: bool = False,
-        timeout: float = 900) -> dict:  # fmt: skip
-    """Every (workload, W) in its own process (a fresh peak memory; ``in_process``: here, for a smoke run)."""
+def parse_layouts(text: str) -> list[tuple[int, int | None]]:
+    """``"8,1024,4096/512"`` -> ``[(8, None), (1024, None), (4096, 512)]``: ``W`` (1-D) or ``W/G`` (2-D, groups of G)."""
+    layouts = []
+    for item in text.split(","):
+        world, _, group = item.partition("/")
+        layouts.append((int(world), int(group) if group else None))
+    return layouts
+
+
+def run(worlds: list[tuple[int, int | None]], workloads: list[str], batch: int, rows_cap: int, steps: int,
+        in_process: bool = False, timeout: float = 900) -> dict:  # fmt: skip
+    """Every (workload, W[/G]) in its own process (a fresh peak memory; ``in_process``: here, for a smoke run)."""
     results = []
     for workload in workloads:
-        for world_size in worlds:
+        for world_size, group_size in worlds:
             if in_process:
-                result = measure(world_size, workload, batch, rows_cap, steps)
+                result = measure(world_size, workload, batch, rows_cap, steps, group_size)
                 results.append(result)
                 continue
             cmd = [sys.executable, "-W", "ignore", str(Path(__file__).resolve()), "--worker", str(world_size),
-                   "--workload", workload, "--batch", str(batch), "--rows-cap", str(rows_cap), "--steps", str(steps)]  # fmt: skip
+                   "--workload", workload, "--batch", str(batch), "--rows-cap", str(rows_cap), "--steps", str(steps),
+                   *(["--group-size", str(group_size)] if group_size else [])]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0:
                 raise RuntimeError(f"scale worker W={world_size} ({workload}) failed:\n{done.stderr[-3000:]}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"  {workload:<10} W={world_size:<5} step {result['step_ms']:8.1f} ms  "
+            print(f"  {workload:<10} W={world_size:<5} G={result['group_size']:<5} step {result['step_ms']:8.1f} ms  "
                   f"sent {result['peer_bytes'] / 2**20:7.2f} MiB to {result['peer_messages']:6.0f} peers  "
                   f"peak {result['peak_rss_mib']:6.0f} MiB", flush=True)  # fmt: skip
             results.append(result)
@@ -165,33 +189,35 @@ def run(worlds: list[int], workloads: list[str], batch: int, rows_cap: int, step
 
 
 def table(section: dict) -> str:
-    lines = ["| workload | W | step ms | lookup | backward | optimizer | ids_to_owners | rows_to_requesters | "
-             "grads_to_owners | bytes to peers / step | messages / step | peak RSS MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| workload | W | G | step ms | lookup | backward | optimizer | ids_to_owners | rows_to_requesters | "
+             "grads_to_owners | grads_over_replicas | bytes to peers / step | messages / step | all-to-all peers / step | "
+             "peak RSS MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in section["results"]:
-        stages = " | ".join(f"{r['stage_ms'][s]:.1f}" for s in STAGES)
-        lines.append(f"| {r['workload']} | {r['world_size']} | {r['step_ms']:.1f} | {r['lookup_ms']:.1f} | "
-                     f"{r['backward_ms']:.1f} | {r['optimizer_ms']:.1f} | {stages} | {r['peer_bytes'] / 2**20:.2f} MiB | "
-                     f"{r['peer_messages']:.0f} | {r['peak_rss_mib']:.0f} |")  # fmt: skip
+        stages = " | ".join(f"{r['stage_ms'].get(s, 0.0):.1f}" for s in STAGES)
+        lines.append(f"| {r['workload']} | {r['world_size']} | {r.get('group_size', r['world_size'])} | {r['step_ms']:.1f} | "
+                     f"{r['lookup_ms']:.1f} | {r['backward_ms']:.1f} | {r['optimizer_ms']:.1f} | {stages} | "
+                     f"{r['peer_bytes'] / 2**20:.2f} MiB | {r['peer_messages']:.0f} | "
+                     f"{r.get('all_to_all_peers', r['peer_messages']):.0f} | {r['peak_rss_mib']:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worlds", default="8,64,512,1024,4096")
+    parser.add_argument("--worlds", default="8,64,512,1024,4096,1024/128,4096/512",
+                        help="world sizes W (1-D) or W/G (2-D sharding over groups of G ranks)")
     parser.add_argument("--workloads", default="26 tables,1 table")
     parser.add_argument("--batch", type=int, default=4096, help="samples per rank per step")
     parser.add_argument("--rows-cap", type=int, default=20_000, help="most rows per table per rank")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.worker, args.workload, args.batch, args.rows_cap, args.steps)))
+        print(json.dumps(measure(args.worker, args.workload, args.batch, args.rows_cap, args.steps, args.group_size)))
         return 0
-    worlds = [int(w) for w in args.worlds.split(",")]
-    section = run(worlds, args.workloads.split(","), args.batch, args.rows_cap, args.steps)
+    section = run(parse_layouts(args.worlds), args.workloads.split(","), args.batch, args.rows_cap, args.steps)
     print(table(section))
     if args.json:
         args.json.write_text(json.dumps(section, indent=1) + "\n")

@@ -13,6 +13,7 @@ from lightning_sparse.faults import PeerFailure
 from lightning_sparse.features import JaggedIds
 from lightning_sparse.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseRowWiseAdagrad, SparseSGD
 from lightning_sparse.precision import SparseMixedPrecision
+from lightning_sparse.replicas import sharding_groups
 from lightning_sparse.sharding import RowSharding
 from lightning_sparse.strategy import SparseDDPStrategy  # registers strategy="sparse_ddp"
 
@@ -38,4 +39,5 @@ __all__ = [
     "exits",
     "init",
     "serve_lookups",
+    "sharding_groups",
 ]

@@ -42,6 +42,10 @@ class SparseEmbedding(nn.Module):
         process_group: the ranks that share the table; default: the default group at the time
             the shard materializes, or a plain local table when none is initialized. The table
             holds no strong reference to it: ``destroy_process_group()`` releases it.
+        replica_group: for 2-D sharding (:mod:`lightning_sparse.replicas`), the ranks that hold
+            the same shard in the other sharding groups (``process_group`` is this rank's
+            sharding group); the optimizer sums each row's gradient over them, so the replicas
+            stay identical. Both come from :func:`lightning_sparse.sharding_groups`.
         name: used in error messages and stats; the strategy sets it to the module path.
 
     The shard is **not** an ``nn.Parameter``: ``parameters()`` yields nothing, so dense
@@ -68,6 +72,7 @@ class SparseEmbedding(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         process_group: dist.ProcessGroup | None = None,
+        replica_group: dist.ProcessGroup | None = None,
         name: str | None = None,
     ) -> None:
         super().__init__()
@@ -87,9 +92,15 @@ class SparseEmbedding(nn.Module):
         self.has_given_name = name is not None
         self._init: row_init.RowInit = init or row_init.normal()
         # Weak references only: destroy_process_group() must really release a group (see ``process_group``).
+        if replica_group is not None and process_group is None:
+            raise ValueError(
+                f"{self.name}: a replica_group needs the sharding group as process_group. "
+                f"HINT: shard_group, replica_group = lightning_sparse.sharding_groups(group_size)."
+            )
         self._requested_group = weakref.ref(process_group) if process_group is not None else None
         self._group: weakref.ref[dist.ProcessGroup] | None = None  # None: the default group
-        self._rank, self._world_size = 0, 1
+        self._replica_group = weakref.ref(replica_group) if replica_group is not None else None
+        self._rank, self._world_size, self._replicas = 0, 1, 1
         self._materialized = False
         # Before materialization an empty placeholder records the dtype and device that
         # ``.to()`` asks for; after, it is the shard itself (same tensor object for life).
@@ -127,6 +138,22 @@ class SparseEmbedding(nn.Module):
         return group
 
     @property
+    def replicas(self) -> int:
+        """How many ranks hold each shard: 1, or the size of the replica group under 2-D sharding."""
+        return self._replicas
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold this rank's shard (2-D sharding), looked up when needed; ``None`` for 1-D."""
+        group = self._replica_group() if self._replica_group is not None else None
+        if group is None and self._replicas > 1:
+            raise RuntimeError(
+                f"The replica group of {self.name} ({self._replicas} ranks) has been destroyed. "
+                f"HINT: use the table before destroy_process_group(), or save a checkpoint and load it into a new module."
+            )
+        return group
+
+    @property
     def sharding(self) -> RowSharding:
         return RowSharding(self.num_embeddings, self._world_size, self.sharding_scheme)
 
@@ -148,13 +175,19 @@ class SparseEmbedding(nn.Module):
     def dtype(self) -> torch.dtype:
         return self._shard.dtype
 
-    def materialize(self, process_group: dist.ProcessGroup | None = None) -> "SparseEmbedding":
+    def materialize(
+        self, process_group: dist.ProcessGroup | None = None, replica_group: dist.ProcessGroup | None = None
+    ) -> "SparseEmbedding":
         """Allocate and initialize this rank's shard. Local only: no collective.
 
-        Idempotent for the same placement. A table materialized as a one-process local table and
+        Groups given here replace those given to the constructor (the strategy places tables
+        this way under 2-D sharding). Idempotent for the same placement. A table materialized as a one-process local table and
         then materialized over W ranks keeps the rows each rank now owns (every rank must hold
         the same full table, as after loading the same state dict). Returns ``self``.
         """
+        if process_group is not None:
+            self._requested_group = weakref.ref(process_group)
+            self._replica_group = weakref.ref(replica_group) if replica_group is not None else None
         requested = process_group or (self._requested_group() if self._requested_group is not None else None)
         gone = self._requested_group is not None and requested is None
         if self._materialized and self._world_size > 1 and (gone or not (dist.is_available() and dist.is_initialized())):
@@ -175,6 +208,8 @@ class SparseEmbedding(nn.Module):
                     f"{world_size}. HINT: save a checkpoint and load it into a new module."
                 )
         self._group, self._rank, self._world_size = placed, rank, world_size
+        replicas = self._replica_group() if self._replica_group is not None else None
+        self._replicas = dist.get_world_size(replicas) if replicas is not None else 1
         global_ids = self.sharding.global_ids(rank, device=self._shard.device)
         if self._materialized:  # a full local table becomes this rank's shard
             self._shard.data = self._shard.data.index_select(0, global_ids)

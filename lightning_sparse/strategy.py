@@ -51,17 +51,27 @@ from lightning_sparse.exchange import ExchangeStats
 from lightning_sparse.faults import PeerFailure, is_peer_failure
 from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.optim.base import SparseOptimizer
+from lightning_sparse.replicas import sharding_groups
 
 log = logging.getLogger(__name__)
 
 
 class SparseDDPStrategy(SparseCheckpointHooks, DDPStrategy):
-    """DDP for dense parameters; row-sharded SparseEmbedding tables updated by sparse optimizers."""
+    """DDP for dense parameters; row-sharded SparseEmbedding tables updated by sparse optimizers.
+
+    ``sharding_group_size=G`` shards every table over groups of ``G`` consecutive ranks (e.g. the
+    GPUs of one host) and replicates it across the ``W / G`` groups (2-D sharding,
+    :mod:`lightning_sparse.replicas`); default: over all ranks. Every other argument is DDPStrategy's.
+    """
 
     strategy_name = "sparse_ddp"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, sharding_group_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if sharding_group_size is not None and (not isinstance(sharding_group_size, int) or sharding_group_size < 1):
+            raise ValueError(f"Invalid sharding_group_size: {sharding_group_size!r}. HINT: pass a positive divisor of the world size.")
+        self._sharding_group_size = sharding_group_size
+        self._sharding_groups: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None
         self._tables: list[SparseEmbedding] = []
         self._collections: list[SparseEmbeddingCollection] = []
         self._sparse_optimizers: list[SparseOptimizer] = []
@@ -108,15 +118,34 @@ class SparseDDPStrategy(SparseCheckpointHooks, DDPStrategy):
         # holds the process group); free them now, not at interpreter shutdown (see exits.py).
         gc.collect()
 
+    @property
+    def sharding_group_size(self) -> int | None:
+        """Ranks a table is sharded over under 2-D sharding (``None``: all ranks)."""
+        return self._sharding_group_size
+
+    def _table_groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        """(sharding group, replica group) of this rank: the 2-D groups, made once, or (None, None) for the default group."""
+        size = self._sharding_group_size
+        if size is None or size == self.world_size or not dist.is_initialized():
+            return None, None
+        if self._sharding_groups is None:
+            try:
+                self._sharding_groups = sharding_groups(size, timeout=self._timeout)
+            except ValueError as err:
+                raise MisconfigurationException(str(err)) from None
+            log.debug("%s: 2-D sharding, groups of %d ranks, %d replicas", type(self).__name__, size, self.world_size // size)
+        return self._sharding_groups
+
     @override
     def model_to_device(self) -> None:
         super().model_to_device()
+        shard_group, replica_group = self._table_groups()
         self._tables = []
         for index, (name, table) in enumerate(
             (name, m) for name, m in self.lightning_module.named_modules() if isinstance(m, SparseEmbedding)
         ):
             table.adopt(name, index)
-            table.materialize()
+            table.materialize(shard_group, replica_group)
             self._tables.append(table)
         self._collections = []
         for index, (name, collection) in enumerate(

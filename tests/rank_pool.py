@@ -16,6 +16,7 @@ import queue
 import socket
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -33,6 +34,39 @@ DEVICES = [
 
 # Collectives give up after this long, so a test never hangs on a lost peer.
 COLLECTIVE_TIMEOUT_S = 30
+
+# (world size, sharding group size): 1-D over every rank, or 2-D (sharded over G, replicated W / G times).
+LAYOUTS = [pytest.param(w, None, id=f"W{w}") for w in (1, 2, 3, 4)] + [pytest.param(4, 2, id="W4-G2")]
+
+
+@contextmanager
+def table_groups(group_size: int | None):
+    """``dict(process_group=..., replica_group=...)`` for a table: 2-D groups (destroyed after), or the default group."""
+    import lightning_sparse as ls
+
+    if group_size is None:
+        yield {}
+        return
+    shard_group, replica_group = ls.sharding_groups(group_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        yield {"process_group": shard_group, "replica_group": replica_group}
+    finally:
+        for group in (shard_group, replica_group):
+            if group is not None:
+                dist.destroy_process_group(group)
+
+
+def assert_replicas_identical(results: list[tuple[torch.Tensor, ...]], group_size: int | None) -> None:
+    """Under 2-D sharding the ranks at one position of each sharding group hold bit-identical tables.
+
+    ``results[rank]``: tensors that rank computed (e.g. full tables, gathered inside its sharding group).
+    """
+    if group_size is not None:
+        for rank, tensors in enumerate(results):
+            for mine, first in zip(tensors, results[rank % group_size], strict=True):
+                assert torch.equal(mine, first), f"rank {rank} differs from its replica {rank % group_size}"
+
+
 # A job that has not answered in this long means the pool is broken.
 JOB_TIMEOUT_S = 120
 

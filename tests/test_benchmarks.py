@@ -40,9 +40,11 @@ def test_quick_benchmark_writes_results_and_report(tmp_path):
     collection = doc["collection"]["distributed"]["methods"]
     assert collection["collection"]["all_to_all_per_step"] == 3 and collection["separate"]["all_to_all_per_step"] > 26
     assert "collection" in doc["collection"]["single_process"]["methods"]
-    scale = {r["world_size"]: r for r in doc["scale"]["results"]}
-    assert set(scale) == {8, 256}  # simulated: 3 all-to-alls per step, each to every other rank
-    assert all(r["collectives"] == 3 and r["peer_messages"] == 3 * (w - 1) for w, r in scale.items())
+    scale = {(r["world_size"], r["group_size"]): r for r in doc["scale"]["results"]}
+    assert set(scale) == {(8, 8), (256, 256), (256, 32)}  # simulated: 3 all-to-alls per step, each to every other rank
+    assert all(r["collectives"] == 3 and r["peer_messages"] == 3 * (w - 1) for (w, g), r in scale.items() if w == g)
+    two_d = scale[256, 32]  # all-to-alls inside a group of 32, then 2 all-gathers over the 8 replicas
+    assert two_d["collectives"] == 5 and two_d["all_to_all_peers"] == 3 * 31 and two_d["peer_messages"] == 3 * 31 + 2 * 7
     assert doc["targets"] and all({"name", "target", "measured", "met"} <= set(t) for t in doc["targets"])
     text = page.read_text()
     assert "### Targets" in text and "quick" in text and "![benchmarks-single.png]" in text

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -17,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import lightning_models as lm
 import lightning_sparse as ls
 from lightning_sparse import checkpoint
-from rank_pool import RankError, RankPool
+from rank_pool import COLLECTIVE_TIMEOUT_S, RankError, RankPool
 
 MODULE = dict(sparse="mixed", dense="Adam", dense_lr=0.01, scheduler=False)
 
@@ -42,30 +43,41 @@ def _everything(module: lm.TwoTower, trainer: pl.Trainer) -> dict:
     return out
 
 
-def _save(world_size: int, directory: str, schemes: tuple[str, str]) -> tuple[dict, str]:
+def _strategy(group_size: int | None) -> ls.SparseDDPStrategy:
+    """sparse_ddp, 2-D with groups of ``group_size`` ranks (whose collectives time out as the pool's do) or 1-D."""
+    return ls.SparseDDPStrategy(sharding_group_size=group_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def _save(world_size: int, directory: str, schemes: tuple[str, str], group_size: int | None = None) -> tuple[dict, str]:
     lm.lightning_env(_rank(), world_size)
     module = lm.TwoTower(**MODULE, schemes=schemes)
-    trainer = lm.trainer(world_size, max_epochs=2, enable_checkpointing=True, default_root_dir=directory)
+    trainer = lm.trainer(world_size, max_epochs=2, enable_checkpointing=True, default_root_dir=directory,
+                         strategy=_strategy(group_size))  # fmt: skip
     trainer.fit(module)
     return _everything(module, trainer), trainer.checkpoint_callback.best_model_path
 
 
-def _load(world_size: int, ckpt: str, schemes: tuple[str, str]) -> dict:
+def _load(world_size: int, ckpt: str, schemes: tuple[str, str], group_size: int | None = None) -> dict:
     lm.lightning_env(_rank(), world_size)
     module = lm.TwoTower(**MODULE, schemes=schemes)
-    trainer = lm.trainer(world_size, max_epochs=2)  # the checkpoint is at the end of epoch 2: nothing to train
+    # The checkpoint is at the end of epoch 2: nothing to train.
+    trainer = lm.trainer(world_size, max_epochs=2, strategy=_strategy(group_size))
     trainer.fit(module, ckpt_path=ckpt)
     return _everything(module, trainer)
 
 
+# A layout is a world size, or (world size, sharding group size) for 2-D sharding.
 @pytest.mark.parametrize(
     "saved_on, loaded_on, schemes",
-    [(2, 3, ("mod", "range")), (2, 1, ("mod", "range")), (2, 2, ("range", "mod")), (3, 2, ("mod", "range"))],
-)
+    [(2, 3, ("mod", "range")), (2, 1, ("mod", "range")), (2, 2, ("range", "mod")), (3, 2, ("mod", "range")),
+     ((4, 2), 2, ("mod", "range")), ((4, 2), 3, ("range", "mod")), (2, (4, 2), ("range", "mod"))],
+    ids=str,
+)  # fmt: skip
 def test_checkpoint_reshards_on_load(rank_pools, tmp_path, saved_on, loaded_on, schemes):
-    (expected, ckpt), *_ = rank_pools(saved_on).run(_save, saved_on, str(tmp_path), ("mod", "range"))
+    (save_world, save_group), (load_world, load_group) = (on if isinstance(on, tuple) else (on, None) for on in (saved_on, loaded_on))
+    (expected, ckpt), *_ = rank_pools(save_world).run(_save, save_world, str(tmp_path), ("mod", "range"), save_group)
     assert expected["global_step"] > 0 and "opt1.0.row_step" in expected and "opt2.0.sum" in expected
-    for got in rank_pools(loaded_on).run(_load, loaded_on, ckpt, schemes):
+    for got in rank_pools(load_world).run(_load, load_world, ckpt, schemes, load_group):
         assert set(got) == set(expected)
         for key, value in expected.items():
             torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)

@@ -1,4 +1,4 @@
-"""SparseEmbeddingCollection on 1, 2 and 3 ranks against single-process plain torch.
+"""SparseEmbeddingCollection on 1 to 4 ranks (1-D and 2-D sharded) against single-process plain torch.
 
 The reference trains one ``nn.Parameter`` per table with ``F.embedding(sparse=True)`` and
 ``F.embedding_bag(sparse=True)`` (the functional forms of ``nn.Embedding`` and
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import lightning_sparse as ls
-from rank_pool import DEVICES
+from rank_pool import DEVICES, LAYOUTS, assert_replicas_identical, table_groups
 from references import make_reference
 
 STEPS, GLOBAL_BATCH = 3, 7
@@ -84,9 +84,14 @@ def has_tags(rank: int, world_size: int) -> bool:
     return world_size == 1 or rank != world_size - 1  # the last rank sends no tags feature at all
 
 
-def train_sharded(name, kwargs, schemes, batches, device="cpu"):
+def train_sharded(name, kwargs, schemes, batches, device="cpu", group_size=None):
+    with table_groups(group_size) as groups:
+        return _train_sharded(name, kwargs, schemes, batches, device, groups)
+
+
+def _train_sharded(name, kwargs, schemes, batches, device, groups):
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    tables = {t: ls.SparseEmbedding(n, d, dtype=dtype, seed=seed, sharding=schemes[t], device=device)
+    tables = {t: ls.SparseEmbedding(n, d, dtype=dtype, seed=seed, sharding=schemes[t], device=device, **groups)
               for t, (n, d, dtype, seed) in TABLES.items()}  # fmt: skip
     collection = ls.SparseEmbeddingCollection(tables, features=FEATURES, pooling=POOLING)
     opt = getattr(ls, name)([collection], **kwargs)
@@ -137,17 +142,18 @@ def reference(name, kwargs, batches, world_size):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size, group_size", LAYOUTS)
 @pytest.mark.parametrize("scheme", ["mod", "range"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_parity_with_plain_torch(rank_pools, case, scheme, world_size, device):
+def test_parity_with_plain_torch(rank_pools, case, scheme, world_size, group_size, device):
     """Mixed dims and dtypes, both schemes, one table read by three features, weighted and empty bags, a feature missing on one rank."""
     name, kwargs = CASES[case]
     other = {"mod": "range", "range": "mod"}[scheme]
     schemes = {"user": scheme, "item": other, "tag": scheme}
     batches = make_batches()
     expected_out, expected = reference(name, kwargs, batches, world_size)
-    results = rank_pools(world_size, device).run(train_sharded, name, kwargs, schemes, batches, device)
+    results = rank_pools(world_size, device).run(train_sharded, name, kwargs, schemes, batches, device, group_size)
+    assert_replicas_identical([tuple(tables.values()) for _, tables in results], group_size)
     for rank, (outputs, tables) in enumerate(results):
         for step, out in enumerate(outputs):
             assert out.keys() == expected_out[step][rank].keys()
@@ -190,12 +196,13 @@ def reference_sgd_mean(lr, batches, world_size):
     return weights
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_duplicate_grads_mean_matches_reference(rank_pools, world_size):
+@pytest.mark.parametrize("world_size, group_size", LAYOUTS)
+def test_duplicate_grads_mean_matches_reference(rank_pools, world_size, group_size):
     batches = make_batches(seed=4)
     expected = reference_sgd_mean(0.5, batches, world_size)
     schemes = {"user": "mod", "item": "range", "tag": "mod"}
-    for _, tables in rank_pools(world_size).run(train_sharded, "SparseSGD", dict(lr=0.5, duplicate_grads="mean"), schemes, batches):
+    kwargs = dict(lr=0.5, duplicate_grads="mean")
+    for _, tables in rank_pools(world_size).run(train_sharded, "SparseSGD", kwargs, schemes, batches, "cpu", group_size):
         for t, weight in tables.items():
             torch.testing.assert_close(weight, expected[t], rtol=1e-5, atol=1e-6)
 

@@ -1,4 +1,4 @@
-"""Sparse optimizers on 1, 2 and 3 ranks equal single-process torch references."""
+"""Sparse optimizers on 1 to 4 ranks, 1-D and 2-D sharded, equal single-process torch references."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import lightning_sparse as ls
-from rank_pool import DEVICES
+from rank_pool import DEVICES, LAYOUTS, assert_replicas_identical, table_groups
 from references import batch_loss, reference_train
 
-N, D, STEPS, GLOBAL_BATCH, BAG = 23, 4, 5, 6, 3
+N, D, STEPS, GLOBAL_BATCH, BAG = 23, 4, 5, 12, 3
 SEED = 11
 
 CASES = {
@@ -36,34 +36,36 @@ def make_batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return batches
 
 
-def train_sharded(name: str, kwargs: dict, scheme: str, batches, device: str = "cpu") -> torch.Tensor:
+def train_sharded(name: str, kwargs: dict, scheme: str, batches, device: str = "cpu", group_size: int | None = None) -> torch.Tensor:
     """One rank's part of the run: its slice of each global batch, a loss scaled as in the README."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    emb = ls.SparseEmbedding(N, D, sharding=scheme, seed=SEED, device=device)
-    opt = getattr(ls, name)([emb], **kwargs)
-    for ids, target in batches:
-        mine = torch.tensor_split(torch.arange(len(ids)), world)[rank]
-        # Each rank's loss is a mean over its own samples; equal slices make the average over
-        # ranks equal to the global mean.
-        loss = batch_loss(emb(ids[mine].to(device)), target[mine].to(device)).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return emb.full_weight().cpu()
+    with table_groups(group_size) as groups:
+        emb = ls.SparseEmbedding(N, D, sharding=scheme, seed=SEED, device=device, **groups)
+        opt = getattr(ls, name)([emb], **kwargs)
+        for ids, target in batches:
+            mine = torch.tensor_split(torch.arange(len(ids)), world)[rank]
+            # Each rank's loss is a mean over its own samples; equal slices make the average over
+            # ranks equal to the global mean.
+            loss = batch_loss(emb(ids[mine].to(device)), target[mine].to(device)).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return emb.full_weight().cpu()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size, group_size", LAYOUTS)
 @pytest.mark.parametrize("scheme", ["mod", "range"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_parity_with_single_process_reference(rank_pools, world_size, scheme, case, device):
+def test_parity_with_single_process_reference(rank_pools, world_size, group_size, scheme, case, device):
     name, kwargs = CASES[case]
     batches = make_batches()
     initial = ls.init.normal()(torch.arange(N), D, SEED)
     expected = reference_train(name, kwargs, initial, batches)
-    results = rank_pools(world_size, device).run(train_sharded, name, kwargs, scheme, batches, device)
+    results = rank_pools(world_size, device).run(train_sharded, name, kwargs, scheme, batches, device, group_size)
     for got in results:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert_replicas_identical([(got,) for got in results], group_size)
     assert not torch.equal(expected, initial), "the run must actually train"
 
 
@@ -81,29 +83,31 @@ def test_local_table_without_process_group_matches_reference():
     torch.testing.assert_close(emb.full_weight(), expected, rtol=1e-5, atol=1e-6)
 
 
-def _accumulate_and_multi_table(device: str = "cpu"):
+def _accumulate_and_multi_table(device: str = "cpu", group_size: int | None = None):
     """Two tables (different widths) in one optimizer, two backward passes per step."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    a = ls.SparseEmbedding(13, 3, seed=1, sharding="range", device=device)
-    b = ls.SparseEmbedding(7, 5, seed=2, device=device)
-    opt = ls.SparseSGD([a, b], lr=0.1)
-    gen = torch.Generator().manual_seed(5)
-    for _ in range(3):
-        for _micro in range(2):
-            ids_a = torch.randint(0, 13, (4 * world,), generator=gen)
-            ids_b = torch.randint(0, 7, (2 * world,), generator=gen)
-            mine_a, mine_b = ids_a.chunk(world)[rank].to(device), ids_b.chunk(world)[rank].to(device)
-            loss = a(mine_a).pow(2).sum() + (b(mine_b) * 3).sum()
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return a.full_weight().cpu(), b.full_weight().cpu(), opt.stats.bytes_sent
+    with table_groups(group_size) as groups:
+        a = ls.SparseEmbedding(13, 3, seed=1, sharding="range", device=device, **groups)
+        b = ls.SparseEmbedding(7, 5, seed=2, device=device, **groups)
+        opt = ls.SparseSGD([a, b], lr=0.1)
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            for _micro in range(2):
+                ids_a = torch.randint(0, 13, (4 * world,), generator=gen)
+                ids_b = torch.randint(0, 7, (2 * world,), generator=gen)
+                mine_a, mine_b = ids_a.chunk(world)[rank].to(device), ids_b.chunk(world)[rank].to(device)
+                loss = a(mine_a).pow(2).sum() + (b(mine_b) * 3).sum()
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return a.full_weight().cpu(), b.full_weight().cpu(), opt.stats.bytes_sent
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_gradient_accumulation_and_two_tables(rank_pools, world_size, device):
-    results = rank_pools(world_size, device).run(_accumulate_and_multi_table, device)
+@pytest.mark.parametrize("world_size, group_size", LAYOUTS)
+def test_gradient_accumulation_and_two_tables(rank_pools, world_size, group_size, device):
+    results = rank_pools(world_size, device).run(_accumulate_and_multi_table, device, group_size)
+    assert_replicas_identical([result[:2] for result in results], group_size)
     a = torch.nn.Embedding(13, 3, sparse=True)
     b = torch.nn.Embedding(7, 5, sparse=True)
     with torch.no_grad():

@@ -23,7 +23,7 @@ import lightning_sparse as ls
 from references import make_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from mirror import init_mirror  # noqa: E402
+from mirror import init_mirror, mirror_groups  # noqa: E402
 
 RANK, STEPS, BATCH = 5, 3, 48
 # name: (rows per rank, dim, dtype)
@@ -88,19 +88,30 @@ def halves(batch: dict, accumulate: bool) -> list[dict]:
              for key, value in batch.items()} for first in (True, False)]  # fmt: skip
 
 
-def train_mirrored(name: str, kwargs: dict, scheme: str, world_size: int, accumulate: bool = False) -> tuple[list[dict], dict]:
+def train_mirrored(name: str, kwargs: dict, scheme: str, world_size: int, accumulate: bool = False,
+                   group_size: int | None = None) -> tuple[list[dict], dict]:  # fmt: skip
+    """``group_size``: 2-D sharding over mirrored groups of that many ranks, replicated ``world_size / group_size`` times.
+
+    A shard then gets each row's gradient from the ``group_size`` ranks of its group (loss scaled
+    by ``group_size``) and from each of the ``world_size / group_size`` replicas, divided by ``world_size``.
+    """
     shards = initial_shards()
-    tables = {t: ls.SparseEmbedding(rows * world_size, dim, dtype=dtype, sharding=scheme)
+    placement, shard_ranks = {}, world_size
+    if group_size is not None:
+        shard_group, replica_group = mirror_groups(RANK, world_size, group_size)
+        placement, shard_ranks = {"process_group": shard_group, "replica_group": replica_group}, group_size
+    tables = {t: ls.SparseEmbedding(rows * shard_ranks, dim, dtype=dtype, sharding=scheme, **placement)
               for t, (rows, dim, dtype) in TABLES.items()}  # fmt: skip
     for t, table in tables.items():
         table.materialize()
-        assert table.world_size == world_size and table.rank == RANK
+        assert table.world_size == shard_ranks and table.rank == RANK % shard_ranks
+        assert table.replicas == world_size // shard_ranks
         table.shard.copy_(shards[t])
     collection = ls.SparseEmbeddingCollection(tables, features={"user": "user", "clicked": "item", "candidates": "item",
                                               "tags": "tag"}, pooling={"clicked": "sum", "tags": "mean"})  # fmt: skip
     opt = getattr(ls, name)([collection], **kwargs)
     outputs = []
-    for whole in make_batches(world_size):
+    for whole in make_batches(shard_ranks):
         for batch in halves(whole, accumulate):
             out = collection({
                 "user": batch["user"],
@@ -109,7 +120,7 @@ def train_mirrored(name: str, kwargs: dict, scheme: str, world_size: int, accumu
                 "tags": ls.JaggedIds(batch["tags"][0], lengths=batch["tags"][1]),
             })  # fmt: skip
             outputs.append({k: v.detach().clone() for k, v in out.items()})
-            (loss_of(out, batch["target"]) * world_size).backward()  # gradients are averaged over the ranks, as by DDP
+            (loss_of(out, batch["target"]) * shard_ranks).backward()  # gradients are averaged over the ranks, as by DDP
         opt.step()
         opt.zero_grad()
     return outputs, {t: table.shard.detach().clone() for t, table in tables.items()}
@@ -159,6 +170,22 @@ def test_collection_at_large_world_size_matches_plain_torch(mirror, case, scheme
         torch.testing.assert_close(shards[t], expected[t], rtol=1e-5, atol=1e-6)
         assert not torch.equal(expected[t], initial_shards()[t]), "the run must actually train"
     assert mirror.counts.calls["all_to_all_single"] >= 3 * STEPS
+
+
+@pytest.mark.parametrize("mirror", [1024], indirect=True, ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("scheme", ["mod", "range"])
+@pytest.mark.parametrize("case", ["adagrad", "adam-row"])
+def test_two_d_sharding_at_large_world_size_matches_plain_torch(mirror, case, scheme):
+    """Groups of 128 ranks, 8 replicas: the all-to-alls stay inside the group, the replicas' gradients are summed."""
+    name, kwargs = CASES[case]
+    outputs, shards = train_mirrored(name, kwargs, scheme, mirror.size(), group_size=128)
+    expected_outputs, expected = train_reference(name, kwargs, scheme, 128)
+    for out, ref in zip(outputs, expected_outputs):
+        for feature in ref:
+            torch.testing.assert_close(out[feature], ref[feature], rtol=1e-5, atol=1e-6)
+    for t in TABLES:
+        torch.testing.assert_close(shards[t], expected[t], rtol=1e-5, atol=1e-6)
+    assert mirror.counts.calls == {}, "the default group carries nothing: tables use their sharding and replica groups"
 
 
 @pytest.mark.parametrize("mirror", [1024], indirect=True, ids=lambda w: f"W{w}")

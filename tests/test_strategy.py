@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+from datetime import timedelta
 
 import lightning.pytorch as pl
 import pytest
@@ -13,7 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_models as lm
 import lightning_sparse as ls
-from rank_pool import RankError
+from rank_pool import COLLECTIVE_TIMEOUT_S, RankError
+
+TIMEOUT = timedelta(seconds=COLLECTIVE_TIMEOUT_S)  # for the process groups a strategy makes (2-D sharding)
 
 
 def _rank() -> int:
@@ -45,6 +48,12 @@ CASES = {
         dict(),
     ),
     "static-graph": (dict(), dict(strategy=dict(static_graph=True)), dict()),
+    # 2-D sharding: tables sharded over groups of 2 ranks, replicated across the groups.
+    "two-d": (dict(), dict(strategy=dict(sharding_group_size=2, timeout=TIMEOUT)), dict()),
+    "two-d-accumulate": (  # batches of 2: 6 per rank and epoch, so that every optimizer step takes 2
+        dict(batch_size=2), dict(strategy=dict(sharding_group_size=2, timeout=TIMEOUT), accumulate_grad_batches=2),
+        dict(accumulate=2),
+    ),
     "adam-global": (
         dict(sparse="SparseAdam", sparse_kwargs=dict(lr=0.05, bias_correction="global")),
         dict(),
@@ -54,12 +63,15 @@ CASES = {
 
 
 @pytest.mark.parametrize(
-    "world_size, case", [(2, case) for case in CASES] + [(1, "automatic"), (3, "automatic"), (3, "accumulate")]
-)
+    "world_size, case",
+    [(2, case) for case in CASES if not case.startswith("two-d")]
+    + [(1, "automatic"), (3, "automatic"), (3, "accumulate"), (4, "automatic"), (4, "two-d"), (4, "two-d-accumulate"),
+       (8, "automatic")],
+)  # fmt: skip
 def test_fit_matches_plain_torch_reference(rank_pools, world_size, case):
     module_kwargs, trainer_kwargs, reference_kwargs = CASES[case]
     reference_kwargs = {"sparse_cls": torch.optim.Adagrad, "sparse_kwargs": {"lr": 0.2}, **reference_kwargs}
-    batches = lm.global_batches(world_size, batch_size=4, epochs=2)
+    batches = lm.global_batches(world_size, batch_size=module_kwargs.get("batch_size", 4), epochs=2)
     expected = lm.reference(batches, **reference_kwargs)
     results = rank_pools(world_size).run(_fit, world_size, module_kwargs, {"max_epochs": 2, **trainer_kwargs})
     initial = lm.reference([], **reference_kwargs)

@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
@@ -32,6 +33,7 @@ from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.exchange import ExchangeStats, IncomingGrads, OutgoingGrads, grads_to_owners
 from lightning_sparse.grouping import SortedKeys, coalesce
 from lightning_sparse.pending import LookupRecord
+from lightning_sparse.replicas import OwnedGrads, grads_over_replicas
 
 DUPLICATE_GRADS = ("sum", "mean")
 
@@ -88,7 +90,8 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
             table.materialize()
         known = list(self._tables.values())
         for table in tables:
-            if known and (table.process_group, table.world_size) != (known[0].process_group, known[0].world_size):
+            placement = (table.process_group, table.world_size, table.replica_group, table.replicas)
+            if known and placement != (known[0].process_group, known[0].world_size, known[0].replica_group, known[0].replicas):
                 raise ValueError(
                     f"{table.name} is sharded over a different process group than {known[0].name}. "
                     f"HINT: use one optimizer per process group."
@@ -140,13 +143,14 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         mean = any(group["duplicate_grads"] == "mean" for group, _ in entries)
         outgoing = [_outgoing(table, group["duplicate_grads"] == "mean", group.get("check_finite", False))
                     for (group, _), table in zip(entries, tables)]  # fmt: skip
-        first = tables[0]
-        incoming = grads_to_owners(
-            outgoing, first.process_group, first.world_size, first.rank,
-            _wire_dtype([t.dtype for t in tables], mean), first.device, self.stats,
-        )  # fmt: skip
-        return [(*_owned(table, group["duplicate_grads"], grads), grads.nonfinite_ranks)
-                for (group, _), table, grads in zip(entries, tables, incoming)]  # fmt: skip
+        first, wire = tables[0], _wire_dtype([t.dtype for t in tables], mean)
+        incoming = grads_to_owners(outgoing, first.process_group, first.world_size, first.rank, wire, first.device, self.stats)
+        owned = [_coalesced(table, grads, out.width, wire) for table, grads, out in zip(tables, incoming, outgoing)]
+        if first.replicas > 1:  # 2-D sharding: sum each row's gradient over the replicas of the shard
+            bounds = [table.sharding.block_size for table in tables]
+            owned = grads_over_replicas(owned, bounds, first.replica_group, first.replicas, self.stats)
+        return [(*_scaled(table, group["duplicate_grads"], grads), grads.touched, grads.nonfinite_ranks)
+                for (group, _), table, grads in zip(entries, tables, owned)]  # fmt: skip
 
     def _raise_if_not_finite(self, entries: list[tuple[dict[str, Any], Tensor]], grads: list[tuple]) -> None:
         """Every rank learned the same ranks from the exchange, so every rank raises alike (before any update)."""
@@ -231,19 +235,30 @@ def _outgoing(table: SparseEmbedding, mean: bool, check_finite: bool = False) ->
     return out
 
 
-def _owned(table: SparseEmbedding, duplicate_grads: str, grads: IncomingGrads) -> tuple[Tensor, Tensor, bool]:
-    """The received gradient rows of a table, coalesced by row and scaled: (local rows, gradient, touched)."""
+def _coalesced(table: SparseEmbedding, grads: IncomingGrads, width: int, wire: torch.dtype) -> OwnedGrads:
+    """The received gradient rows of a table, coalesced by row: ``[rows, width]`` in the wire dtype, not scaled yet."""
+    bad = grads.nonfinite_ranks
+    if bad and table.world_size > 1:  # group ranks -> global ranks
+        bad = [dist.get_global_rank(table.process_group, r) for r in bad]
     if not grads.rows:
-        return grads_empty_rows(table), table.shard.new_empty(0, table.embedding_dim), grads.touched
+        return OwnedGrads(grads_empty_rows(table), table.shard.new_empty(0, width, dtype=wire), grads.touched, bad)
     if grads.distinct:
         rows, values = grads.rows[0], grads.values[0]
     else:  # a row may have come from several ranks or lookups
         rows, values = (torch.cat(pieces) if len(pieces) > 1 else pieces[0] for pieces in (grads.rows, grads.values))
         rows, values = coalesce(rows, values, table.sharding.block_size)
-    values = values.to(table.dtype)
+    return OwnedGrads(rows, values.to(wire), grads.touched, bad)
+
+
+def _scaled(table: SparseEmbedding, duplicate_grads: str, grads: OwnedGrads) -> tuple[Tensor, Tensor]:
+    """(local rows, gradient in the table's dtype): the sum over all ranks divided by their number, or by the occurrences."""
+    rows, values = grads.rows, grads.values.to(table.dtype)
+    if not len(rows):
+        return rows, values[:, : table.embedding_dim]
     if duplicate_grads == "mean":
-        return rows, values[:, :-1] / values[:, -1:], grads.touched
-    return rows, values / table.world_size if table.world_size > 1 else values, grads.touched
+        return rows, values[:, :-1] / values[:, -1:]
+    ranks = table.world_size * table.replicas  # every rank of the job, as DDP averages dense gradients
+    return rows, values / ranks if ranks > 1 else values
 
 
 def _values(record: LookupRecord, mean: bool) -> Tensor:

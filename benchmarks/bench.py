@@ -68,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench.json"))
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="page whose results block is regenerated")
     parser.add_argument("--no-report", action="store_true")
+    parser.add_argument("--only", choices=["scale"], help="measure this section again into the existing --out file")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    if args.only:
+        return _rerun(args.only, plan, Path(args.out), None if args.no_report else Path(args.doc))
     start = time.perf_counter()
     doc = {"benchmark": "lightning_sparse", "quick": args.quick, "created": datetime.datetime.now().isoformat(timespec="seconds"),
            "machine": _machine(), "versions": _versions(), "allocator": _allocator(), "code": _code()}  # fmt: skip
@@ -109,6 +112,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'met ' if target['met'] else 'MISS'}  {target['name']}: {target['measured']}")
     if not args.no_report:
         report.write(doc, out, Path(args.doc))
+    return 0
+
+
+def _rerun(section: str, plan: dict, out: Path, page: Path | None) -> int:
+    """Measure one section again and put it into the existing results (noted in the report with its commit)."""
+    doc = json.loads(out.read_text())
+    print(f"{section} (again)...", flush=True)
+    doc[section] = {"scale": scale.run}[section](**plan[section])
+    code = _code()
+    doc.setdefault("rerun", {})[section] = {"created": datetime.datetime.now().isoformat(timespec="seconds"),
+                                            "commit": code["commit"] + (" with uncommitted changes" if code["uncommitted"] else "")}  # fmt: skip
+    doc["targets"] = report.targets(doc)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    for target in doc["targets"]:
+        print(f"  {'met ' if target['met'] else 'MISS'}  {target['name']}: {target['measured']}")
+    if page is not None:
+        report.write(doc, out, page)
     return 0
 
 

@@ -129,7 +129,9 @@ def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
         f"{' with uncommitted changes' if doc['code']['uncommitted'] else ''}. Threads: {doc['threads']['single_process']} "
         f"in the one-process section, 1 per rank with 2 ranks. Allocator: "
         f"{', '.join(f'{k}={val}' for k, val in doc['allocator'].items())}. Whole run: {doc['wall_s']:.0f} s"
-        f"{' (**--quick smoke run: small sizes, not for conclusions**)' if doc['quick'] else ''}.",
+        f"{' (**--quick smoke run: small sizes, not for conclusions**)' if doc['quick'] else ''}."
+        + "".join(f" The {name} section was measured again on {again['created']} at commit `{again['commit']}` "
+                  f"(`bench.py --only {name}`)." for name, again in doc.get("rerun", {}).items()),
         "",
         "### Targets",
         "",
@@ -143,6 +145,8 @@ def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
     lines += _distributed_markdown(doc.get("distributed", {}))
     lines += _collection_markdown(doc.get("collection", {}))
     lines += _scale_markdown(doc.get("scale", {}))
+    if not doc.get("quick"):
+        lines += _scaling_model_markdown(doc)
     gpu = doc.get("gpu", {})
     lines += ["", "### One GPU", ""]
     if "skipped" in gpu:
@@ -191,6 +195,16 @@ def _scale_markdown(section: dict) -> list[str]:
             "sharded over groups of G ranks (rows per rank as above) and replicated W / G times; the all-to-alls stay "
             "inside the group, and the replicas' gradients are summed by two all-gathers over W / G ranks.", "",
             scale.table(section)]  # fmt: skip
+
+
+def _scaling_model_markdown(doc: dict) -> list[str]:
+    import scaling_model
+
+    rows = scaling_model.model([8, 64, 512, 1024, 4096], scaling_model.host_times(doc))
+    return ["", "### Scaling model: DLRM-sized, W = 8 ... 4,096", "",
+            "`benchmarks/scaling_model.py` (assumptions in its docstring and under *Scaling model* above): Criteo's 26 "
+            "tables at dim 128, 65,536 samples per rank, per rank and step. Host ms: this run's simulator, scaled by 16.",
+            "", scaling_model.table(rows)]  # fmt: skip
 
 
 def _single_markdown(section: dict) -> list[str]:

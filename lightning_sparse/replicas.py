@@ -110,8 +110,7 @@ def grads_over_replicas(
             stats.collectives += 1 + (most > 0)
             stats.bytes_sent += (replicas - 1) * (header.numel() * 8 + most)
             stats.bytes_received += (replicas - 1) * header.numel() * 8 + int(sent.sum()) - int(sent[_rank(group)])
-        flags = headers[:, 1:].amax(0)
-        touched, first_bad = flags[0].tolist(), headers[:, 2].t().tolist()
+        touched, first_bad = headers[:, 1].amax(0).tolist(), headers[:, 2].t().tolist()
         if most == 0:
             summed = [(t.rows, t.values) for t in tables]
         else:

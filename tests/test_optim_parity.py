@@ -270,9 +270,15 @@ def test_tables_of_mixed_dtypes_share_one_round(rank_pools, device):
         torch.testing.assert_close(result, torch.stack(expected), rtol=1e-3, atol=1e-3)
 
 
-def _non_finite_on_one_rank(check: bool):
+def _non_finite_on_one_rank(check: bool, group_size: int | None = None):
+    with table_groups(group_size) as groups:
+        return _step_with_inf_on_last_rank(check, groups)
+
+
+def _step_with_inf_on_last_rank(check: bool, groups: dict):
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    users, items = ls.SparseEmbedding(20, 2, seed=1, name="users"), ls.SparseEmbedding(20, 2, seed=2, name="items")
+    users = ls.SparseEmbedding(20, 2, seed=1, name="users", **groups)
+    items = ls.SparseEmbedding(20, 2, seed=2, name="items", **groups)
     opt = ls.SparseAdam([users, items], lr=0.1, check_finite=check)
     before = (users.full_weight(), items.full_weight())
     scale = float("inf") if rank == world - 1 else 1.0
@@ -288,11 +294,12 @@ def _non_finite_on_one_rank(check: bool):
     return outcome, unchanged, bool(torch.isfinite(users.full_weight()).all())
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_check_finite_raises_on_every_rank_and_updates_nothing(rank_pools, world_size):
-    for outcome, unchanged, finite in rank_pools(world_size).run(_non_finite_on_one_rank, True):
+@pytest.mark.parametrize("world_size, group_size", [(1, None), (2, None), (4, 2)])
+def test_check_finite_raises_on_every_rank_and_updates_nothing(rank_pools, world_size, group_size):
+    """Under 2-D sharding (4, 2) the other sharding group learns of the inf through the replica round."""
+    for outcome, unchanged, finite in rank_pools(world_size).run(_non_finite_on_one_rank, True, group_size):
         assert f"not finite (inf or NaN) for users on rank(s) [{world_size - 1}]" in outcome and "HINT" in outcome
         assert "items" not in outcome.split("HINT")[0].split("for ", 1)[1]
         assert unchanged and finite
-    for outcome, unchanged, finite in rank_pools(world_size).run(_non_finite_on_one_rank, False):
+    for outcome, unchanged, finite in rank_pools(world_size).run(_non_finite_on_one_rank, False, group_size):
         assert outcome == "stepped" and not unchanged and not finite  # the default: torch's behaviour, rows poisoned

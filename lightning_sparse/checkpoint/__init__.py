@@ -181,8 +181,10 @@ def _describer(data: Path, row_tensors: dict[str, dict[str, Any]], world_size: i
             if path.name == ".metadata":
                 return f"the DCP metadata of band {band} of {what(key)}"
             entry, rank = row_tensors[key], int(path.name[2:].split("_")[0])
+            ranks = entry.get("ranks", world_size)  # the table's sharding group (2-D: its replicas write one copy)
+            rank %= ranks
             start = band * entry["part_rows"]
-            rows = RowSharding(min(entry["shape"][0], start + entry["part_rows"]) - start, world_size, "range")
+            rows = RowSharding(min(entry["shape"][0], start + entry["part_rows"]) - start, ranks, "range")
             first = start + rank * rows.block_size
             return f"rows {first}..{first + rows.num_local_rows(rank) - 1} of {what(key)}"
         if path.name == METADATA_FILE:

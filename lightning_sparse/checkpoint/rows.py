@@ -104,7 +104,7 @@ class RowStore:
                      no_dist=not self.distributed)  # fmt: skip
             del block
         return {"table": table.name, "shape": [table.num_embeddings, *local.shape[1:]], "dtype": str(local.dtype).removeprefix("torch."),
-                "parts": parts, "part_rows": part_rows}  # fmt: skip
+                "parts": parts, "part_rows": part_rows, "ranks": table.world_size}  # fmt: skip
 
     def load(self, key: str, table: SparseEmbedding, out: Tensor, stored: dict[str, Any], load: Any) -> None:
         """Fill ``out`` (this rank's rows in the table's sharding) from the stored tensor ``key``, band by band. Collective.

@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print("single process (CPU)...", flush=True)
     doc["single_process"] = [single_process.run(**plan["single_process"], with_fbgemm=single_process.fbgemm_available())]
-    print("single process (CPU, freed memory kept)...", flush=True)
-    doc["single_process"].append(_single_process_keeping_memory(plan["single_process"]))
+    if not args.quick:  # a second process with another allocator setting: nothing a smoke run needs
+        print("single process (CPU, freed memory kept)...", flush=True)
+        doc["single_process"].append(_single_process_keeping_memory(plan["single_process"]))
     if args.device == "cuda":
         print("single process (CUDA)...", flush=True)
         doc["single_process"].append(single_process.run(**plan["single_process"], with_fbgemm=False, device="cuda"))

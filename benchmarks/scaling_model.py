@@ -41,7 +41,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from collection import CRITEO  # noqa: E402
+from collection import CRITEO
 
 DIM, SAMPLES, GPUS_PER_HOST = 128, 65_536, 8
 ROW_BYTES, STATE_BYTES, ID_BYTES = 4 * DIM, 4, 8
@@ -50,7 +50,7 @@ ALPHA_S = 5e-6  # per peer message (assumed)
 SIMULATED_SAMPLES = 4096  # per rank, in the simulator's 26-table workload
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def expected_distinct(rows: int, draws: int) -> float:
     """Expected distinct values among ``draws`` ids drawn as ``floor(rows * U ** 4)``."""
     edges = (torch.arange(rows + 1, dtype=torch.float64) / rows) ** 0.25
@@ -103,9 +103,9 @@ def table(rows: list[dict]) -> str:
     def fmt(value: float | None, spec: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
-    lines = ["| W | G | shard + state / rank | sent / rank / step | of which replica round | messages / step | "
-             "replica buffer | wire ms | host ms | predicted step ms | TorchRec 2-D sync / step |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    header = ("| W | G | shard + state / rank | sent / rank / step | of which replica round | messages / step | "
+              "replica buffer | wire ms | host ms | predicted step ms | TorchRec 2-D sync / step |")
+    lines = [header, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['world_size']} | {r['group_size']} | {r['shard_gib']:.2f} GiB | {r['sent_mib']:.0f} MiB | "
                      f"{r['replica_mib']:.0f} MiB | {r['messages']} | {r['replica_buffer_mib']:.0f} MiB | "

@@ -122,6 +122,16 @@ def _block_starts(counts: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _shifted(sizes: Tensor, shift: Tensor, total: int) -> Tensor:
-    """``arange(total)`` plus, for each item, the shift of its block (blocks of ``sizes``, in order)."""
-    block = torch.repeat_interleave(torch.arange(len(sizes), device=sizes.device), sizes, output_size=total)
-    return torch.arange(total, device=sizes.device) + shift.index_select(0, block)
+    """``arange(total)`` plus, for each item, the shift of its block (blocks of ``sizes``, in order).
+
+    Each block adds the change of shift from the block before it at its first item, and a
+    cumulative sum spreads it over the block: empty blocks' changes telescope into the next
+    block's, so the work is one pass over the blocks and one over the items (with many blocks,
+    most of them empty, this beats expanding a block index with ``repeat_interleave``).
+    """
+    starts = torch.cumsum(sizes, 0) - sizes
+    change = shift.clone()
+    change[1:] -= shift[:-1]
+    delta = torch.zeros(total + 1, dtype=shift.dtype, device=shift.device)  # + 1: where trailing empty blocks start
+    delta.index_add_(0, starts, change)
+    return torch.arange(total, device=sizes.device) + torch.cumsum(delta[:total], 0)

@@ -28,6 +28,8 @@ def rank_pools():
         return pools[key]
 
     yield get
+    for pool in pools.values():  # every pool's ranks exit at once
+        pool.stop()
     errors = []
     for pool in pools.values():
         try:

@@ -142,6 +142,7 @@ class RankPool:
         for p in self._procs:
             p.start()
         self.broken = False
+        self._stopped = False
 
     def run_raw(self, fn: Callable[..., Any], *args: Any, timeout: float = JOB_TIMEOUT_S) -> list[Any]:
         """Per-rank results, with a :class:`RankError` in place of a rank that raised or died."""
@@ -176,10 +177,16 @@ class RankPool:
             raise AssertionError("\n".join(errors))
         return results
 
+    def stop(self) -> None:
+        """Tell the ranks to leave (they destroy their group and exit); :meth:`close` waits for them."""
+        if not self._stopped:
+            for inbox in self._inboxes:
+                inbox.put(None)
+            self._stopped = True
+
     def close(self) -> None:
-        """Stop the ranks; raises unless each exited with code 0 (an abort at exit is -6)."""
-        for inbox in self._inboxes:
-            inbox.put(None)
+        """Stop the ranks and wait; raises unless each exited with code 0 (an abort at exit is -6)."""
+        self.stop()
         for p in self._procs:
             p.join(timeout=30)
             if p.is_alive():

@@ -66,21 +66,30 @@ def _load(world_size: int, ckpt: str, schemes: tuple[str, str], group_size: int 
     return _everything(module, trainer)
 
 
-# A layout is a world size, or (world size, sharding group size) for 2-D sharding.
-@pytest.mark.parametrize(
-    "saved_on, loaded_on, schemes",
-    [(2, 3, ("mod", "range")), (2, 1, ("mod", "range")), (2, 2, ("range", "mod")), (3, 2, ("mod", "range")),
-     ((4, 2), 3, ("range", "mod")), (2, (4, 2), ("range", "mod"))],
-    ids=str,
-)  # fmt: skip
-def test_checkpoint_reshards_on_load(rank_pools, tmp_path, saved_on, loaded_on, schemes):
-    (save_world, save_group), (load_world, load_group) = (on if isinstance(on, tuple) else (on, None) for on in (saved_on, loaded_on))
+def _layout(on: int | tuple[int, int]) -> tuple[int, int | None]:
+    """A layout is a world size, or (world size, sharding group size) for 2-D sharding."""
+    return on if isinstance(on, tuple) else (on, None)
+
+
+# Saved on a layout -> loaded on each of these, with these sharding schemes (saved with ("mod", "range")).
+MOVES = {
+    2: [(3, ("mod", "range")), (1, ("mod", "range")), (2, ("range", "mod")), ((4, 2), ("range", "mod"))],
+    3: [(2, ("mod", "range"))],
+    (4, 2): [(3, ("range", "mod"))],
+}
+
+
+@pytest.mark.parametrize("saved_on", list(MOVES), ids=str)
+def test_checkpoint_reshards_on_load(rank_pools, tmp_path, saved_on):
+    save_world, save_group = _layout(saved_on)
     (expected, ckpt), *_ = rank_pools(save_world).run(_save, save_world, str(tmp_path), ("mod", "range"), save_group)
     assert expected["global_step"] > 0 and "opt1.0.row_step" in expected and "opt2.0.sum" in expected
-    for got in rank_pools(load_world).run(_load, load_world, ckpt, schemes, load_group):
-        assert set(got) == set(expected)
-        for key, value in expected.items():
-            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+    for loaded_on, schemes in MOVES[saved_on]:
+        load_world, load_group = _layout(loaded_on)
+        for got in rank_pools(load_world).run(_load, load_world, ckpt, schemes, load_group):
+            assert set(got) == set(expected)
+            for key, value in expected.items():
+                torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=f"{saved_on} -> {loaded_on}: {key}")
 
 
 def _save_adam_table(directory: str, group_size: int | None = None) -> str:

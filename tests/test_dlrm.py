@@ -86,6 +86,7 @@ def test_dlrm_trains_on_two_processes_and_auroc_rises():
 @pytest.mark.timeout(300)
 def test_dlrm_reads_criteo_tsv_with_one_flag(tmp_path):
     write_tsv(tmp_path / "train.tsv", 600)
+    # One process: the flag is about reading the file (test_dlrm_trains_on_two_processes... covers 2 processes).
     out = _fit(["--data.tsv", str(tmp_path / "train.tsv"), "--data.val_samples", "100", "--data.max_rows", "500",
-                "--data.batch_size", "64", "--trainer.max_epochs", "1"])  # fmt: skip
+                "--data.batch_size", "64", "--trainer.max_epochs", "1", "--trainer.devices", "1"])  # fmt: skip
     assert "epoch 0: val_auroc" in out, out

@@ -13,12 +13,13 @@ import gc
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from rank_pool import RankPool
+from rank_pool import COLLECTIVE_TIMEOUT_S, RankPool, free_port
 
 import lightning_sparse as ls
 from lightning_sparse import exits
@@ -61,12 +62,28 @@ def _use_after_destroy() -> str:
     return "no error"
 
 
-def test_a_table_used_after_destroy_process_group_says_so():
-    pool = RankPool(2)  # its group is destroyed: not a shared pool
+@pytest.fixture(scope="module")
+def regrouping_pool():
+    """Two ranks for jobs that destroy their process group (so not a shared pool): each job makes a new one after."""
+    pool = RankPool(2)
+    yield pool
+    pool.close()
+
+
+def _then_new_group(port: int, job, *args):
+    """Run ``job``, which destroys or releases the default group; then join a new default group on ``port``."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
-        results = pool.run_raw(_use_after_destroy, timeout=60)
+        return job(*args)
     finally:
-        pool.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))  # fmt: skip
+
+
+def test_a_table_used_after_destroy_process_group_says_so(regrouping_pool):
+    results = regrouping_pool.run_raw(_then_new_group, free_port(), _use_after_destroy, timeout=60)
     for message in results:
         assert "has been destroyed" in message and "HINT" in message
 
@@ -88,12 +105,8 @@ def _release(with_ddp: bool) -> dict:
 
 
 @pytest.mark.parametrize("with_ddp", [False, True], ids=["free", "held-by-ddp"])
-def test_release_destroys_the_groups_and_drains_their_workers(with_ddp):
-    pool = RankPool(2)  # its group is destroyed: not a shared pool
-    try:
-        results = pool.run(_release, with_ddp, timeout=60)
-    finally:
-        pool.close()
+def test_release_destroys_the_groups_and_drains_their_workers(regrouping_pool, with_ddp):
+    results = regrouping_pool.run(_then_new_group, free_port(), _release, with_ddp, timeout=60)
     for result in results:
         assert not result["initialized"] and result["quiet"], result
 

@@ -82,11 +82,11 @@ def _fit(config: str, args: list[str]) -> str:
 
 @needs_wn18rr
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("config", ["distmult.yaml", "complex.yaml"])
-def test_ci_sized_run_trains_on_two_processes(config):
+@pytest.mark.parametrize("config, epochs", [("distmult.yaml", 3), ("complex.yaml", 6)])  # DistMult: MRR 0.018 after 3
+def test_ci_sized_run_trains_on_two_processes(config, epochs):
     """A slice of WN18RR, a few steps, one evaluation: the MRR beats chance by far."""
-    out = _fit(config, ["--data.limit_train", "3000", "--data.limit_eval", "200", "--trainer.max_epochs", "6",
-                        "--trainer.check_val_every_n_epoch", "6", "--model.dim", "32", "--model.lr", "0.3"])  # fmt: skip
+    out = _fit(config, ["--data.limit_train", "3000", "--data.limit_eval", "200", "--trainer.max_epochs", str(epochs),
+                        "--trainer.check_val_every_n_epoch", str(epochs), "--model.dim", "32", "--model.lr", "0.3"])  # fmt: skip
     mrr = [float(v) for v in re.findall(r"val: mrr ([0-9.]+)", out)]
     assert mrr and mrr[-1] > 0.01, out  # chance: about 3e-4 for 40,943 entities (a slice of the data: most answers unseen)
 

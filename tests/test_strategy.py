@@ -402,8 +402,10 @@ class OutOfOrder(lm.TwoTower):
         return self.mlp(torch.cat([self.users(users), first, second], dim=-1)).squeeze(-1)
 
 
-def _fit_error(module_cls: type, strategy: str, devices: int) -> str:
+def _fit_error(module_cls: type, strategy: str | dict, devices: int) -> str:
     lm.lightning_env(_rank(), 2)
+    if isinstance(strategy, dict):  # SparseDDPStrategy's options
+        strategy = ls.SparseDDPStrategy(**strategy)
     lm.trainer(devices, strategy=strategy).fit(module_cls())
     return "no error"
 
@@ -417,6 +419,7 @@ def _fit_error(module_cls: type, strategy: str, devices: int) -> str:
         (MissingTable, "sparse_ddp", 2, "No sparse optimizer updates items. HINT"),
         (OutOfOrder, "sparse_ddp", 2, "Ranks looked up different tables in the same round"),
         (lm.TwoTower, "ddp", 2, 'used under Lightning\'s DDPStrategy, which does not shard or step SparseEmbeddings. HINT: pass strategy="sparse_ddp"'),
+        (lm.TwoTower, dict(sharding_group_size=3), 2, "Invalid sharding_group_size: 3 for 2 ranks. HINT: use a divisor"),
     ],
 )
 def test_error_paths_name_the_fix(rank_pools, module_cls, strategy, devices, message):

@@ -95,8 +95,7 @@ def transpose_blocks(counts: Tensor, total: int) -> Tensor:
     >>> transpose_blocks(torch.tensor([[2, 1], [1, 0]]), 4).tolist()   # x x | y, z | -  ->  x x z | y
     [0, 1, 3, 2]
     """
-    in_starts, out_starts = _block_starts(counts)
-    by_b = counts.t().reshape(-1)
+    in_starts, out_starts, by_b = _block_starts(counts)
     return _shifted(by_b, (in_starts - out_starts).view(counts.shape).t().reshape(-1), total)
 
 
@@ -109,16 +108,17 @@ def transposed_places(counts: Tensor, total: int) -> Tensor:
     >>> transposed_places(torch.tensor([[2, 1], [1, 0]]), 4).tolist()
     [0, 1, 3, 2]
     """
-    in_starts, out_starts = _block_starts(counts)
+    in_starts, out_starts, _ = _block_starts(counts)
     return _shifted(counts.reshape(-1), out_starts - in_starts, total)
 
 
-def _block_starts(counts: Tensor) -> tuple[Tensor, Tensor]:
-    """Where each block starts in the ``a``-major and in the ``b``-major layout, both listed ``a``-major."""
+def _block_starts(counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Where each block starts in the ``a``-major and in the ``b``-major layout, both listed ``a``-major;
+    and the block sizes listed ``b``-major (one transposed copy, shared with the caller)."""
     flat = counts.reshape(-1)
     by_b = counts.t().reshape(-1)
     out_starts = (torch.cumsum(by_b, 0) - by_b).view(counts.shape[1], counts.shape[0]).t().reshape(-1)
-    return torch.cumsum(flat, 0) - flat, out_starts
+    return torch.cumsum(flat, 0) - flat, out_starts, by_b
 
 
 def _shifted(sizes: Tensor, shift: Tensor, total: int) -> Tensor:

@@ -86,7 +86,11 @@ class MirrorGroup(dist.ProcessGroup):
             own = input_split_sizes[self._rank] * row
         else:  # equal splits
             own = input.numel() * input.element_size() // self._world_size
-        peers = sum(1 for r, s in enumerate(input_split_sizes) if s and r != self._rank) if input_split_sizes else self._world_size - 1
+        if input_split_sizes:  # the ranks other than this one that get a non-empty split (counted in C, not a Python loop)
+            splits = list(input_split_sizes)
+            peers = len(splits) - splits.count(0) - (splits[self._rank] != 0)
+        else:
+            peers = self._world_size - 1
         self.counts.count("all_to_all_single", peers, input.numel() * input.element_size() - own)
         return _done(output)
 

@@ -45,7 +45,7 @@ from lightning_sparse.exchange import (
     parts_received,
 )
 from lightning_sparse.features import FeatureIds, Problem, read_features
-from lightning_sparse.grouping import SortedKeys, transpose_blocks
+from lightning_sparse.grouping import SortedKeys, transpose_blocks, transposed_places
 from lightning_sparse.packing import common_unit, pack, unpack
 from lightning_sparse.lookup import _DEVICES, _DTYPES, _TYPES, _name, check_one_unit
 
@@ -135,8 +135,9 @@ def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[s
     runs.finish(mine.total)
     distinct = mine.split(runs.unique)  # each table's distinct joint keys, by owner
     if route is not None:
-        table_routes = _table_routes(route, joint)
-        rows = _rows_from_owners(collection, route, mine, table_routes)
+        theirs = _TableMajor(route.recv_parts, route.device_parts[1])
+        table_routes = _table_routes(route, joint, theirs)
+        rows = _rows_from_owners(collection, route, mine, theirs, table_routes)
     else:
         with torch.no_grad():  # one owner: a joint local id less the table's offset is the row
             rows = [table.shard.index_select(0, keys - joint.offsets[part]) for part, (table, keys) in enumerate(zip(tables, distinct))]
@@ -178,8 +179,9 @@ def serve_collection(collection: "SparseEmbeddingCollection", route: Route) -> N
     route.recv_parts = device_recv.cpu()  # a host read: this rank is idle
     nothing = torch.zeros(joint.world_size, joint.num_parts, dtype=torch.int64)
     route.send_parts, route.device_parts = nothing, (nothing.to(device_recv.device), device_recv)
-    table_routes = _table_routes(route, joint)
-    _rows_from_owners(collection, route, _TableMajor(route.send_parts, route.device_parts[0]), table_routes)
+    theirs = _TableMajor(route.recv_parts, route.device_parts[1])
+    table_routes = _table_routes(route, joint, theirs)
+    _rows_from_owners(collection, route, _TableMajor(route.send_parts, route.device_parts[0]), theirs, table_routes)
     if route.records:
         for table, table_route in zip(collection.table_list, table_routes):
             table.pending.route = table_route
@@ -224,35 +226,38 @@ class _TableMajor:
 
     def within_table(self, items: Tensor) -> Tensor:
         """For items given by their index in the round, each one's index among its table's items."""
-        by_table = torch.empty_like(self.gather).index_copy_(0, self.gather, torch.arange(self.total, device=self.gather.device))
-        per_table = self.device_counts.sum(0)
-        table = torch.repeat_interleave(torch.arange(self.counts.shape[1], device=per_table.device).repeat(self.counts.shape[0]),
-                                        self.device_counts.view(-1), output_size=self.total)  # fmt: skip
-        return (by_table - (torch.cumsum(per_table, 0) - per_table).index_select(0, table)).index_select(0, items)
+        return transposed_places(self.device_counts, self.total, within_b=True).index_select(0, items)
 
 
-def _table_routes(route: Route, joint: Any) -> list[Route]:
-    """Each table's share of a joint route: its splits, and the local rows the owner sent (by requester)."""
-    received = _TableMajor(route.recv_parts, route.device_parts[1]).split(route.received)
-    send, recv = route.send_parts.t().tolist(), route.recv_parts.t().tolist()
-    return [Route(send[part], recv[part], rows - joint.offsets[part], route.headers, send_counts=route.send_parts[:, part],
-                  recv_counts=route.recv_parts[:, part]) for part, rows in enumerate(received)]  # fmt: skip
+def _table_routes(route: Route, joint: Any, theirs: _TableMajor) -> list[Route]:
+    """Each table's share of a joint route: its splits, and the local rows the owner sent (by requester).
+
+    ``theirs``: the round's received ids per (requester, table), as the owner turns them by table.
+    """
+    received = theirs.split(route.received)
+    return [Route(route.send_parts[:, part], route.recv_parts[:, part], rows - joint.offsets[part], route.headers)
+            for part, rows in enumerate(received)]  # fmt: skip
 
 
 def _rows_from_owners(
-    collection: "SparseEmbeddingCollection", route: Route, mine: _TableMajor, table_routes: list[Route]
+    collection: "SparseEmbeddingCollection", route: Route, mine: _TableMajor, theirs: _TableMajor, table_routes: list[Route]
 ) -> list[Tensor]:
-    """Stage 2 for all tables: owners gather every table's rows and send them in one buffer; returns each table's rows."""
+    """Stage 2 for all tables: owners gather every table's rows and send them in one buffer; returns each table's rows.
+
+    When all tables have one width, a row is one unit of the buffer, and the turns between
+    (rank, table) and (table, rank) order are the ones ``mine`` and ``theirs`` made already.
+    """
     tables, joint = collection.table_list, collection.joint_sharding
     first, wire = tables[0], collection.wire_dtype
     widths = [t.embedding_dim for t in tables]
     unit = common_unit(widths)
+    one_width = len(set(widths)) == 1
     with record_function("lightning_sparse.rows_to_requesters"), torch.no_grad():
         gathered = [table.shard.index_select(0, table_route.received).to(wire) for table, table_route in zip(tables, table_routes)]
-        send, send_sizes = pack(gathered, route.recv_parts.t(), route.device_parts[1].t(), unit)
+        send, send_sizes = pack(gathered, route.recv_parts.t(), route.device_parts[1].t(), unit, theirs.gather if one_width else None)
         recv_sizes = (mine.counts * torch.tensor(widths)).sum(1).tolist()
         back = exchange_values(send, send_sizes, recv_sizes, first.process_group, joint.world_size, first.rank, collection.stats)
-        rows = unpack(back, mine.counts.t(), mine.device_counts.t(), widths, unit)
+        rows = unpack(back, mine.counts.t(), mine.device_counts.t(), widths, unit, mine.gather if one_width else None)
     return [piece.to(table.dtype) for piece, table in zip(rows, tables)]
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import astuple, dataclass, field
+from functools import cached_property
 from itertools import accumulate
 from typing import Callable, Sequence
 
@@ -222,14 +223,15 @@ class Headers:
 class Route:
     """How one lookup's ids travelled, kept to send the rows back and, later, their gradients.
 
-    On the requester, ids went in ascending owner-major key order, ``send_splits[j]`` of them
+    On the requester, ids went in ascending owner-major key order, ``send_counts[j]`` of them
     to rank ``j``; rows come back in that order. On the owner, ``received`` holds the local row
-    indices that each requester asked for, grouped by requester (``recv_splits``), each group
+    indices that each requester asked for, grouped by requester (``recv_counts``), each group
     ascending. ``headers`` are every rank's :class:`LookupHeader` (the same on every rank).
     """
 
-    send_splits: list[int]
-    recv_splits: list[int]
+    # Ids sent to and received from each rank, ``[W]`` host int64 (as lists: ``send_splits``, ``recv_splits``).
+    send_counts: Tensor
+    recv_counts: Tensor
     received: Tensor
     headers: Headers
     # For several tables in one round (a JointSharding): ids per (rank, table), ``[W, T]`` int64,
@@ -238,15 +240,13 @@ class Route:
     recv_parts: Tensor | None = None
     device_parts: tuple[Tensor, Tensor] | None = None
 
-    # The splits as host int64 tensors (made from the lists when not given).
-    send_counts: Tensor | None = None
-    recv_counts: Tensor | None = None
+    @cached_property
+    def send_splits(self) -> list[int]:
+        return self.send_counts.tolist()
 
-    def __post_init__(self) -> None:
-        if self.send_counts is None:
-            self.send_counts = torch.tensor(self.send_splits, dtype=torch.int64)
-        if self.recv_counts is None:
-            self.recv_counts = torch.tensor(self.recv_splits, dtype=torch.int64)
+    @cached_property
+    def recv_splits(self) -> list[int]:
+        return self.recv_counts.tolist()
 
     @property
     def records(self) -> bool:
@@ -295,7 +295,9 @@ def ids_to_owners(
         slots = _SLOTS.get(group, 0)
         below = runs.counts_below(sharding.key_boundaries(device))
         counts = below[1:] - below[:-1]
-        send = _pack(runs, sharding, below, slots, device)
+        keys = runs.sorted.to(torch.int64)
+        owner, local = sharding.owner_of_key(keys), sharding.local_of_key(keys)
+        send = _pack(runs, owner, local, below, slots, world_size, device)
         rows = send.view(world_size, width + slots)
         rows[:, 0] = counts
         rows[:, 1:width] = fields
@@ -307,8 +309,8 @@ def ids_to_owners(
             recv = recv.view(world_size, width + slots)
             read = [counts, recv[:, :width].reshape(-1)]
             if parts:
-                below_parts = runs.counts_below(sharding.part_boundaries(device))
-                device_parts = ((below_parts[1:] - below_parts[:-1]).view(world_size, parts), _parts_in_slots(recv, sharding))
+                sent_parts = runs.counts_in_blocks(sharding.block(owner, local), world_size * parts).view(world_size, parts)
+                device_parts = (sent_parts, _parts_in_slots(recv, sharding))
                 read += [part.reshape(-1) for part in device_parts]
             on_host = torch.cat(read).cpu()  # the stage's one host read
         send_splits = on_host[:world_size].tolist()
@@ -320,8 +322,7 @@ def ids_to_owners(
         if check is not None:
             check(headers)
         recv_splits = headers.table[:, 0].tolist()
-        received = _segments(recv.view(-1), [r * (width + slots) + width for r in range(world_size)],
-                             [min(c, slots) for c in recv_splits])  # fmt: skip
+        received = _segments(recv.view(-1), torch.arange(world_size) * (width + slots) + width, headers.table[:, 0].clamp(max=slots))
         if most > slots:  # overflow: the ids beyond the slots, in a second round
             received = _overflow(runs, sharding, send_splits, recv_splits, slots, received, group, rank, stats)
             if parts:  # the slots held only some ids: count them all (a second host read, with the second round)
@@ -333,7 +334,7 @@ def ids_to_owners(
         stats.bytes_received += sent * (world_size - 1) // world_size
         stats.collectives += 1
         stats.exchange_seconds += time.perf_counter() - start
-    route = Route(send_splits, recv_splits, received, headers, send_counts=on_host[:world_size], recv_counts=headers.table[:, 0])
+    route = Route(on_host[:world_size], headers.table[:, 0], received, headers)
     if parts:
         route.send_parts, route.recv_parts, route.device_parts = send_parts, recv_parts, device_parts
     return route
@@ -362,33 +363,34 @@ def parts_received(received: Tensor, recv_splits: Sequence[int], sharding: Joint
     return counts.scatter_add_(0, where, torch.ones_like(where)).view(world_size, parts)
 
 
-def _pack(runs: SortedKeys, sharding: RowSharding, below: Tensor, slots: int, device: torch.device) -> Tensor:
+def _pack(runs: SortedKeys, owner: Tensor, local: Tensor, below: Tensor, slots: int, world_size: int, device: torch.device) -> Tensor:
     """The send buffer of stage 1: per destination a header (filled by the caller) and ``slots`` ids.
 
-    Built without a host read: each distinct key goes to slot ``its index among its owner's
-    keys``; keys beyond the slots, outside the table, or repeated go to scratch places past
-    the end, which are not sent.
+    ``owner`` and ``local`` are the owner and local id of each sorted key. Built without a host
+    read: each distinct key goes to slot ``its index among its owner's keys``; keys beyond the
+    slots, outside the table, or repeated go to scratch places past the end, which are not sent.
     """
-    world_size, width = sharding.world_size, LookupHeader.WIDTH + slots
+    width = LookupHeader.WIDTH + slots
     n = len(runs.sorted)
     send = torch.zeros(world_size * width + n, dtype=torch.int64, device=device)
     if n == 0 or slots == 0:
         return send[: world_size * width]
-    keys = runs.sorted.to(torch.int64)
-    owner = sharding.owner_of_key(keys)
     inside = (owner >= 0) & (owner < world_size) & runs.is_first
-    owner.clamp_(0, world_size - 1)
+    owner = owner.clamp(0, world_size - 1)
     within = runs.run_index() - below.index_select(0, owner)
     place = owner * width + LookupHeader.WIDTH + within
     scratch = torch.arange(world_size * width, world_size * width + n, device=device)
-    send.index_copy_(0, torch.where(inside & (within < slots), place, scratch), sharding.local_of_key(keys))
+    send.index_copy_(0, torch.where(inside & (within < slots), place, scratch), local)
     return send[: world_size * width]
 
 
-def _segments(flat: Tensor, starts: Sequence[int], lengths: Sequence[int]) -> Tensor:
-    """``flat[starts[0] : starts[0] + lengths[0]]``, then the next segment, ... as one tensor (one gather)."""
-    lengths_t, total = torch.tensor(lengths, dtype=torch.int64), sum(lengths)
-    offsets = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64) - (lengths_t.cumsum(0) - lengths_t), lengths_t, output_size=total)
+def _segments(flat: Tensor, starts: Tensor, lengths: Tensor) -> Tensor:
+    """``flat[starts[0] : starts[0] + lengths[0]]``, then the next segment, ... as one tensor (one gather).
+
+    ``starts`` and ``lengths`` are host int64 tensors (one per rank: no Python loop over ranks).
+    """
+    total = int(lengths.sum())
+    offsets = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths, output_size=total)
     index = torch.arange(total) + offsets
     return flat.index_select(0, index.to(flat.device, non_blocking=True))
 
@@ -401,7 +403,7 @@ def _overflow(runs, sharding, send_splits, recv_splits, slots, received, group, 
     starts = split_starts(send_splits)
     extra_send = [max(0, c - slots) for c in send_splits]
     extra_recv = [max(0, c - slots) for c in recv_splits]
-    extra = _segments(local, [s + slots for s in starts[:-1]], extra_send)
+    extra = _segments(local, torch.tensor(starts[:-1], dtype=torch.int64) + slots, torch.tensor(extra_send, dtype=torch.int64))
     extra = exchange_values(extra, extra_send, extra_recv, group, world_size, rank, stats)
     counts = torch.tensor([[min(c, slots) for c in recv_splits], extra_recv], dtype=torch.int64)  # [2, W]
     both = torch.cat([received, extra])  # all slots' ids by source, then all extra ids by source

@@ -52,6 +52,21 @@ class SortedKeys:
         positions = torch.searchsorted(self.sorted, boundaries.to(self.sorted.dtype))
         return torch.cat([self._run.new_zeros(1), self._run]).index_select(0, positions)
 
+    def counts_in_blocks(self, blocks: Tensor, num_blocks: int) -> Tensor:
+        """How many distinct keys fall in each of ``num_blocks`` blocks, given each sorted key's block (no host read).
+
+        One pass over the keys: with about as many blocks as keys (ranks x tables at thousands of
+        ranks), this beats :meth:`counts_below`'s binary search per boundary. Keys whose block is
+        outside ``0 .. num_blocks - 1`` are not counted.
+
+        >>> runs = SortedKeys(torch.tensor([7, 3, 7, 9]))
+        >>> runs.counts_in_blocks(runs.sorted // 4, 3).tolist()   # blocks [0, 4), [4, 8), [8, 12)
+        [1, 1, 1]
+        """
+        counted = self.is_first & (blocks >= 0) & (blocks < num_blocks)
+        counts = torch.zeros(num_blocks + 1, dtype=torch.int64, device=blocks.device)  # + 1: a bin for the uncounted
+        return counts.index_add_(0, torch.where(counted, blocks, num_blocks), counted.to(torch.int64))[:-1]
+
     def finish(self, num_unique: int | None = None) -> "SortedKeys":
         """Materialize ``unique`` and ``offsets`` (where each run starts in sorted order)."""
         if num_unique is not None and self.is_first.is_cuda:  # no host read for the output size
@@ -95,43 +110,50 @@ def transpose_blocks(counts: Tensor, total: int) -> Tensor:
     >>> transpose_blocks(torch.tensor([[2, 1], [1, 0]]), 4).tolist()   # x x | y, z | -  ->  x x z | y
     [0, 1, 3, 2]
     """
-    in_starts, out_starts, by_b = _block_starts(counts)
-    return _shifted(by_b, (in_starts - out_starts).view(counts.shape).t().reshape(-1), total)
+    by_b = counts.t().reshape(-1)
+    out_starts = _starts(by_b)  # listed b-major, as the output goes
+    in_starts = _starts(counts.reshape(-1)).view(counts.shape).t().reshape(-1)
+    return _shifted(out_starts, in_starts - out_starts, total)
 
 
-def transposed_places(counts: Tensor, total: int) -> Tensor:
+def transposed_places(counts: Tensor, total: int, within_b: bool = False) -> Tensor:
     """The scatter for the same turn: where each item of the ``a``-major layout lands in the ``b``-major one.
 
     ``output[places] = input``; the inverse of :func:`transpose_blocks`, for a producer that
     writes its items straight into the output (one copy instead of a concatenation and a gather).
+    ``within_b``: places counted from the start of the item's ``b`` (its index among the items of
+    its ``b``), e.g. an item's index among its table's items when ``b`` is the table.
 
     >>> transposed_places(torch.tensor([[2, 1], [1, 0]]), 4).tolist()
     [0, 1, 3, 2]
+    >>> transposed_places(torch.tensor([[2, 1], [1, 0]]), 4, within_b=True).tolist()
+    [0, 1, 0, 2]
     """
-    in_starts, out_starts, _ = _block_starts(counts)
-    return _shifted(counts.reshape(-1), out_starts - in_starts, total)
+    in_starts = _starts(counts.reshape(-1))  # listed a-major, as the input goes
+    out_starts = _starts(counts.t().reshape(-1)).view(counts.shape[1], counts.shape[0])
+    if within_b:  # block (0, b) starts b's items in the output
+        out_starts = out_starts - out_starts[:, :1]
+    return _shifted(in_starts, out_starts.t().reshape(-1) - in_starts, total)
 
 
-def _block_starts(counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Where each block starts in the ``a``-major and in the ``b``-major layout, both listed ``a``-major;
-    and the block sizes listed ``b``-major (one transposed copy, shared with the caller)."""
-    flat = counts.reshape(-1)
-    by_b = counts.t().reshape(-1)
-    out_starts = (torch.cumsum(by_b, 0) - by_b).view(counts.shape[1], counts.shape[0]).t().reshape(-1)
-    return torch.cumsum(flat, 0) - flat, out_starts, by_b
+def _starts(sizes: Tensor) -> Tensor:
+    """Where each of consecutive blocks of ``sizes`` starts: the exclusive cumulative sum (one pass)."""
+    starts = torch.zeros_like(sizes)
+    if len(sizes) > 1:
+        torch.cumsum(sizes[:-1], 0, out=starts[1:])
+    return starts
 
 
-def _shifted(sizes: Tensor, shift: Tensor, total: int) -> Tensor:
-    """``arange(total)`` plus, for each item, the shift of its block (blocks of ``sizes``, in order).
+def _shifted(starts: Tensor, shift: Tensor, total: int) -> Tensor:
+    """``arange(total)`` plus, for each item, the shift of its block (consecutive blocks starting at ``starts``).
 
     Each block adds the change of shift from the block before it at its first item, and a
     cumulative sum spreads it over the block: empty blocks' changes telescope into the next
     block's, so the work is one pass over the blocks and one over the items (with many blocks,
     most of them empty, this beats expanding a block index with ``repeat_interleave``).
     """
-    starts = torch.cumsum(sizes, 0) - sizes
     change = shift.clone()
     change[1:] -= shift[:-1]
     delta = torch.zeros(total + 1, dtype=shift.dtype, device=shift.device)  # + 1: where trailing empty blocks start
     delta.index_add_(0, starts, change)
-    return torch.arange(total, device=sizes.device) + torch.cumsum(delta[:total], 0)
+    return torch.arange(total, device=starts.device) + torch.cumsum(delta[:total], 0)

@@ -40,12 +40,14 @@ def to_device(counts: Tensor, device: torch.device) -> Tensor:
 FEW_BLOCKS = 128
 
 
-def pack(rows: list[Tensor], counts: Tensor, device_counts: Tensor, unit: int) -> tuple[Tensor, list[int]]:
+def pack(rows: list[Tensor], counts: Tensor, device_counts: Tensor, unit: int, places: Tensor | None = None) -> tuple[Tensor, list[int]]:
     """One flat buffer by destination, then table; and the number of values for each destination.
 
     ``rows[t]`` holds table ``t``'s rows ``[n_t, w_t]``, by destination: ``counts[t, d]`` rows for
     rank ``d`` (``counts`` ``[T, W]`` int64 on the host, ``device_counts`` the same on the rows'
-    device). Every ``w_t`` must be a multiple of ``unit``.
+    device). Every ``w_t`` must be a multiple of ``unit``. ``places``: where each unit lands, if
+    the caller has it already (when every row is one unit, the gather of
+    ``transpose_blocks(device_counts.t(), ...)``: the turn that split the items by table).
     """
     if counts.numel() <= FEW_BLOCKS:  # few blocks: slices and one concatenation, sizes from the host lists
         lengths, widths = counts.tolist(), [r.shape[1] for r in rows]
@@ -59,18 +61,20 @@ def pack(rows: list[Tensor], counts: Tensor, device_counts: Tensor, unit: int) -
     sizes_per_destination = (counts * widths.unsqueeze(1)).sum(0).tolist()
     unit_counts = device_counts * to_device(widths // unit, device_counts.device).unsqueeze(1)
     sizes = [r.numel() // unit for r in rows]
-    places = transposed_places(unit_counts, sum(sizes)).split(sizes)
+    places = (places if places is not None else transposed_places(unit_counts, sum(sizes))).split(sizes)
     out = rows[0].new_empty(sum(sizes), unit)
     for table_rows, table_places in zip(rows, places):  # each table's rows written once, straight into place
         out.index_copy_(0, table_places, table_rows.reshape(-1, unit))
     return out.view(-1), sizes_per_destination
 
 
-def unpack(flat: Tensor, counts: Tensor, device_counts: Tensor, widths: list[int], unit: int) -> list[Tensor]:
+def unpack(flat: Tensor, counts: Tensor, device_counts: Tensor, widths: list[int], unit: int, gather: Tensor | None = None) -> list[Tensor]:
     """The inverse of :func:`pack` on the receiving side: per table ``[rows, w_t]``, by source.
 
     ``flat`` holds, by source, then table, ``counts[t, s]`` rows of width ``widths[t]`` for each
     table ``t`` from source ``s`` (``counts`` ``[T, W]`` on the host, ``device_counts`` on ``flat``'s device).
+    ``gather``: the units' gather, if the caller has it already (when every row is one unit,
+    ``transpose_blocks(device_counts.t(), ...)``).
     """
     if counts.numel() <= FEW_BLOCKS:  # few blocks: slices and one concatenation per table
         lengths = counts.tolist()
@@ -80,5 +84,6 @@ def unpack(flat: Tensor, counts: Tensor, device_counts: Tensor, widths: list[int
     units = torch.tensor(widths, dtype=torch.int64) // unit
     by_source = flat.view(-1, unit)
     unit_counts = (device_counts * to_device(units, device_counts.device).unsqueeze(1)).t()
-    gathers = transpose_blocks(unit_counts, len(by_source)).split((counts.sum(1) * units).tolist())
+    gather = gather if gather is not None else transpose_blocks(unit_counts, len(by_source))
+    gathers = gather.split((counts.sum(1) * units).tolist())
     return [by_source.index_select(0, gather).view(-1, width) for gather, width in zip(gathers, widths)]

@@ -180,6 +180,10 @@ class JointSharding:
     def local_of_key(self, keys: Tensor) -> Tensor:
         return torch.remainder(keys, self.block_size)
 
+    def block(self, owner: Tensor, local: Tensor) -> Tensor:
+        """The (owner, table) block of keys with these owners and joint local ids, owner-major: ``owner * T + table``."""
+        return owner * self.num_parts + self.part_of_local(local)
+
     def part_of_local(self, local: Tensor) -> Tensor:
         """The table of each joint local id."""
         return torch.bucketize(local, torch.tensor(self.offsets[1:-1], dtype=local.dtype, device=local.device), right=True)

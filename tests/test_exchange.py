@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 import lightning_sparse as ls
-from lightning_sparse.grouping import SortedKeys, coalesce
+from lightning_sparse.grouping import SortedKeys, coalesce, transpose_blocks, transposed_places
 from rank_pool import DEVICES
 
 HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "equal", "cpu"}
@@ -67,9 +67,32 @@ def test_sorted_keys_dedup_group_and_segment_sum(values, use_bound):
     boundaries = torch.tensor([0, 10, 25, 51])
     below = runs.counts_below(boundaries).tolist()
     assert below == [int((unique < b).sum()) for b in boundaries.tolist()]
+    blocks = runs.sorted.to(torch.int64) // 10  # block 5 (the key 50) is outside the 5 counted blocks
+    assert runs.counts_in_blocks(blocks, 5).tolist() == [int(((unique >= 10 * b) & (unique < 10 * b + 10)).sum()) for b in range(5)]
     ids, sums = coalesce(keys, values_2d)
     assert ids.tolist() == unique.tolist()
     torch.testing.assert_close(sums, expected)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), rows=st.integers(0, 6), columns=st.integers(0, 6))
+def test_block_transposes_match_slicing_block_by_block(data, rows, columns):
+    sizes = data.draw(st.lists(st.integers(0, 3), min_size=rows * columns, max_size=rows * columns))
+    counts = torch.tensor(sizes, dtype=torch.int64).view(rows, columns)
+    total = int(counts.sum())
+    items = torch.arange(total)
+    blocks = dict(zip([(a, b) for a in range(rows) for b in range(columns)], items.split(sizes)))  # a-major input
+    by_b = [blocks[a, b] for b in range(columns) for a in range(rows)]
+    expected = torch.cat(by_b).tolist() if by_b else []
+    assert transpose_blocks(counts, total).tolist() == expected
+    assert torch.empty(total, dtype=torch.int64).index_copy_(0, transposed_places(counts, total), items).tolist() == expected
+    within = torch.empty(total, dtype=torch.int64)
+    for b in range(columns):  # each item's index among its column's items
+        column = [blocks[a, b] for a in range(rows)]
+        if column:
+            mine = torch.cat(column)
+            within[mine] = torch.arange(len(mine))
+    assert transposed_places(counts, total, within_b=True).tolist() == within.tolist()
 
 
 # ---------------------------------------------------------------- collectives and host reads

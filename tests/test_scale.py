@@ -173,6 +173,20 @@ def test_collection_at_large_world_size_matches_plain_torch(mirror, case, scheme
 
 
 @pytest.mark.parametrize("mirror", [1024], indirect=True, ids=lambda w: f"W{w}")
+def test_collection_of_one_width_at_large_world_size_matches_plain_torch(mirror, monkeypatch):
+    """Tables of one width: stage 2 packs and unpacks with the turns its lookup already made (no turns of its own)."""
+    monkeypatch.setitem(globals(), "TABLES", {t: (rows, 4, dtype) for t, (rows, _, dtype) in TABLES.items()})
+    name, kwargs = CASES["adagrad"]
+    outputs, shards = train_mirrored(name, kwargs, "mod", mirror.size())
+    expected_outputs, expected = train_reference(name, kwargs, "mod", mirror.size())
+    for out, ref in zip(outputs, expected_outputs):
+        for feature in ref:
+            torch.testing.assert_close(out[feature], ref[feature], rtol=1e-5, atol=1e-6)
+    for t in TABLES:
+        torch.testing.assert_close(shards[t], expected[t], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mirror", [1024], indirect=True, ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("scheme", ["mod", "range"])
 @pytest.mark.parametrize("case", ["adagrad", "adam-row"])
 def test_two_d_sharding_at_large_world_size_matches_plain_torch(mirror, case, scheme):

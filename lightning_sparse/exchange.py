@@ -309,8 +309,7 @@ def ids_to_owners(
             recv = recv.view(world_size, width + slots)
             read = [counts, recv[:, :width].reshape(-1)]
             if parts:
-                sent_parts = runs.counts_in_blocks(sharding.block(owner, local), world_size * parts).view(world_size, parts)
-                device_parts = (sent_parts, _parts_in_slots(recv, sharding))
+                device_parts = (_parts_sent(runs, sharding, owner, local), _parts_in_slots(recv, sharding))
                 read += [part.reshape(-1) for part in device_parts]
             on_host = torch.cat(read).cpu()  # the stage's one host read
         send_splits = on_host[:world_size].tolist()
@@ -338,6 +337,27 @@ def ids_to_owners(
     if parts:
         route.send_parts, route.recv_parts, route.device_parts = send_parts, recv_parts, device_parts
     return route
+
+
+# Binary searches per (owner, table) boundary beat one pass over the keys while the keys outnumber
+# the blocks this many times (a pass costs several tensor ops per key, a search ~log2(keys) steps per block).
+_KEYS_PER_BLOCK_TO_SEARCH = 16
+
+
+def _parts_sent(runs: SortedKeys, sharding: JointSharding, owner: Tensor, local: Tensor) -> Tensor:
+    """This rank's distinct ids per (owner, table), ``[W, T]``, without a host read.
+
+    ``owner`` and ``local``: each sorted key's owner and joint local id. Few blocks for the keys:
+    a binary search per block boundary; about as many blocks as keys (thousands of ranks): one
+    pass over the keys.
+    """
+    blocks = sharding.world_size * sharding.num_parts
+    if blocks * _KEYS_PER_BLOCK_TO_SEARCH < len(runs.sorted):
+        below = runs.counts_below(sharding.part_boundaries(owner.device))
+        counts = below[1:] - below[:-1]
+    else:
+        counts = runs.counts_in_blocks(sharding.block(owner, local), blocks)
+    return counts.view(sharding.world_size, sharding.num_parts)
 
 
 def _parts_in_slots(recv: Tensor, sharding: JointSharding) -> Tensor:

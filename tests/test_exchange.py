@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 import lightning_sparse as ls
 from lightning_sparse.grouping import SortedKeys, coalesce, transpose_blocks, transposed_places
+from lightning_sparse.sharding import JointSharding, RowSharding
 from rank_pool import DEVICES
 
 HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "equal", "cpu"}
@@ -72,6 +73,20 @@ def test_sorted_keys_dedup_group_and_segment_sum(values, use_bound):
     ids, sums = coalesce(keys, values_2d)
     assert ids.tolist() == unique.tolist()
     torch.testing.assert_close(sums, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), world_size=st.integers(1, 5), sizes=st.lists(st.integers(1, 9), min_size=1, max_size=4))
+def test_ids_per_owner_and_table_by_search_and_by_one_pass_agree(data, world_size, sizes):
+    """The stage-1 sender counts its ids per (owner, table) block one of two ways (few blocks or many): same counts."""
+    joint = JointSharding(tuple(RowSharding(n, world_size, data.draw(st.sampled_from(["mod", "range"]))) for n in sizes))
+    keys = [joint.key(t, torch.tensor(data.draw(st.lists(st.integers(0, n - 1), max_size=12)), dtype=torch.int64))
+            for t, n in enumerate(sizes)]  # fmt: skip
+    runs = SortedKeys(torch.cat(keys), joint.key_bound)
+    below = runs.counts_below(joint.part_boundaries())
+    sorted_keys = runs.sorted.to(torch.int64)
+    blocks = joint.block(joint.owner_of_key(sorted_keys), joint.local_of_key(sorted_keys))
+    assert runs.counts_in_blocks(blocks, world_size * len(sizes)).tolist() == (below[1:] - below[:-1]).tolist()
 
 
 @settings(max_examples=80, deadline=None)

@@ -43,7 +43,7 @@ test: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict
 
-# The benchmark suite (about 10 minutes on 2 cores; run it on an idle machine): writes
+# The benchmark suite (about 13 minutes on 2 cores; run it on an idle machine): writes
 # benchmarks/results/bench.json, the plots and the results block of docs/benchmarks.md.
 # BENCH_ARGS="--quick" for a smoke run, "--device cuda" to add the GPU section.
 bench: $(STAMP)

@@ -48,7 +48,7 @@ FULL = {
     "collection": dict(max_rows=1_000_000, batch=2048, rounds=5, steps_per_round=3),
     # (W, None): 1-D over W ranks; (W, G): 2-D, sharded over groups of G ranks, replicated W / G times.
     "scale": dict(worlds=[(8, None), (64, None), (512, None), (1024, None), (4096, None), (1024, 128), (4096, 512)],
-                  workloads=["26 tables", "1 table"], batch=4096, rows_cap=20_000, steps=5),  # fmt: skip
+                  workloads=["26 tables", "1 table"], batch=4096, rows_cap=20_000, steps=5, rounds=3),  # fmt: skip
 }
 QUICK = {
     "single_process": dict(rows=100_000, dim=64, batch=4096, rounds=2, steps_per_round=2, threads=2),

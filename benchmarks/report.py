@@ -191,6 +191,8 @@ def _scale_markdown(section: dict) -> list[str]:
             f"Rank {section['rank']} of a W-rank job whose peers mirror it (`benchmarks/scale.py`): the all-to-alls are "
             f"copies, so the step time is this rank's host work. {section['batch_per_rank']} samples per rank, at most "
             f"{section['rows_cap']} rows per table per rank (the tables grow with W), dim 64, row-wise Adagrad, 1 thread. "
+            f"Each layout ran {section.get('rounds', 1)} time(s) in interleaved rounds; shown: the round with the median "
+            "step time (every round's step time in the last column). "
             "Bytes and messages: what this rank would send to other ranks per step. G < W: 2-D sharding, tables "
             "sharded over groups of G ranks (rows per rank as above) and replicated W / G times; the all-to-alls stay "
             "inside the group, and the replicas' gradients are summed by two all-gathers over W / G ranks.", "",

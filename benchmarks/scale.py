@@ -165,39 +165,54 @@ def parse_layouts(text: str) -> list[tuple[int, int | None]]:
 
 
 def run(worlds: list[tuple[int, int | None]], workloads: list[str], batch: int, rows_cap: int, steps: int,
-        in_process: bool = False, timeout: float = 900) -> dict:  # fmt: skip
-    """Every (workload, W[/G]) in its own process (a fresh peak memory; ``in_process``: here, for a smoke run)."""
+        rounds: int = 1, in_process: bool = False, timeout: float = 900) -> dict:  # fmt: skip
+    """Every (workload, W[/G]) in its own process (a fresh peak memory; ``in_process``: here, for a smoke run).
+
+    ``rounds``: measure every layout that many times, the layouts interleaved (round 1 of each, then
+    round 2 ...), and keep for each the round with the median step time (all rounds' step times in
+    ``step_ms_rounds``): a slow moment of the machine then moves one round, not one layout's figure.
+    """
+    measured: dict[tuple[str, int, int | None], list[dict]] = {}
+    for _ in range(rounds):
+        for workload in workloads:
+            for world_size, group_size in worlds:
+                result = measure(world_size, workload, batch, rows_cap, steps, group_size) if in_process else \
+                    _measure_in_worker(world_size, group_size, workload, batch, rows_cap, steps, timeout)  # fmt: skip
+                measured.setdefault((workload, world_size, group_size), []).append(result)
     results = []
-    for workload in workloads:
-        for world_size, group_size in worlds:
-            if in_process:
-                result = measure(world_size, workload, batch, rows_cap, steps, group_size)
-                results.append(result)
-                continue
-            cmd = [sys.executable, "-W", "ignore", str(Path(__file__).resolve()), "--worker", str(world_size),
-                   "--workload", workload, "--batch", str(batch), "--rows-cap", str(rows_cap), "--steps", str(steps),
-                   *(["--group-size", str(group_size)] if group_size else [])]  # fmt: skip
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-            if done.returncode != 0:
-                raise RuntimeError(f"scale worker W={world_size} ({workload}) failed:\n{done.stderr[-3000:]}")
-            result = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"  {workload:<10} W={world_size:<5} G={result['group_size']:<5} step {result['step_ms']:8.1f} ms  "
-                  f"sent {result['peer_bytes'] / 2**20:7.2f} MiB to {result['peer_messages']:6.0f} peers  "
-                  f"peak {result['peak_rss_mib']:6.0f} MiB", flush=True)  # fmt: skip
-            results.append(result)
-    return {"rank": RANK, "batch_per_rank": batch, "rows_cap": rows_cap, "results": results}
+    for tries in measured.values():
+        middle = sorted(tries, key=lambda r: r["step_ms"])[(len(tries) - 1) // 2]
+        results.append({**middle, "step_ms_rounds": [r["step_ms"] for r in tries]})
+    return {"rank": RANK, "batch_per_rank": batch, "rows_cap": rows_cap, "rounds": rounds, "results": results}
+
+
+def _measure_in_worker(world_size: int, group_size: int | None, workload: str, batch: int, rows_cap: int, steps: int,
+                        timeout: float) -> dict:  # fmt: skip
+    """:func:`measure` in a fresh worker process (its own peak memory)."""
+    cmd = [sys.executable, "-W", "ignore", str(Path(__file__).resolve()), "--worker", str(world_size),
+           "--workload", workload, "--batch", str(batch), "--rows-cap", str(rows_cap), "--steps", str(steps),
+           *(["--group-size", str(group_size)] if group_size else [])]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"scale worker W={world_size} ({workload}) failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"  {workload:<10} W={world_size:<5} G={result['group_size']:<5} step {result['step_ms']:8.1f} ms  "
+          f"sent {result['peer_bytes'] / 2**20:7.2f} MiB to {result['peer_messages']:6.0f} peers  "
+          f"peak {result['peak_rss_mib']:6.0f} MiB", flush=True)  # fmt: skip
+    return result
 
 
 def table(section: dict) -> str:
     lines = ["| workload | W | G | step ms | lookup | backward | optimizer | ids_to_owners | rows_to_requesters | "
              "grads_to_owners | grads_over_replicas | bytes to peers / step | messages / step | all-to-all peers / step | "
-             "peak RSS MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "peak RSS MiB | step ms, each round |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in section["results"]:
         stages = " | ".join(f"{r['stage_ms'].get(s, 0.0):.1f}" for s in STAGES)
         lines.append(f"| {r['workload']} | {r['world_size']} | {r.get('group_size', r['world_size'])} | {r['step_ms']:.1f} | "
                      f"{r['lookup_ms']:.1f} | {r['backward_ms']:.1f} | {r['optimizer_ms']:.1f} | {stages} | "
                      f"{r['peer_bytes'] / 2**20:.2f} MiB | {r['peer_messages']:.0f} | "
-                     f"{r.get('all_to_all_peers', r['peer_messages']):.0f} | {r['peak_rss_mib']:.0f} |")  # fmt: skip
+                     f"{r.get('all_to_all_peers', r['peer_messages']):.0f} | {r['peak_rss_mib']:.0f} | "
+                     f"{', '.join(f'{t:.1f}' for t in r.get('step_ms_rounds', [r['step_ms']]))} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -209,6 +224,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4096, help="samples per rank per step")
     parser.add_argument("--rows-cap", type=int, default=20_000, help="most rows per table per rank")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="measure each layout this many times, interleaved; keep the median")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
@@ -217,7 +233,7 @@ def main() -> int:
     if args.worker:
         print(json.dumps(measure(args.worker, args.workload, args.batch, args.rows_cap, args.steps, args.group_size)))
         return 0
-    section = run(parse_layouts(args.worlds), args.workloads.split(","), args.batch, args.rows_cap, args.steps)
+    section = run(parse_layouts(args.worlds), args.workloads.split(","), args.batch, args.rows_cap, args.steps, args.rounds)
     print(table(section))
     if args.json:
         args.json.write_text(json.dumps(section, indent=1) + "\n")

@@ -51,3 +51,22 @@ def test_quick_benchmark_writes_results_and_report(tmp_path):
     assert "### Scale: one rank of W (simulator)" in text
     assert (tmp_path / "benchmarks-single.png").stat().st_size > 0
     assert text.startswith((ROOT / "docs" / "benchmarks.md").read_text().split("<!-- results:begin -->")[0])
+
+
+def test_scale_rounds_interleave_layouts_and_keep_the_median_round(monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scale
+
+    calls, times = [], iter([90.0, 300.0, 120.0, 100.0, 80.0, 110.0])  # W=8, W=64, W=8, W=64, W=8, W=64
+
+    def fake_measure(world_size, workload, batch, rows_cap, steps, group_size=None):
+        calls.append(world_size)
+        return {"world_size": world_size, "workload": workload, "step_ms": next(times), "call": len(calls)}
+
+    monkeypatch.setattr(scale, "measure", fake_measure)
+    section = scale.run([(8, None), (64, None)], ["26 tables"], 4, 10, 1, rounds=3, in_process=True)
+    assert calls == [8, 64, 8, 64, 8, 64]  # round by round, not layout by layout
+    by_world = {r["world_size"]: r for r in section["results"]}
+    assert by_world[8]["step_ms"] == 90.0 and by_world[8]["call"] == 1  # the median round's whole record
+    assert by_world[64]["step_ms"] == 110.0 and by_world[64]["step_ms_rounds"] == [300.0, 100.0, 110.0]
+    assert section["rounds"] == 3

@@ -17,7 +17,8 @@ group's ``timeout`` (torch's default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``), print
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from datetime import timedelta
+from typing import Any, Iterator
 
 import torch.distributed as dist
 
@@ -36,7 +37,7 @@ _LOST_PEER_MESSAGES = (
 
 
 class PeerFailure(RuntimeError):
-    """A collective of the sparse path failed: a peer rank died, hung or timed out."""
+    """A peer rank died, hung, timed out or could not be reached (a collective of the sparse path, or the job's start)."""
 
 
 def is_peer_failure(err: BaseException) -> bool:
@@ -63,3 +64,22 @@ def collective(what: str) -> Iterator[None]:
             ) from err
         err.add_note(f"(raised in lightning_sparse's {what}; not a lost peer)")
         raise
+
+
+def rendezvous_failure(err: BaseException, environment: Any, node_rank: int, timeout: timedelta | None) -> PeerFailure:
+    """The error for a job whose ranks could not meet at the start (``init_process_group`` failed).
+
+    ``err`` is torch's ``DistNetworkError`` (the address cannot be reached: a wrong MASTER_ADDR, no
+    route, a closed port) or ``DistStoreError`` (the ranks did not all arrive within the timeout).
+    Without this, the message names torch's store, not the settings a user has to fix.
+    """
+    address, port = environment.main_address, environment.main_port
+    rank, world_size = environment.global_rank(), environment.world_size()
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return PeerFailure(
+        f"Rank {rank} of {world_size} (node {node_rank}) could not start the job: the ranks did not all meet at "
+        f"MASTER_ADDR={address}, MASTER_PORT={port} within the timeout ({timeout}): {type(err).__name__}: {first_line} "
+        f"HINT: MASTER_ADDR must be the address of the host running NODE_RANK=0 as the other hosts see it, its port "
+        f"must be open between the hosts, every host must start its share of the {world_size} ranks, and on hosts "
+        f"with several network interfaces GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) must name the one that links them."
+    )

@@ -48,7 +48,7 @@ from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.launcher import SparseMultiProcessingLauncher
 from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.exchange import ExchangeStats
-from lightning_sparse.faults import PeerFailure, is_peer_failure
+from lightning_sparse.faults import PeerFailure, is_peer_failure, rendezvous_failure
 from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.replicas import sharding_groups
@@ -98,6 +98,13 @@ class SparseDDPStrategy(SparseCheckpointHooks, DDPStrategy):
         super()._configure_launcher()
         if self._start_method != "popen":  # ranks in child processes: rank 0 hands back full tables
             self._launcher = SparseMultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_distributed(self) -> None:
+        try:
+            super().setup_distributed()
+        except (dist.DistNetworkError, dist.DistStoreError) as err:  # the ranks never met: name the settings to fix
+            raise rendezvous_failure(err, self.cluster_environment, self.node_rank, self._timeout) from err
 
     @override
     def on_exception(self, exception: BaseException) -> None:

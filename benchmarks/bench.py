@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 import collection  # noqa: E402
 import distributed  # noqa: E402
+import network  # noqa: E402
 import report  # noqa: E402
 import scale  # noqa: E402
 import single_process  # noqa: E402
@@ -49,6 +50,7 @@ FULL = {
     # (W, None): 1-D over W ranks; (W, G): 2-D, sharded over groups of G ranks, replicated W / G times.
     "scale": dict(worlds=[(8, None), (64, None), (512, None), (1024, None), (4096, None), (1024, 128), (4096, 512)],
                   workloads=["26 tables", "1 table"], batch=4096, rows_cap=20_000, steps=5, rounds=3),  # fmt: skip
+    "network": dict(epochs=8, rounds=2),  # two stand-in hosts over slow, lossy links (root only)
 }
 QUICK = {
     "single_process": dict(rows=100_000, dim=64, batch=4096, rounds=2, steps_per_round=2, threads=2),
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench.json"))
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="page whose results block is regenerated")
     parser.add_argument("--no-report", action="store_true")
-    parser.add_argument("--only", choices=["scale"], help="measure this section again into the existing --out file")
+    parser.add_argument("--only", choices=["scale", "network"], help="measure this section again into the existing --out file")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.only:
@@ -95,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     doc["collection"] = collection.run(**plan["collection"])
     print("scale simulator (one rank of W)...", flush=True)
     doc["scale"] = scale.run(**plan["scale"])
+    if "network" in plan:
+        print("two hosts over slow, lossy links...", flush=True)
+        doc["network"] = network.run(**plan["network"])
     if args.device == "cuda":
         import gpu
 
@@ -120,7 +125,7 @@ def _rerun(section: str, plan: dict, out: Path, page: Path | None) -> int:
     """Measure one section again and put it into the existing results (noted in the report with its commit)."""
     doc = json.loads(out.read_text())
     print(f"{section} (again)...", flush=True)
-    doc[section] = {"scale": scale.run}[section](**plan[section])
+    doc[section] = {"scale": scale.run, "network": network.run}[section](**plan[section])
     code = _code()
     doc.setdefault("rerun", {})[section] = {"created": datetime.datetime.now().isoformat(timespec="seconds"),
                                             "commit": code["commit"] + (" with uncommitted changes" if code["uncommitted"] else "")}  # fmt: skip

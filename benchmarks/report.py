@@ -145,6 +145,7 @@ def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
     lines += _distributed_markdown(doc.get("distributed", {}))
     lines += _collection_markdown(doc.get("collection", {}))
     lines += _scale_markdown(doc.get("scale", {}))
+    lines += _network_markdown(doc.get("network", {}))
     if not doc.get("quick"):
         lines += _scaling_model_markdown(doc)
     gpu = doc.get("gpu", {})
@@ -197,6 +198,20 @@ def _scale_markdown(section: dict) -> list[str]:
             "sharded over groups of G ranks (rows per rank as above) and replicated W / G times; the all-to-alls stay "
             "inside the group, and the replicas' gradients are summed by two all-gathers over W / G ranks.", "",
             scale.table(section)]  # fmt: skip
+
+
+def _network_markdown(section: dict) -> list[str]:
+    if not section:
+        return []
+    lines = ["", "### Two hosts over slow, lossy links", ""]
+    if "skipped" in section:
+        return lines + [f"Not run: {section['skipped']}."]
+    import network
+
+    return lines + [f"`benchmarks/network.py`: the collection model of the multi-host tests, one rank on each of two "
+                    f"stand-in hosts (network namespaces), {section['epochs']} epochs x {section['rounds']} rounds per "
+                    "link, the first epoch of each round left out; rank 0's median training step.", "",
+                    network.table(section)]  # fmt: skip
 
 
 def _scaling_model_markdown(doc: dict) -> list[str]:

@@ -12,12 +12,22 @@ connection closes or a collective times out. On NCCL, collectives only queue wor
 shows at the next host read that waits for it (a ``DistBackendError`` under
 ``TORCH_NCCL_BLOCKING_WAIT``), or the process group's watchdog takes the process down after the
 group's ``timeout`` (torch's default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``), printing its own report.
+
+Which peer: a failed collective does not say which rank was missing (a cut link shows only as a
+timeout). So before raising, a rank takes a *roll call* on the job's store (the TCPStore at
+MASTER_ADDR that every rank joined at the start): it writes its own key and waits a few seconds
+(:data:`ROLL_CALL_S`) for the others'. The message names the ranks that did not answer (dead,
+or cut off from the store's host), or says that this rank cannot reach the store itself (this
+host is the one cut off), or that everybody answered (a link too slow for the timeout).
 """
 
 from __future__ import annotations
 
+import socket
+import time
 from contextlib import contextmanager
 from datetime import timedelta
+from itertools import count
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -36,6 +46,17 @@ _LOST_PEER_MESSAGES = (
 )
 
 
+ROLL_CALL_S = 3.0  # how long a rank that lost a peer waits for the others to answer the roll call
+_roll_calls = count()  # keys of a later roll call in the same job do not see an earlier one's answers
+_ranks_per_node: int | None = None
+
+
+def set_ranks_per_node(ranks: int | None) -> None:
+    """Ranks per machine (the strategy's devices), so that roll calls name nodes too."""
+    global _ranks_per_node
+    _ranks_per_node = ranks
+
+
 class PeerFailure(RuntimeError):
     """A peer rank died, hung, timed out or could not be reached (a collective of the sparse path, or the job's start)."""
 
@@ -49,8 +70,12 @@ def is_peer_failure(err: BaseException) -> bool:
 
 
 @contextmanager
-def collective(what: str) -> Iterator[None]:
-    """Run a collective (or a host read waiting for one); a lost peer becomes :class:`PeerFailure`."""
+def collective(what: str, note_other_errors: bool = True) -> Iterator[None]:
+    """Run a collective (or a host read waiting for one); a lost peer becomes :class:`PeerFailure`.
+
+    ``note_other_errors``: add a note to any other error saying where it came from (off where
+    the block runs user code too, e.g. a backward pass).
+    """
     try:
         yield
     except PeerFailure:
@@ -58,12 +83,69 @@ def collective(what: str) -> Iterator[None]:
     except Exception as err:
         if is_peer_failure(err):
             raise PeerFailure(
-                f"The sparse path's {what} failed: another rank probably died, or did not reach it within the "
-                f"process group's timeout ({type(err).__name__}: {err}). HINT: restart all ranks and resume from the "
-                f"last checkpoint, e.g. trainer.fit(model, ckpt_path='last')."
+                f"The {what} failed: another rank probably died, or did not reach it within the process group's "
+                f"timeout ({type(err).__name__}: {_first_line(err)}).{roll_call()} HINT: restart all ranks and resume "
+                f"from the last checkpoint, e.g. trainer.fit(model, ckpt_path='last'), or let torchrun --max-restarts "
+                f"do it (docs/guide/launching.md)."
             ) from err
-        err.add_note(f"(raised in lightning_sparse's {what}; not a lost peer)")
+        if note_other_errors:
+            err.add_note(f"(raised in lightning_sparse's {what}; not a lost peer)")
         raise
+
+
+def roll_call(wait_s: float = ROLL_CALL_S) -> str:
+    """Ask every rank to answer on the job's store within ``wait_s``; a sentence for the error message ("" if no store)."""
+    if not dist.is_initialized():
+        return ""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return ""
+    address = _tcp_address(store)
+    if address is not None and not _reachable(address, wait_s):
+        # The store's client would block for good on a link that is gone (its timeouts do not cover
+        # every call), so its host is probed first with a connection of our own.
+        return (f" This rank cannot reach the job's store at {address[0]}:{address[1]} either: this host is probably "
+                f"the one cut off from the others.")  # fmt: skip
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    key = f"lightning_sparse/roll_call/{next(_roll_calls)}/"
+    missing = [r for r in range(world_size) if r != rank]
+    old_timeout = store.timeout
+    try:
+        store.set_timeout(timedelta(seconds=wait_s))
+        store.set(key + str(rank), "here")
+        deadline = time.monotonic() + wait_s
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([key + str(r)])]
+            time.sleep(0.1 if missing else 0)
+        store.set_timeout(old_timeout)
+    except Exception as err:  # noqa: BLE001 - whatever the store raises, the roll call cannot tell who is gone
+        return f" A roll call on the job's store could not be taken ({type(err).__name__}: {_first_line(err)})."
+    if not missing:
+        return (" Every rank answered a roll call on the job's store afterwards: none is dead or cut off; the collective "
+                "timed out (a link too slow for the timeout, or ranks in different collectives).")
+    names = ", ".join(f"rank {r}" + (f" (node {r // _ranks_per_node})" if _ranks_per_node else "") for r in missing)
+    return f" Did not answer a roll call on the job's store within {wait_s:g} s (dead, hung, or cut off from it): {names}."
+
+
+def _tcp_address(store: Any) -> tuple[str, int] | None:
+    """Host and port of the TCPStore under ``store`` (through PrefixStores), or None for another kind."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return (store.host, store.port) if isinstance(store, dist.TCPStore) else None
+
+
+def _reachable(address: tuple[str, int], wait_s: float) -> bool:
+    try:
+        socket.create_connection(address, timeout=wait_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def rendezvous_failure(err: BaseException, environment: Any, node_rank: int, timeout: timedelta | None) -> PeerFailure:
@@ -75,7 +157,7 @@ def rendezvous_failure(err: BaseException, environment: Any, node_rank: int, tim
     """
     address, port = environment.main_address, environment.main_port
     rank, world_size = environment.global_rank(), environment.world_size()
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first_line = _first_line(err)
     return PeerFailure(
         f"Rank {rank} of {world_size} (node {node_rank}) could not start the job: the ranks did not all meet at "
         f"MASTER_ADDR={address}, MASTER_PORT={port} within the timeout ({timeout}): {type(err).__name__}: {first_line} "

@@ -48,7 +48,7 @@ from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.launcher import SparseMultiProcessingLauncher
 from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.exchange import ExchangeStats
-from lightning_sparse.faults import PeerFailure, is_peer_failure, rendezvous_failure
+from lightning_sparse.faults import PeerFailure, collective, is_peer_failure, rendezvous_failure, set_ranks_per_node
 from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.replicas import sharding_groups
@@ -105,6 +105,28 @@ class SparseDDPStrategy(SparseCheckpointHooks, DDPStrategy):
             super().setup_distributed()
         except (dist.DistNetworkError, dist.DistStoreError) as err:  # the ranks never met: name the settings to fix
             raise rendezvous_failure(err, self.cluster_environment, self.node_rank, self._timeout) from err
+        set_ranks_per_node(self.num_processes)
+
+    # Lightning's and DDP's own collectives: a lost peer there is a PeerFailure too, with the roll call.
+    @override
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        with collective("backward (with DDP's all-reduce of the dense gradients)", note_other_errors=False):
+            return super().backward(*args, **kwargs)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with collective("barrier"):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with collective("broadcast"):
+            return super().broadcast(obj, src)
+
+    @override
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        with collective("reduce (self.log(..., sync_dist=True))"):
+            return super().reduce(*args, **kwargs)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

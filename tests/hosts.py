@@ -13,6 +13,10 @@ it only through timeouts.
         hosts.cut(1)        # partition host 1 from the others
         hosts.kill(1)       # SIGKILL every process on host 1
 
+``Hosts(2, wire=(5, 0.01))`` links the hosts through a user-space wire instead (tests/wire.py:
+TUN interfaces and a forwarding process that delays every packet 5 ms and drops 1% of them), for
+kernels without ``tc netem``.
+
 Everything is torn down on exit (processes killed, namespaces deleted), also after a failure.
 Tests that need it skip where namespaces cannot be made (not root, no ``ip``): :func:`skip_reason`.
 """
@@ -23,10 +27,14 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from functools import cache
+from itertools import count
+from pathlib import Path
 
-PREFIX = "lsh"  # namespace names: lsh<pid>s (switch), lsh<pid>h<i> (hosts)
+PREFIX = "lsh"  # namespace names: lsh<pid>-<n>s (switch), lsh<pid>-<n>h<i> (hosts), n: the n-th test bed of the process
+_beds = count()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -53,12 +61,14 @@ class Hosts:
 
     INTERFACE = "eth0"  # the name every host sees for its link (what GLOO_SOCKET_IFNAME names)
 
-    def __init__(self, count: int) -> None:
-        self.count = count
-        tag = os.getpid()
-        self.switch = f"{PREFIX}{tag}s"
-        self.names = [f"{PREFIX}{tag}h{i}" for i in range(count)]
-        self.subnet = f"10.{200 + tag % 50}.{tag // 50 % 250}"  # 10.200-249.x.0/24, inside these namespaces only
+    def __init__(self, count: int, wire: tuple[float, float] | None = None) -> None:
+        self.count, self.wire = count, wire  # wire: (delay in ms, loss probability) of every packet
+        self._wire_process: subprocess.Popen | None = None
+        self.wire_counts: dict[str, int] = {}  # packets the wire forwarded and dropped, once closed
+        pid, bed = os.getpid(), next(_beds)
+        self.switch = f"{PREFIX}{pid}-{bed}s"
+        self.names = [f"{PREFIX}{pid}-{bed}h{i}" for i in range(count)]
+        self.subnet = f"10.{200 + pid % 50}.{(pid // 50 + bed) % 250}"  # 10.200-249.x.0/24, inside these namespaces only
         self._procs: list[subprocess.Popen] = []
 
     def address(self, host: int) -> str:
@@ -76,6 +86,8 @@ class Hosts:
         self.close()
 
     def _build(self) -> None:
+        if self.wire is not None:
+            return self._build_wire()
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
@@ -88,6 +100,22 @@ class Hosts:
             _ip("-n", name, "link", "set", f"h{i}", "name", self.INTERFACE)
             _ip("-n", self.switch, "link", "set", port, "master", "br0")
             _ip("-n", self.switch, "link", "set", port, "up")
+            _ip("-n", name, "addr", "add", f"{self.address(i)}/24", "dev", self.INTERFACE)
+            _ip("-n", name, "link", "set", self.INTERFACE, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+
+    def _build_wire(self) -> None:
+        for name in self.names:
+            _ip("netns", "add", name)
+        delay_ms, loss = self.wire
+        self._wire_process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("wire.py")), str(delay_ms), str(loss),
+             *(f"{name}:{self.address(i)}" for i, name in enumerate(self.names))],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        if self._wire_process.stdout.readline().strip() != "ready":
+            raise RuntimeError("the user-space wire (tests/wire.py) did not start")
+        for i, name in enumerate(self.names):
             _ip("-n", name, "addr", "add", f"{self.address(i)}/24", "dev", self.INTERFACE)
             _ip("-n", name, "link", "set", self.INTERFACE, "up")
             _ip("-n", name, "link", "set", "lo", "up")
@@ -108,12 +136,18 @@ class Hosts:
         return [int(p) for p in out.split()]
 
     def cut(self, host: int) -> None:
-        """Partition host ``host``: its port on the switch goes down (nothing in or out)."""
-        _ip("-n", self.switch, "link", "set", f"p{host}", "down")
+        """Partition host ``host``: its port on the switch (its wire interface) goes down: nothing in or out."""
+        if self.wire is not None:
+            _ip("-n", self.names[host], "link", "set", self.INTERFACE, "down")
+        else:
+            _ip("-n", self.switch, "link", "set", f"p{host}", "down")
 
     def restore(self, host: int) -> None:
         """Bring host ``host``'s link back after :meth:`cut`."""
-        _ip("-n", self.switch, "link", "set", f"p{host}", "up")
+        if self.wire is not None:
+            _ip("-n", self.names[host], "link", "set", self.INTERFACE, "up")
+        else:
+            _ip("-n", self.switch, "link", "set", f"p{host}", "up")
 
     def kill(self, host: int) -> None:
         """SIGKILL every process on host ``host``, as when the machine dies."""
@@ -134,6 +168,14 @@ class Hosts:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+        if self._wire_process is not None:
+            self._wire_process.terminate()
+            try:
+                words = self._wire_process.communicate(timeout=10)[0].split()
+                self.wire_counts = {words[i]: int(words[i + 1]) for i in range(0, len(words) - 1, 2)}
+            except (subprocess.TimeoutExpired, ValueError):
+                self._wire_process.kill()
+                self._wire_process.wait(timeout=10)
         deadline = time.monotonic() + 10
         for name in [*self.names, self.switch]:
             while _ip("netns", "del", name, check=False).returncode != 0 and name in _list() and time.monotonic() < deadline:

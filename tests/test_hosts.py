@@ -2,8 +2,9 @@
 
 Each host has its own address and reaches the others only over its link, so MASTER_ADDR, the
 rendezvous and gloo's connections go over a network stack, not loopback. Results are compared
-with a one-host run of the same world size (the recommender example, bitwise) and with the
-plain-torch reference (the collection model under torchrun).
+bitwise with a one-host run of the same world size: the recommender example through Lightning's
+environment, and the collection model (tests/scripts/fit_collection.py) after a partition, a
+killed host, or a killed rank that torchrun restarts; the one-host run itself matches plain torch.
 """
 
 from __future__ import annotations
@@ -79,17 +80,22 @@ def _recommender_on_one_host(root: str) -> None:
                  args=[*RECOMMENDER[4:], "--trainer.devices", "2", "--trainer.default_root_dir", root])  # fmt: skip
 
 
-def test_recommender_on_two_hosts_through_lightning_env_equals_one_host(hosts, rank_pools, tmp_path):
-    """NODE_RANK / MASTER_ADDR on host 0's address, one rank per host; the same job on one host with devices=2."""
-    spread = [
-        hosts.popen(host, [*RECOMMENDER, "--trainer.num_nodes", "2", "--trainer.devices", "1",
-                           "--trainer.default_root_dir", str(tmp_path / "two")],  # one checkpoint directory, as on a shared file system
-                    env=hosts.env(host, **_env(MASTER_ADDR=hosts.address(0), MASTER_PORT="29500", NODE_RANK=str(host))),
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)  # fmt: skip
-        for host in range(2)
-    ]
-    rank_pools(2).run(_recommender_on_one_host, str(tmp_path / "one"))  # meanwhile, the reference on this host
-    results = [_finish(proc, f"host {host}") for host, proc in enumerate(spread)]
+SLOW_LOSSY_LINK = (5, 0.01)  # every packet held 5 ms, 1% of them dropped (tests/wire.py; the kernel may lack netem)
+
+
+def test_recommender_on_two_hosts_through_lightning_env_over_a_slow_lossy_link_equals_one_host(rank_pools, tmp_path):
+    """NODE_RANK / MASTER_ADDR on host 0's address, one rank per host, 5 ms / 1% loss; the same job on one host."""
+    with Hosts(2, wire=SLOW_LOSSY_LINK) as hosts:
+        spread = [
+            hosts.popen(host, [*RECOMMENDER, "--trainer.num_nodes", "2", "--trainer.devices", "1",
+                               "--trainer.default_root_dir", str(tmp_path / "two")],  # one checkpoint directory, as on a shared file system
+                        env=hosts.env(host, **_env(MASTER_ADDR=hosts.address(0), MASTER_PORT="29500", NODE_RANK=str(host))),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)  # fmt: skip
+            for host in range(2)
+        ]
+        rank_pools(2).run(_recommender_on_one_host, str(tmp_path / "one"))  # meanwhile, the reference on this host
+        results = [_finish(proc, f"host {host}") for host, proc in enumerate(spread)]
+    assert hosts.wire_counts["forwarded"] > 1000 and hosts.wire_counts["dropped"] > 0, hosts.wire_counts  # it was lossy
     for result in results:
         assert_clean_exit(result)
     assert "MEMBER: 2/2" in results[1].stdout and "epoch 0: val_auroc" in results[0].stdout, results[1].stdout[-2000:]
@@ -97,29 +103,6 @@ def test_recommender_on_two_hosts_through_lightning_env_equals_one_host(hosts, r
     assert ours.keys() == reference.keys() and any(v.shape[0] == 20000 for v in ours.values())
     for key, value in reference.items():
         assert torch.equal(ours[key], value), f"{key}: the two-host run differs from the one-host run"
-
-
-def test_collection_model_under_torchrun_on_two_hosts_matches_plain_torch(hosts, tmp_path):
-    """torchrun --nnodes 2 with the c10d rendezvous on host 0; the collection's one round per step crosses hosts."""
-    out = tmp_path / "state.pt"
-    procs = [
-        hosts.popen(host, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.address(0)}:29400", "--rdzv-id", "hosts-test",
-                           "--local-addr", hosts.address(host), "--max-restarts", "0",
-                           # the hosts share one hostname, so torchrun cannot tell by name which one holds the store
-                           "--rdzv-conf", f"is_host={int(host == 0)}",
-                           str(ROOT / "tests" / "scripts" / "fit_collection.py"), str(out), "2", "1", str(TIMEOUT_S)],
-                    env=hosts.env(host, **_env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)  # fmt: skip
-        for host in range(2)
-    ]
-    for host, proc in enumerate(procs):
-        assert_clean_exit(_finish(proc, f"torchrun on host {host}"))
-    saved = torch.load(out, weights_only=True)
-    assert (saved["world_size"], saved["num_nodes"]) == (2, 2)
-    expected = lm.reference(lm.global_batches(2, batch_size=4, epochs=2), torch.optim.Adagrad, {"lr": 0.2})
-    assert not torch.equal(expected["users"], lm.reference([], torch.optim.Adagrad, {"lr": 0.2})["users"])
-    for key, value in expected.items():
-        torch.testing.assert_close(saved["state"][key], value, rtol=0, atol=1e-6, msg=key)
 
 
 def test_wrong_master_addr_fails_on_every_host_within_the_timeout_with_a_hint(hosts, tmp_path):
@@ -130,7 +113,8 @@ def test_wrong_master_addr_fails_on_every_host_within_the_timeout_with_a_hint(ho
         env = hosts.env(host, **_env(MASTER_ADDR=master, MASTER_PORT="29500", NODE_RANK=str(host), WORLD_SIZE="2",
                                      LOCAL_RANK="0", RANK=str(host)))  # fmt: skip
         procs.append(hosts.popen(host, [sys.executable, str(ROOT / "tests" / "scripts" / "fit_collection.py"),
-                                        str(tmp_path / "never.pt"), "2", "1", str(timeout_s)],
+                                        str(tmp_path / "never.pt"), "--num-nodes", "2",
+                                        "--timeout", str(timeout_s)],
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
     results = [_finish(proc, f"host {host}") for host, proc in enumerate(procs)]
     elapsed = time.monotonic() - start
@@ -141,3 +125,117 @@ def test_wrong_master_addr_fails_on_every_host_within_the_timeout_with_a_hint(ho
         assert "HINT: MASTER_ADDR must be the address of the host running NODE_RANK=0" in result.stdout
     assert f"MASTER_ADDR={hosts.subnet}.99" in results[1].stdout
     assert not (tmp_path / "never.pt").exists()
+
+
+# ---------------------------------------------------------------- faults mid-fit, resume
+FAULT_TIMEOUT_S = 10  # the process groups' timeout in the fault tests: a cut link shows only as this timeout
+SCRIPT = str(ROOT / "tests" / "scripts" / "fit_collection.py")
+
+
+def _fit_on_hosts(hosts: Hosts, out: Path, timeout_s: float, *extra: str) -> list[subprocess.Popen]:
+    """fit_collection.py on both hosts through Lightning's environment (one rank per host)."""
+    return [
+        hosts.popen(host, [sys.executable, SCRIPT, str(out), "--num-nodes", "2", "--timeout", str(timeout_s), *extra],
+                    env=hosts.env(host, **_env(MASTER_ADDR=hosts.address(0), MASTER_PORT="29500", NODE_RANK=str(host))),
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        for host in range(2)
+    ]
+
+
+def _straight_fit(directory: str) -> dict[str, torch.Tensor]:
+    """In a rank of the 2-rank pool: the same fit with nothing going wrong."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    lm.lightning_env(torch.distributed.get_rank(), 2)
+    module = lm.CollectionTower()
+    callbacks = [ModelCheckpoint(dirpath=directory, save_top_k=-1, save_last=True)]
+    lm.trainer(2, max_epochs=2, enable_checkpointing=True, callbacks=callbacks).fit(module)
+    return lm.state(module)
+
+
+def _wait_for(path: Path, procs: list[subprocess.Popen], timeout_s: float = RUN_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        ended = [p for p in procs if p.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            outputs = "\n".join(_finish(p, "rank").stdout[-2000:] for p in procs)
+            pytest.fail(f"the fit never reached the fault's step:\n{outputs}")
+        time.sleep(0.05)
+
+
+FAULTS = ("partition", "host-kill")
+
+
+def test_a_partition_and_a_host_kill_mid_fit_stop_every_rank_in_time_and_resume_exactly(rank_pools, tmp_path):
+    """Two jobs at once, each on its own pair of hosts: at step 9 of 12, host 1's link is cut in one, its processes are
+    SIGKILLed in the other. Every rank stops within the timeout + 10 s, naming the lost rank; last.ckpt (step 6) resumes
+    each job to the uninterrupted result, bitwise."""
+    with Hosts(2) as cut, Hosts(2) as killed:
+        pairs = dict(zip(FAULTS, (cut, killed)))
+        runs = {fault: tmp_path / fault for fault in FAULTS}
+        procs = {fault: _fit_on_hosts(pairs[fault], runs[fault] / "never.pt", FAULT_TIMEOUT_S, "--checkpoints",
+                                      str(runs[fault] / "checkpoints"), "--pause", "1", "9", str(runs[fault]))
+                 for fault in FAULTS}  # fmt: skip
+        straight = rank_pools(2).run(_straight_fit, str(tmp_path / "straight"))[0]  # meanwhile, on this host
+        for fault in FAULTS:
+            _wait_for(runs[fault] / "paused", procs[fault])  # rank 1 waits at step 9, rank 0 in step 9's first collective
+        cut.cut(1)
+        killed.kill(1)
+        start = time.monotonic()
+        for fault in FAULTS:
+            (runs[fault] / "go").touch()
+        results = {fault: [_finish(proc, f"{fault}, host {host}") for host, proc in enumerate(procs[fault])] for fault in FAULTS}
+        elapsed = time.monotonic() - start
+        assert elapsed < FAULT_TIMEOUT_S + 10, f"the ranks took {elapsed:.0f} s to stop (timeout {FAULT_TIMEOUT_S} s)"
+        for fault, hosts in pairs.items():
+            assert hosts.pids(0) == [] and hosts.pids(1) == [], f"{fault}: a process outlived the fault"
+            survivor = results[fault][0].stdout
+            assert results[fault][0].returncode != 0 and ABORT_MARK not in survivor, survivor[-3000:]
+            assert "PeerFailure" in survivor and "rank 1 (node 1)" in survivor and "HINT: " in survivor, survivor[-3000:]
+            last = runs[fault] / "checkpoints" / "last.ckpt"
+            assert checkpoint.is_sharded(last) and checkpoint.load_meta(last)["global_step"] == 6, fault
+        cut_off = results["partition"][1]  # the cut-off side knows it is the one cut off
+        assert cut_off.returncode != 0 and "PeerFailure" in cut_off.stdout, cut_off.stdout[-3000:]
+        assert "this host is probably the one cut off" in cut_off.stdout, cut_off.stdout[-3000:]
+        assert results["host-kill"][1].returncode == -9
+        cut.restore(1)
+
+        resuming = {fault: _fit_on_hosts(pairs[fault], runs[fault] / "resumed.pt", TIMEOUT_S, "--checkpoints",
+                                         str(runs[fault] / "checkpoints"), "--resume") for fault in FAULTS}  # fmt: skip
+        for fault in FAULTS:
+            for host, proc in enumerate(resuming[fault]):
+                assert_clean_exit(_finish(proc, f"{fault}: resume on host {host}"))
+    for fault in FAULTS:
+        resumed = torch.load(runs[fault] / "resumed.pt", weights_only=True)["state"]
+        for key, value in straight.items():
+            assert torch.equal(resumed[key], value), f"{fault}, {key}: the resumed run differs from the uninterrupted one"
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_to_the_uninterrupted_result(hosts, rank_pools, tmp_path):
+    """torchrun --max-restarts 1: rank 1 dies at step 9, both hosts' workers restart from last.ckpt (step 6) by themselves."""
+    checkpoints, out = tmp_path / "checkpoints", tmp_path / "state.pt"
+    procs = [
+        hosts.popen(host, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.address(0)}:29400", "--rdzv-id", "restart-test",
+                           "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", hosts.address(host),
+                           "--max-restarts", "1", "--monitor-interval", "0.5",
+                           SCRIPT, str(out), "--num-nodes", "2", "--timeout", str(FAULT_TIMEOUT_S),
+                           "--checkpoints", str(checkpoints), "--resume", "--die", "1", "9", str(tmp_path / "died")],
+                    env=hosts.env(host, **_env()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        for host in range(2)
+    ]
+    straight = rank_pools(2).run(_straight_fit, str(tmp_path / "straight"))[0]  # meanwhile, on this host
+    results = [_finish(proc, f"torchrun on host {host}") for host, proc in enumerate(procs)]
+    log = "".join(f"--- host {host}\n{r.stdout[-4000:]}" for host, r in enumerate(results))
+    assert all(r.returncode == 0 for r in results) and ABORT_MARK not in log, log
+    assert (tmp_path / "died").exists() and "Restored all states from the checkpoint" in log, log  # a rank died; the restart resumed
+    assert checkpoint.load_meta(checkpoints / "last.ckpt")["global_step"] == 12
+    resumed = torch.load(out, weights_only=True)
+    assert (resumed["world_size"], resumed["num_nodes"]) == (2, 2)
+    for key, value in straight.items():
+        assert torch.equal(resumed["state"][key], value), f"{key}: the restarted run differs from the uninterrupted one"
+    # and the uninterrupted run is the plain-torch replay of the same global batches
+    expected = lm.reference(lm.global_batches(2, batch_size=4, epochs=2), torch.optim.Adagrad, {"lr": 0.2})
+    assert not torch.equal(expected["users"], lm.reference([], torch.optim.Adagrad, {"lr": 0.2})["users"])
+    for key, value in expected.items():
+        torch.testing.assert_close(straight[key], value, rtol=0, atol=1e-6, msg=key)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from hosts import Hosts, skip_reason  # noqa: E402
+from hosts import Hosts, skip_reason, wire_skip_reason  # noqa: E402
 
 LINKS = {"bridge": None, "wire": (0, 0.0), "wire 5 ms": (5, 0.0), "wire 5 ms, 1% loss": (5, 0.01)}
 
@@ -55,7 +55,7 @@ def step_times(wire: tuple[float, float] | None, epochs: int, directory: Path) -
 
 def run(epochs: int = 8, rounds: int = 2) -> dict:
     """Every link ``rounds`` times, interleaved; per link the median step over all its rounds' steps (the first epoch left out)."""
-    reason = skip_reason()
+    reason = skip_reason() or wire_skip_reason()
     if reason is not None:
         return {"skipped": reason}
     steps: dict[str, list[float]] = {name: [] for name in LINKS}

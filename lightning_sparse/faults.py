@@ -23,6 +23,7 @@ host is the one cut off), or that everybody answered (a link too slow for the ti
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from contextlib import contextmanager
@@ -46,7 +47,7 @@ _LOST_PEER_MESSAGES = (
 )
 
 
-ROLL_CALL_S = 3.0  # how long a rank that lost a peer waits for the others to answer the roll call
+ROLL_CALL_S = 2.0  # how long a rank that lost a peer waits for the others to answer the roll call
 _roll_calls = count()  # keys of a later roll call in the same job do not see an earlier one's answers
 _ranks_per_node: int | None = None
 
@@ -126,6 +127,22 @@ def roll_call(wait_s: float = ROLL_CALL_S) -> str:
                 "timed out (a link too slow for the timeout, or ranks in different collectives).")
     names = ", ".join(f"rank {r}" + (f" (node {r // _ranks_per_node})" if _ranks_per_node else "") for r in missing)
     return f" Did not answer a roll call on the job's store within {wait_s:g} s (dead, hung, or cut off from it): {names}."
+
+
+def restart_hazard() -> str | None:
+    """A warning for torchrun restarts that can fail to reconnect (pytorch/pytorch#135712), or None.
+
+    With restarts and the store shared between torchrun's agents and the workers (its default),
+    a machine whose workers torchrun restarts because another machine failed keeps its old
+    restart count; its new workers then read the previous attempt's addresses from the shared
+    store and cannot connect. A store of the workers' own per attempt avoids it.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (f"torchrun --max-restarts {restarts} with the store it shares with the workers: a restart after one "
+                f"machine fails can leave the others unable to reconnect (pytorch/pytorch#135712). HINT: launch torchrun "
+                f"with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment.")  # fmt: skip
+    return None
 
 
 def _tcp_address(store: Any) -> tuple[str, int] | None:

@@ -48,7 +48,7 @@ from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.launcher import SparseMultiProcessingLauncher
 from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.exchange import ExchangeStats
-from lightning_sparse.faults import PeerFailure, collective, is_peer_failure, rendezvous_failure, set_ranks_per_node
+from lightning_sparse.faults import PeerFailure, collective, is_peer_failure, rendezvous_failure, restart_hazard, set_ranks_per_node
 from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.replicas import sharding_groups
@@ -106,6 +106,9 @@ class SparseDDPStrategy(SparseCheckpointHooks, DDPStrategy):
         except (dist.DistNetworkError, dist.DistStoreError) as err:  # the ranks never met: name the settings to fix
             raise rendezvous_failure(err, self.cluster_environment, self.node_rank, self._timeout) from err
         set_ranks_per_node(self.num_processes)
+        hazard = restart_hazard()
+        if hazard is not None and self.global_rank == 0:
+            log.warning(hazard)
 
     # Lightning's and DDP's own collectives: a lost peer there is a PeerFailure too, with the roll call.
     @override

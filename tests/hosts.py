@@ -56,6 +56,16 @@ def skip_reason() -> str | None:
     return None
 
 
+@cache
+def wire_skip_reason() -> str | None:
+    """Why the user-space wire (TUN interfaces) cannot run here, or None."""
+    try:
+        os.close(os.open("/dev/net/tun", os.O_RDWR))
+    except OSError as err:
+        return f"no TUN device for the user-space wire (/dev/net/tun: {err.strerror})"
+    return None
+
+
 class Hosts:
     """``count`` stand-in hosts on one switch; ``address(i)`` is host ``i``'s address."""
 

@@ -294,6 +294,19 @@ def test_only_lost_peers_are_reported_as_peer_failures():
     assert not is_peer_failure(TypeError("timed out"))  # only RuntimeError's messages are read
 
 
+def test_torchrun_restarts_with_the_shared_store_are_warned_about(monkeypatch):
+    from lightning_sparse.faults import restart_hazard
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert "HINT: launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_hazard()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # the workers' own store: nothing to warn about
+    assert restart_hazard() is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # no restarts
+    assert restart_hazard() is None
+
+
 def _misuse_then_healthy():
     from lightning_sparse.exchange import exchange_values
 

@@ -174,16 +174,27 @@ def _wait_for(path: Path, procs: list[subprocess.Popen], timeout_s: float = RUN_
         time.sleep(0.05)
 
 
-FAULTS = ("partition", "host-kill")
+FAULTS = ("partition", "host-kill")  # resumed by hand; the third job is resumed by torchrun
 
 
-def test_a_partition_and_a_host_kill_mid_fit_stop_every_rank_in_time_and_resume_exactly(straight, tmp_path):
-    """Two jobs at once, each on its own pair of hosts: at step 9 of 12, host 1's link is cut in one, its processes are
-    SIGKILLed in the other. Every rank stops within the timeout + 10 s, naming the lost rank; last.ckpt (step 6) resumes
-    each job to the uninterrupted result, bitwise."""
-    with Hosts(2) as cut, Hosts(2) as killed:
+def test_the_uninterrupted_fit_is_the_plain_torch_replay(straight):
+    expected = lm.reference(lm.global_batches(2, batch_size=4, epochs=2), torch.optim.Adagrad, {"lr": 0.2})
+    assert not torch.equal(expected["users"], lm.reference([], torch.optim.Adagrad, {"lr": 0.2})["users"])
+    for key, value in expected.items():
+        torch.testing.assert_close(straight[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+def test_failures_mid_fit_stop_every_rank_in_time_and_every_job_resumes_exactly(straight, tmp_path):
+    """Three jobs at once (their timeouts overlap), each on its own pair of hosts, fail at step 9 of 12:
+    host 1's link is cut; host 1's processes are SIGKILLed; rank 1 SIGKILLs itself under torchrun --max-restarts 1.
+    In the first two, every rank stops within the timeout + 10 s, naming the lost rank, and a second launch resumes
+    from last.ckpt (step 6); torchrun restarts the third by itself. All three end bitwise equal to the uninterrupted fit."""
+    runs = {name: tmp_path / name for name in (*FAULTS, "torchrun")}
+    for run in runs.values():
+        run.mkdir()
+    with Hosts(2) as cut, Hosts(2) as killed, Hosts(2) as restarting:
+        torchrun = _torchrun_with_restarts(restarting, runs["torchrun"])
         pairs = dict(zip(FAULTS, (cut, killed)))
-        runs = {fault: tmp_path / fault for fault in FAULTS}
         procs = {fault: _fit_on_hosts(pairs[fault], runs[fault] / "never.pt", FAULT_TIMEOUT_S, "--checkpoints",
                                       str(runs[fault] / "checkpoints"), "--pause", "1", "9", str(runs[fault]))
                  for fault in FAULTS}  # fmt: skip
@@ -215,38 +226,34 @@ def test_a_partition_and_a_host_kill_mid_fit_stop_every_rank_in_time_and_resume_
         for fault in FAULTS:
             for host, proc in enumerate(resuming[fault]):
                 assert_clean_exit(_finish(proc, f"{fault}: resume on host {host}"))
-    for fault in FAULTS:
-        resumed = torch.load(runs[fault] / "resumed.pt", weights_only=True)["state"]
+        _check_restarted(torchrun, runs["torchrun"])
+    for name, run in runs.items():
+        resumed = torch.load(run / "resumed.pt", weights_only=True)
+        assert (resumed["world_size"], resumed["num_nodes"]) == (2, 2)
         for key, value in straight.items():
-            assert torch.equal(resumed[key], value), f"{fault}, {key}: the resumed run differs from the uninterrupted one"
+            assert torch.equal(resumed["state"][key], value), f"{name}, {key}: the resumed run differs from the uninterrupted one"
 
 
-def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_to_the_uninterrupted_result(hosts, straight, tmp_path):
-    """torchrun --max-restarts 1: rank 1 dies at step 9, both hosts' workers restart from last.ckpt (step 6) by themselves."""
-    checkpoints, out = tmp_path / "checkpoints", tmp_path / "state.pt"
-    procs = [
+def _torchrun_with_restarts(hosts: Hosts, run: Path) -> list[subprocess.Popen]:
+    """torchrun --nnodes 2 --max-restarts 1 on both hosts (c10d rendezvous on host 0); rank 1 dies at step 9, once."""
+    return [
         hosts.popen(host, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.address(0)}:29400", "--rdzv-id", "restart-test",
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.address(0)}:29400", "--rdzv-id", "restarts",
+                           # the hosts share one hostname, so torchrun cannot tell by name which one holds the store
                            "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", hosts.address(host),
                            "--max-restarts", "1", "--monitor-interval", "0.5",
-                           SCRIPT, str(out), "--num-nodes", "2", "--timeout", str(FAULT_TIMEOUT_S),
-                           "--checkpoints", str(checkpoints), "--resume", "--die", "1", "9", str(tmp_path / "died")],
+                           SCRIPT, str(run / "resumed.pt"), "--num-nodes", "2", "--timeout", str(FAULT_TIMEOUT_S),
+                           "--checkpoints", str(run / "checkpoints"), "--resume", "--die", "1", "9", str(run / "died")],
                     # the workers' own store per attempt: torchrun's shared one breaks such restarts (pytorch/pytorch#135712)
                     env=hosts.env(host, **_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")),
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
         for host in range(2)
     ]
+
+
+def _check_restarted(procs: list[subprocess.Popen], run: Path) -> None:
     results = [_finish(proc, f"torchrun on host {host}") for host, proc in enumerate(procs)]
     log = "".join(f"--- host {host}\n{r.stdout[-4000:]}" for host, r in enumerate(results))
     assert all(r.returncode == 0 for r in results) and ABORT_MARK not in log, log
-    assert (tmp_path / "died").exists() and "Restored all states from the checkpoint" in log, log  # a rank died; the restart resumed
-    assert checkpoint.load_meta(checkpoints / "last.ckpt")["global_step"] == 12
-    resumed = torch.load(out, weights_only=True)
-    assert (resumed["world_size"], resumed["num_nodes"]) == (2, 2)
-    for key, value in straight.items():
-        assert torch.equal(resumed["state"][key], value), f"{key}: the restarted run differs from the uninterrupted one"
-    # and the uninterrupted run is the plain-torch replay of the same global batches
-    expected = lm.reference(lm.global_batches(2, batch_size=4, epochs=2), torch.optim.Adagrad, {"lr": 0.2})
-    assert not torch.equal(expected["users"], lm.reference([], torch.optim.Adagrad, {"lr": 0.2})["users"])
-    for key, value in expected.items():
-        torch.testing.assert_close(straight[key], value, rtol=0, atol=1e-6, msg=key)
+    assert (run / "died").exists() and "Restored all states from the checkpoint" in log, log  # a rank died; the restart resumed
+    assert checkpoint.load_meta(run / "checkpoints" / "last.ckpt")["global_step"] == 12

@@ -13,7 +13,10 @@ Narrow overrides, each calling ``super()``:
   lookups (``serve_lookups``) until all ranks are done, so uneven loaders never hang;
 - checkpoint hooks (the ``SparseCheckpointHooks`` mixin, ``lightning_sparse/checkpoint/hooks.py``):
   sharded checkpoints through torch.distributed.checkpoint; each rank writes and reads only its
-  rows, and a checkpoint loads on any number of ranks.
+  rows, and a checkpoint loads on any number of ranks;
+- lost-peer hooks (the ``LostPeerHooks`` mixin, ``lightning_sparse/lost_peers.py``): ranks that
+  cannot meet, and lost peers in DDP's and Lightning's collectives, raise ``PeerFailure``; the
+  ranks this process launched are killed after one.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from typing import Any, Callable
 
 import gc
 import logging
-import signal
 import sys
 
 import torch
@@ -47,8 +49,8 @@ from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.launcher import SparseMultiProcessingLauncher
 from lightning_sparse.lookup import serve_lookups
+from lightning_sparse.lost_peers import LostPeerHooks
 from lightning_sparse.exchange import ExchangeStats
-from lightning_sparse.faults import PeerFailure, collective, is_peer_failure, rendezvous_failure, restart_hazard, set_ranks_per_node
 from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.replicas import sharding_groups
@@ -56,7 +58,7 @@ from lightning_sparse.replicas import sharding_groups
 log = logging.getLogger(__name__)
 
 
-class SparseDDPStrategy(SparseCheckpointHooks, DDPStrategy):
+class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, DDPStrategy):
     """DDP for dense parameters; row-sharded SparseEmbedding tables updated by sparse optimizers.
 
     ``sharding_group_size=G`` shards every table over groups of ``G`` consecutive ranks (e.g. the
@@ -98,50 +100,6 @@ class SparseDDPStrategy(SparseCheckpointHooks, DDPStrategy):
         super()._configure_launcher()
         if self._start_method != "popen":  # ranks in child processes: rank 0 hands back full tables
             self._launcher = SparseMultiProcessingLauncher(self, start_method=self._start_method)
-
-    @override
-    def setup_distributed(self) -> None:
-        try:
-            super().setup_distributed()
-        except (dist.DistNetworkError, dist.DistStoreError) as err:  # the ranks never met: name the settings to fix
-            raise rendezvous_failure(err, self.cluster_environment, self.node_rank, self._timeout) from err
-        set_ranks_per_node(self.num_processes)
-        hazard = restart_hazard()
-        if hazard is not None and self.global_rank == 0:
-            log.warning(hazard)
-
-    # Lightning's and DDP's own collectives: a lost peer there is a PeerFailure too, with the roll call.
-    @override
-    def backward(self, *args: Any, **kwargs: Any) -> Any:
-        with collective("backward (with DDP's all-reduce of the dense gradients)", note_other_errors=False):
-            return super().backward(*args, **kwargs)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        with collective("barrier"):
-            super().barrier(*args, **kwargs)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with collective("broadcast"):
-            return super().broadcast(obj, src)
-
-    @override
-    def reduce(self, *args: Any, **kwargs: Any) -> Any:
-        with collective("reduce (self.log(..., sync_dist=True))"):
-            return super().reduce(*args, **kwargs)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        # A lost peer ends the run: ranks this process launched must not be left behind (a hung
-        # rank, stopped or deadlocked, would otherwise outlive the program). SIGKILL reaches a stopped one.
-        launcher = self.launcher
-        lost_peer = isinstance(exception, PeerFailure) or is_peer_failure(exception)  # also from DDP's own all-reduce
-        if lost_peer and launcher is not None and getattr(launcher, "procs", None):
-            log.debug("%s: %s; killing the %d ranks this process launched", type(self).__name__,
-                      type(exception).__name__, len(launcher.procs))  # fmt: skip
-            launcher.kill(signal.SIGKILL)
 
     @override
     def teardown(self) -> None:

@@ -10,7 +10,8 @@ these hooks do the same for the rest of a step and for the job's start:
   torchrun with restarts and its shared store, rank 0 warns (pytorch/pytorch#135712);
 - ``backward`` (DDP's all-reduce of the dense gradients), ``barrier``, ``broadcast``, ``reduce``
   (``self.log(..., sync_dist=True)``): a lost peer becomes a PeerFailure, with the roll call;
-- ``on_exception``: after a lost peer, the ranks this process launched are killed.
+- ``on_exception``: after a lost peer, the ranks this process launched are killed (and taken off
+  Lightning's child-process observer first, which would otherwise kill this process before it reports).
 """
 
 from __future__ import annotations
@@ -66,9 +67,17 @@ class LostPeerHooks:
         super().on_exception(exception)
         # A lost peer ends the run: ranks this process launched must not be left behind (a hung
         # rank, stopped or deadlocked, would otherwise outlive the program). SIGKILL reaches a stopped one.
-        launcher = self.launcher
+        procs = getattr(self.launcher, "procs", None)
         lost_peer = isinstance(exception, PeerFailure) or is_peer_failure(exception)
-        if lost_peer and launcher is not None and getattr(launcher, "procs", None):
+        if lost_peer and procs:
             log.debug("%s: %s; killing the %d ranks this process launched", type(self).__name__,
-                      type(exception).__name__, len(launcher.procs))  # fmt: skip
-            launcher.kill(signal.SIGKILL)
+                      type(exception).__name__, len(procs))  # fmt: skip
+            # Lightning's child-process observer polls this very list every 5 s and answers a child's
+            # non-zero exit by SIGKILLing this process too, before the error is reported: take the
+            # ranks off its list before they die.
+            doomed = list(procs)
+            procs.clear()
+            for proc in doomed:
+                proc.send_signal(signal.SIGKILL)
+            for proc in doomed:
+                proc.wait(timeout=30)

@@ -9,7 +9,7 @@ import torch  # noqa: E402
 from rank_pool import RankPool  # noqa: E402
 
 # Start-up hooks for the exit stress script's child processes, never for this one.
-collect_ignore = ["exits/widen"]
+collect_ignore = ["exits/widen", "scripts/fast_observer"]
 
 torch.set_num_threads(1)
 

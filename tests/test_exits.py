@@ -134,15 +134,21 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.timeout(180)
 def test_a_hung_rank_does_not_outlive_the_fit(tmp_path):
-    """Rank 1 hangs; rank 0 fails with PeerFailure after the 10 s timeout and kills the rank it launched."""
+    """Rank 1 hangs; rank 0 fails with PeerFailure after the 10 s timeout and kills the rank it launched.
+
+    Lightning's child-process observer polls every 20 ms here (scripts/fast_observer): rank 0 must report
+    the PeerFailure although the rank it killed has exited non-zero, which the observer answers by SIGKILLing rank 0.
+    """
     import os
     import signal
     import time
 
     pid_file = tmp_path / "pid"
+    scripts = Path(__file__).parent / "scripts"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(scripts / "fast_observer"), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
-    run = subprocess.run([sys.executable, str(Path(__file__).parent / "scripts" / "hang_one_rank.py"), str(pid_file), "sleep"],
-                         check=False, capture_output=True, text=True, timeout=150, cwd=tmp_path)  # fmt: skip
+    run = subprocess.run([sys.executable, str(scripts / "hang_one_rank.py"), str(pid_file), "sleep"],
+                         check=False, capture_output=True, text=True, timeout=150, cwd=tmp_path, env=env)  # fmt: skip
     seconds = time.monotonic() - start
     pid = int(pid_file.read_text())
     time.sleep(1)

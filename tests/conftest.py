@@ -8,7 +8,7 @@ import torch  # noqa: E402
 
 from rank_pool import RankPool  # noqa: E402
 
-# Start-up hooks for the exit stress script's child processes, never for this one.
+# Start-up hooks for the child processes of some tests (the exit stress script, the hung-rank test), never for this one.
 collect_ignore = ["exits/widen", "scripts/fast_observer"]
 
 torch.set_num_threads(1)

@@ -42,8 +42,7 @@ def step_times(wire: tuple[float, float] | None, epochs: int, directory: Path) -
             hosts.popen(host, [sys.executable, "-W", "ignore", str(ROOT / "tests" / "scripts" / "fit_collection.py"),
                                str(directory / "state.pt"), "--num-nodes", "2", "--timeout", "60", "--epochs", str(epochs),
                                "--times", str(times)],
-                        env=hosts.env(host, OMP_NUM_THREADS="1", MASTER_ADDR=hosts.address(0), MASTER_PORT="29500",
-                                      NODE_RANK=str(host)),
+                        env=hosts.lightning_env(host, OMP_NUM_THREADS="1"),
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
             for host in range(2)
         ]
@@ -70,7 +69,7 @@ def run(epochs: int = 8, rounds: int = 2) -> dict:
     bridge = statistics.median(steps["bridge"])
     results = [{"link": name, "delay_ms": (wire or (0, 0))[0], "loss": (wire or (0, 0))[1], "steps": len(steps[name]),
                 "step_ms": statistics.median(steps[name]) * 1e3, "vs_bridge": statistics.median(steps[name]) / bridge,
-                "packets": counts.get(name, {})} for name, wire in LINKS.items()]  # fmt: skip
+                "packets": counts[name]} for name, wire in LINKS.items()]  # fmt: skip
     return {"epochs": epochs, "rounds": rounds, "ranks": 2, "hosts": 2, "results": results}
 
 

@@ -118,10 +118,12 @@ def roll_call(wait_s: float = ROLL_CALL_S) -> str:
         deadline = time.monotonic() + wait_s
         while missing and time.monotonic() < deadline:
             missing = [r for r in missing if not store.check([key + str(r)])]
-            time.sleep(0.1 if missing else 0)
-        store.set_timeout(old_timeout)
+            if missing:
+                time.sleep(0.1)
     except Exception as err:  # noqa: BLE001 - whatever the store raises, the roll call cannot tell who is gone
         return f" A roll call on the job's store could not be taken ({type(err).__name__}: {_first_line(err)})."
+    finally:
+        store.set_timeout(old_timeout)  # local to the client: no network call, cannot block
     if not missing:
         return (" Every rank answered a roll call on the job's store afterwards: none is dead or cut off; the collective "
                 "timed out (a link too slow for the timeout, or ranks in different collectives).")
@@ -174,10 +176,9 @@ def rendezvous_failure(err: BaseException, environment: Any, node_rank: int, tim
     """
     address, port = environment.main_address, environment.main_port
     rank, world_size = environment.global_rank(), environment.world_size()
-    first_line = _first_line(err)
     return PeerFailure(
         f"Rank {rank} of {world_size} (node {node_rank}) could not start the job: the ranks did not all meet at "
-        f"MASTER_ADDR={address}, MASTER_PORT={port} within the timeout ({timeout}): {type(err).__name__}: {first_line} "
+        f"MASTER_ADDR={address}, MASTER_PORT={port} within the timeout ({timeout}): {type(err).__name__}: {_first_line(err)} "
         f"HINT: MASTER_ADDR must be the address of the host running NODE_RANK=0 as the other hosts see it, its port "
         f"must be open between the hosts, every host must start its share of the {world_size} ranks, and on hosts "
         f"with several network interfaces GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) must name the one that links them."

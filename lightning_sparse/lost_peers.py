@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 from typing import Any
 
 import torch.distributed as dist
@@ -80,4 +81,7 @@ class LostPeerHooks:
             for proc in doomed:
                 proc.send_signal(signal.SIGKILL)
             for proc in doomed:
-                proc.wait(timeout=30)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:  # stuck in the kernel: report the lost peer all the same
+                    log.warning("rank process %d did not die within 30 s of SIGKILL", proc.pid)

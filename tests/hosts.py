@@ -110,9 +110,7 @@ class Hosts:
             _ip("-n", name, "link", "set", f"h{i}", "name", self.INTERFACE)
             _ip("-n", self.switch, "link", "set", port, "master", "br0")
             _ip("-n", self.switch, "link", "set", port, "up")
-            _ip("-n", name, "addr", "add", f"{self.address(i)}/24", "dev", self.INTERFACE)
-            _ip("-n", name, "link", "set", self.INTERFACE, "up")
-            _ip("-n", name, "link", "set", "lo", "up")
+            self._bring_up(i)
 
     def _build_wire(self) -> None:
         for name in self.names:
@@ -125,10 +123,15 @@ class Hosts:
         )  # fmt: skip
         if self._wire_process.stdout.readline().strip() != "ready":
             raise RuntimeError("the user-space wire (tests/wire.py) did not start")
-        for i, name in enumerate(self.names):
-            _ip("-n", name, "addr", "add", f"{self.address(i)}/24", "dev", self.INTERFACE)
-            _ip("-n", name, "link", "set", self.INTERFACE, "up")
-            _ip("-n", name, "link", "set", "lo", "up")
+        for i in range(self.count):
+            self._bring_up(i)
+
+    def _bring_up(self, host: int) -> None:
+        """Host ``host``'s address on its interface, the interface and loopback up."""
+        name = self.names[host]
+        _ip("-n", name, "addr", "add", f"{self.address(host)}/24", "dev", self.INTERFACE)
+        _ip("-n", name, "link", "set", self.INTERFACE, "up")
+        _ip("-n", name, "link", "set", "lo", "up")
 
     def popen(self, host: int, cmd: list[str], **kwargs) -> subprocess.Popen:
         """Start ``cmd`` inside host ``host`` (``ip netns exec``); killed at teardown if still running."""
@@ -136,9 +139,13 @@ class Hosts:
         self._procs.append(proc)
         return proc
 
-    def env(self, host: int, **extra: str) -> dict[str, str]:
-        """This process's environment plus what a process on host ``host`` needs: gloo's interface."""
+    def env(self, **extra: str) -> dict[str, str]:
+        """This process's environment plus what a process on any host needs: gloo's interface."""
         return {**os.environ, "GLOO_SOCKET_IFNAME": self.INTERFACE, **extra}
+
+    def lightning_env(self, host: int, **extra: str) -> dict[str, str]:
+        """:meth:`env` for one rank per host launched through Lightning's environment: MASTER_ADDR on host 0, NODE_RANK."""
+        return self.env(**{"MASTER_ADDR": self.address(0), "MASTER_PORT": "29500", "NODE_RANK": str(host), **extra})
 
     def pids(self, host: int) -> list[int]:
         """Every process running inside host ``host``."""
@@ -147,17 +154,17 @@ class Hosts:
 
     def cut(self, host: int) -> None:
         """Partition host ``host``: its port on the switch (its wire interface) goes down: nothing in or out."""
-        if self.wire is not None:
-            _ip("-n", self.names[host], "link", "set", self.INTERFACE, "down")
-        else:
-            _ip("-n", self.switch, "link", "set", f"p{host}", "down")
+        self._set_link(host, "down")
 
     def restore(self, host: int) -> None:
         """Bring host ``host``'s link back after :meth:`cut`."""
+        self._set_link(host, "up")
+
+    def _set_link(self, host: int, state: str) -> None:
         if self.wire is not None:
-            _ip("-n", self.names[host], "link", "set", self.INTERFACE, "up")
+            _ip("-n", self.names[host], "link", "set", self.INTERFACE, state)
         else:
-            _ip("-n", self.switch, "link", "set", f"p{host}", "up")
+            _ip("-n", self.switch, "link", "set", f"p{host}", state)
 
     def kill(self, host: int) -> None:
         """SIGKILL every process on host ``host``, as when the machine dies."""
@@ -169,9 +176,8 @@ class Hosts:
 
     def close(self) -> None:
         """Kill whatever still runs on the hosts, then delete every namespace made here."""
-        for host, name in enumerate(self.names):
-            if _ip("netns", "pids", name, check=False).returncode == 0:
-                self.kill(host)
+        for host in range(self.count):  # a namespace never made has no pids
+            self.kill(host)
         for proc in self._procs:
             try:
                 proc.wait(timeout=10)
@@ -188,7 +194,7 @@ class Hosts:
                 self._wire_process.wait(timeout=10)
         deadline = time.monotonic() + 10
         for name in [*self.names, self.switch]:
-            while _ip("netns", "del", name, check=False).returncode != 0 and name in _list() and time.monotonic() < deadline:
+            while _ip("netns", "del", name, check=False).returncode != 0 and name in _list().split() and time.monotonic() < deadline:
                 time.sleep(0.1)
 
 

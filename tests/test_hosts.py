@@ -9,7 +9,6 @@ killed host, or a killed rank that torchrun restarts; the one-host run itself ma
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -50,7 +49,8 @@ def hosts():
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "examples"), **extra}
+    """What every process of these tests gets on top of :meth:`Hosts.env` (which adds this process's environment)."""
+    return {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "examples"), **extra}
 
 
 def _finish(proc: subprocess.Popen, what: str) -> subprocess.CompletedProcess:
@@ -93,7 +93,7 @@ def test_recommender_on_two_hosts_through_lightning_env_over_a_slow_lossy_link_e
         spread = [
             hosts.popen(host, [*RECOMMENDER, "--trainer.num_nodes", "2", "--trainer.devices", "1",
                                "--trainer.default_root_dir", str(tmp_path / "two")],  # one checkpoint directory, as on a shared file system
-                        env=hosts.env(host, **_env(MASTER_ADDR=hosts.address(0), MASTER_PORT="29500", NODE_RANK=str(host))),
+                        env=hosts.lightning_env(host, **_env()),
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)  # fmt: skip
             for host in range(2)
         ]
@@ -115,8 +115,7 @@ def test_wrong_master_addr_fails_on_every_host_within_the_timeout_with_a_hint(ho
     timeout_s = 3
     procs, start = [], time.monotonic()
     for host, master in enumerate([hosts.address(0), f"{hosts.subnet}.99"]):
-        env = hosts.env(host, **_env(MASTER_ADDR=master, MASTER_PORT="29500", NODE_RANK=str(host), WORLD_SIZE="2",
-                                     LOCAL_RANK="0", RANK=str(host)))  # fmt: skip
+        env = hosts.lightning_env(host, **_env(MASTER_ADDR=master, WORLD_SIZE="2", LOCAL_RANK="0", RANK=str(host)))
         procs.append(hosts.popen(host, [sys.executable, str(ROOT / "tests" / "scripts" / "fit_collection.py"),
                                         str(tmp_path / "never.pt"), "--num-nodes", "2",
                                         "--timeout", str(timeout_s)],
@@ -141,7 +140,7 @@ def _fit_on_hosts(hosts: Hosts, out: Path, timeout_s: float, *extra: str) -> lis
     """fit_collection.py on both hosts through Lightning's environment (one rank per host)."""
     return [
         hosts.popen(host, [sys.executable, SCRIPT, str(out), "--num-nodes", "2", "--timeout", str(timeout_s), *extra],
-                    env=hosts.env(host, **_env(MASTER_ADDR=hosts.address(0), MASTER_PORT="29500", NODE_RANK=str(host))),
+                    env=hosts.lightning_env(host, **_env()),
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
         for host in range(2)
     ]
@@ -245,7 +244,7 @@ def _torchrun_with_restarts(hosts: Hosts, run: Path) -> list[subprocess.Popen]:
                            SCRIPT, str(run / "resumed.pt"), "--num-nodes", "2", "--timeout", str(FAULT_TIMEOUT_S),
                            "--checkpoints", str(run / "checkpoints"), "--resume", "--die", "1", "9", str(run / "died")],
                     # the workers' own store per attempt: torchrun's shared one breaks such restarts (pytorch/pytorch#135712)
-                    env=hosts.env(host, **_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")),
+                    env=hosts.env(**_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")),
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
         for host in range(2)
     ]

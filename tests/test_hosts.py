@@ -31,14 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 20  # the process groups' timeout (rendezvous and collectives)
 RUN_TIMEOUT_S = 150
 
-# The recommender example at a size that fits a test: one epoch, 8 steps of 2 x 512 samples.
+# The recommender example at a size that fits a test: one epoch, 4 steps of 2 x 512 samples.
 RECOMMENDER = [
     sys.executable, "-W", "ignore", str(ROOT / "examples" / "recommender.py"), "fit",
     "--config", str(ROOT / "examples" / "recommender.yaml"), "--trainer.max_epochs", "1", "--trainer.logger", "false",
     "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "true",
     "--trainer.strategy", "lightning_sparse.SparseDDPStrategy", "--trainer.strategy.timeout", f"0:00:{TIMEOUT_S}",
     "--model.num_users", "20000", "--model.num_items", "5000", "--data.num_users", "20000", "--data.num_items", "5000",
-    "--data.train_interactions", "8192", "--data.val_interactions", "2048", "--data.batch_size", "512",
+    "--data.train_interactions", "4096", "--data.val_interactions", "1024", "--data.batch_size", "512",
 ]  # fmt: skip
 
 

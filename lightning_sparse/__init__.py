@@ -7,6 +7,7 @@ releases the process groups before the interpreter finalizes (``lightning_sparse
 from lightning_sparse import exits, init
 from lightning_sparse.callbacks import SparseStatsMonitor
 from lightning_sparse.collection import SparseEmbeddingCollection
+from lightning_sparse.dynamic import DynamicEmbedding
 from lightning_sparse.embedding import SparseEmbedding, full_state_dict
 from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.faults import PeerFailure
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 exits.install()
 
 __all__ = [
+    "DynamicEmbedding",
     "JaggedIds",
     "PeerFailure",
     "RowSharding",

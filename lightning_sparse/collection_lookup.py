@@ -44,6 +44,7 @@ from lightning_sparse.exchange import (
     ids_to_owners,
     parts_received,
 )
+from lightning_sparse.dynamic import rows_of_features
 from lightning_sparse.features import FeatureIds, Problem, read_features
 from lightning_sparse.grouping import SortedKeys, transpose_blocks, transposed_places
 from lightning_sparse.packing import common_unit, pack, unpack
@@ -112,6 +113,7 @@ def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[s
     recording = torch.is_grad_enabled()
     read, problem, bad_offsets = read_features(features, collection.feature_names, collection.feature_parts,
                                                collection.feature_pooling, device)  # fmt: skip
+    read = rows_of_features(tables, read)  # dynamic tables: ids to rows first, a round per table
     header = LookupHeader(table=collection.unit_index, record=int(recording), error=problem.error, part=problem.part,
                           detail=problem.detail, dtype=problem.dtype)  # fmt: skip
     fields = header.fields(device)

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sparse import init as row_init
-from lightning_sparse.exchange import ExchangeStats
+from lightning_sparse.exchange import ExchangeStats, Route
 from lightning_sparse.faults import collective
-from lightning_sparse.lookup import lookup
+from lightning_sparse.lookup import lookup, serve_rows
 from lightning_sparse.pending import PendingGrads
 from lightning_sparse.sharding import SCHEMES, RowSharding
 
@@ -214,9 +214,13 @@ class SparseEmbedding(nn.Module):
         if self._materialized:  # a full local table becomes this rank's shard
             self._shard.data = self._shard.data.index_select(0, global_ids)
         else:
-            self._shard.data = self._init_rows(global_ids)
+            self._shard.data = self._initial_rows(global_ids)
             self._materialized = True
         return self
+
+    def _initial_rows(self, global_ids: Tensor) -> Tensor:
+        """The rows a new shard starts with (a subclass may start them otherwise)."""
+        return self._init_rows(global_ids)
 
     def _init_rows(self, global_ids: Tensor) -> Tensor:
         shard = torch.empty(len(global_ids), self.embedding_dim, dtype=self._shard.dtype, device=self._shard.device)
@@ -255,6 +259,10 @@ class SparseEmbedding(nn.Module):
         self.check_first_lookup()
         self.materialize()
         return lookup(self, ids)
+
+    def serve(self, route: Route) -> None:
+        """Answer a lookup round of this table made by other ranks (see :func:`~lightning_sparse.lookup.serve_lookups`)."""
+        serve_rows(self, route)
 
     def check_first_lookup(self) -> None:
         """Run :attr:`first_lookup_checks` once (a collection calls it for its tables)."""
@@ -316,6 +324,14 @@ class SparseEmbedding(nn.Module):
         return full.index_select(0, self.sharding.global_ids(self._rank, device=full.device))
 
     # ------------------------------------------------------------------ state dict
+    def sharded_keys(self) -> tuple[str, ...]:
+        """The state-dict entries that hold this rank's part of the table (``full_state_dict`` replaces them)."""
+        return ("shard", "_extra_state")
+
+    def full_tensors(self) -> dict[str, Tensor]:
+        """The whole table as state-dict entries, loadable on any placement: ``weight``. Collective."""
+        return {"weight": self.full_weight()}
+
     def get_extra_state(self) -> dict[str, Any]:
         return {
             "num_embeddings": self.num_embeddings,
@@ -376,13 +392,14 @@ def full_state_dict(module: nn.Module, state_dict: dict[str, Any] | None = None)
 
     Collective: every rank of each table's group must call it. The result holds each table as
     ``<prefix>weight`` of shape ``[num_embeddings, embedding_dim]``, loadable on any number of
-    ranks and into ``nn.Embedding``.
+    ranks and into ``nn.Embedding`` (a DynamicEmbedding as ``<prefix>ids`` and their rows as
+    ``<prefix>weight``, loadable on any number of ranks).
     """
     state_dict = dict(module.state_dict() if state_dict is None else state_dict)
     for name, sub in module.named_modules():
         if isinstance(sub, SparseEmbedding):
             prefix = f"{name}." if name else ""
-            state_dict.pop(prefix + "shard", None)
-            state_dict.pop(prefix + "_extra_state", None)
-            state_dict[prefix + "weight"] = sub.full_weight()
+            for key in sub.sharded_keys():
+                state_dict.pop(prefix + key, None)
+            state_dict.update({prefix + key: value for key, value in sub.full_tensors().items()})
     return state_dict

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from lightning_sparse.faults import PeerFailure, collective
+from lightning_sparse.hashing import HashSharding
 from lightning_sparse.grouping import SortedKeys, coalesce, transpose_blocks
 from lightning_sparse.packing import common_unit, pack, to_device, unpack
 from lightning_sparse.sharding import JointSharding, RowSharding
@@ -151,7 +152,9 @@ class LookupHeader:
     answer the others (``serve_lookups``) and catch ranks that call tables out of order;
     ``record`` says the rank records the lookup for a gradient (grad mode is on); ``most`` is
     the largest ``count`` the rank sends to anyone, which sizes the next round; ``part`` names
-    the feature of a collection that an error is about (``-1``: none).
+    the feature of a collection that an error is about (``-1``: none); ``stage`` tells a round
+    that looks up rows (0) from one that turns a dynamic table's ids into rows (1,
+    :mod:`lightning_sparse.dynamic`), so that a rank serving others knows which round it is in.
     """
 
     count: int = 0
@@ -165,8 +168,9 @@ class LookupHeader:
     most: int = 0
     dtype: int = -1
     part: int = -1
+    stage: int = 0
 
-    WIDTH = 11
+    WIDTH = 12
 
     def fields(self, device: torch.device, id_range: Tensor | None = None) -> Tensor:
         """The fields after ``count`` as an int64 tensor; ``id_range`` (device ``[min, max]``) fills ``id_min``/``id_max``."""
@@ -218,6 +222,10 @@ class Headers:
         """The lookup units (tables, collections) that the active ranks called in this round, ascending."""
         return torch.unique(self.column("table")[self.column("active") != 0]).tolist()
 
+    def active_stages(self) -> list[int]:
+        """The stages (``LookupHeader.stage``) that the active ranks are in, ascending."""
+        return torch.unique(self.column("stage")[self.column("active") != 0]).tolist()
+
 
 @dataclass
 class Route:
@@ -267,7 +275,7 @@ def _next_slots(most: int) -> int:
 
 def ids_to_owners(
     runs: SortedKeys,
-    sharding: RowSharding | JointSharding,
+    sharding: RowSharding | JointSharding | HashSharding,
     fields: Tensor,
     group: ProcessGroup,
     rank: int,
@@ -293,7 +301,7 @@ def ids_to_owners(
     device = runs.sorted.device
     with record_function("lightning_sparse.ids_to_owners"):
         slots = _SLOTS.get(group, 0)
-        below = runs.counts_below(sharding.key_boundaries(device))
+        below = sharding.owner_counts_below(runs, device)
         counts = below[1:] - below[:-1]
         keys = runs.sorted.to(torch.int64)
         owner, local = sharding.owner_of_key(keys), sharding.local_of_key(keys)

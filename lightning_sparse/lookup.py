@@ -34,6 +34,7 @@ from lightning_sparse.exchange import (
     UNREADABLE,
     Headers,
     LookupHeader,
+    Route,
     SortedKeys,
     ids_to_owners,
     rows_to_requesters,
@@ -168,25 +169,24 @@ def serve_lookups(tables: list["SparseEmbedding"]) -> int:
         active = route.headers.active_units()
         if not active:
             return rounds
-        unit = tables[active[0]]
-        if hasattr(unit, "serve"):  # a collection: all its tables in this round
-            unit.serve(route)
-            rounds += 1
-            continue
-        table = unit
-        check_headers(table, route.headers)
-        with torch.no_grad():
-            rows = table.shard.index_select(0, route.received)
-        rows_to_requesters(rows, route, group, table.world_size, rank, table.stats)
-        if route.records:
-            table.pending.route = route
+        tables[active[0]].serve(route)  # a table's round, or a collection's (all its tables)
         rounds += 1
+
+
+def serve_rows(table: "SparseEmbedding", route: Route) -> None:
+    """Stage 2 on a rank that looks up nothing in this round: send the rows the others asked for."""
+    check_headers(table, route.headers)
+    with torch.no_grad():
+        rows = table.shard.index_select(0, route.received)
+    rows_to_requesters(rows, route, table.process_group, table.world_size, table.rank, table.stats)
+    if route.records:
+        table.pending.route = route
 
 
 def check_one_unit(headers: Headers, name: str) -> None:
     """Raise, on every rank alike, if the active ranks looked up different tables or collections in one round."""
     units = headers.active_units()
-    if len(units) > 1:
+    if len(units) > 1 or len(headers.active_stages()) > 1:
         raise RuntimeError(
             f"Ranks looked up different tables in the same round (lookup units {units}, this rank: {name}). "
             f"HINT: every rank must call its SparseEmbeddings and collections in the same order, every step, "

@@ -38,6 +38,8 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from lightning_sparse.grouping import SortedKeys
+
 SCHEMES = ("mod", "range")
 
 
@@ -85,6 +87,10 @@ class RowSharding:
 
     def local_of_key(self, keys: Tensor) -> Tensor:
         return torch.remainder(keys, self.block_size)
+
+    def owner_counts_below(self, runs: SortedKeys, device: torch.device) -> Tensor:
+        """``[W + 1]``: how many distinct keys of ``runs`` go to ranks below each rank (and, last, all of them)."""
+        return runs.counts_below(self.key_boundaries(device))
 
     def global_of_key(self, keys: Tensor) -> Tensor:
         """Inverse of :meth:`key`."""
@@ -179,6 +185,10 @@ class JointSharding:
 
     def local_of_key(self, keys: Tensor) -> Tensor:
         return torch.remainder(keys, self.block_size)
+
+    def owner_counts_below(self, runs: SortedKeys, device: torch.device) -> Tensor:
+        """``[W + 1]``: how many distinct keys of ``runs`` go to ranks below each rank (and, last, all of them)."""
+        return runs.counts_below(self.key_boundaries(device))
 
     def block(self, owner: Tensor, local: Tensor) -> Tensor:
         """The (owner, table) block of keys with these owners and joint local ids, owner-major: ``owner * T + table``."""

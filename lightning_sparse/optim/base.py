@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_sparse.collection import SparseEmbeddingCollection
+from lightning_sparse.dynamic import DynamicEmbedding
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.exchange import ExchangeStats, IncomingGrads, OutgoingGrads, grads_to_owners
 from lightning_sparse.grouping import SortedKeys, coalesce
@@ -62,6 +63,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         if defaults.get("duplicate_grads") not in DUPLICATE_GRADS:
             raise ValueError(f"Invalid duplicate_grads: {defaults.get('duplicate_grads')!r}. HINT: use one of {DUPLICATE_GRADS}.")
         self._tables: dict[Tensor, SparseEmbedding] = {}
+        self._fresh_rows: dict[Tensor, dict[str, Tensor]] = {}  # per dynamic table: one initial row of each state
         self.stats = ExchangeStats()
         super().__init__(params, defaults)
 
@@ -102,6 +104,18 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         group = self.param_groups[-1]
         for table in tables:
             self.state[table.shard] = self.init_state(table, group)
+            if isinstance(table, DynamicEmbedding):  # its slots change ids: their state must start afresh
+                self._fresh_rows[table.shard] = {k: v[:1].clone() for k, v in self.state[table.shard].items() if v.dim()}
+                table.watch(self)
+
+    def reset_rows(self, shard: Tensor, rows: Tensor) -> None:
+        """Put the per-row state of ``rows`` of the table whose shard is ``shard`` back to its initial value.
+
+        Called by a :class:`~lightning_sparse.dynamic.DynamicEmbedding` when it gives slots to new ids.
+        """
+        state = self.state[shard]
+        for key, fresh in self._fresh_rows[shard].items():
+            state[key].index_copy_(0, rows, fresh.expand(len(rows), *fresh.shape[1:]).to(state[key].device))
 
     @property
     def tables(self) -> list[SparseEmbedding]:
@@ -132,6 +146,10 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
                     state["step"] += 1
                 if len(rows):
                     self.update(p, rows, grad, state, group)
+            for _, p in entries:
+                table = self._tables[p]
+                if isinstance(table, DynamicEmbedding):
+                    table.after_step()
         self.stats.update_seconds += time.perf_counter() - start
         return loss
 

@@ -1,0 +1,203 @@
+"""Which id holds which row of an owner's shard: admission, eviction and expiry, all tensor ops.
+
+An owner of a :class:`~lightning_sparse.dynamic.DynamicEmbedding` keeps a :class:`SlotTable`:
+a :class:`~lightning_sparse.slot_map.SlotMap` from keys (mixed ids) to slots, and per slot the
+step it was last used in and how often training lookups asked for it. Slot 0 is the *null
+row*: it answers every id without a row and never holds an id.
+
+The clock is the number of sparse optimizer steps taken. A slot used since the last step is
+*pinned*: a gradient for it may be pending, so it is never evicted or expired before the
+step (a row never serves two ids at once). When an id is admitted and no slot is free, the
+unpinned slot with the oldest last use (``eviction="lru"``) or the fewest requests
+(``eviction="lfu"``) is evicted, ties going to the lowest slot; with every slot pinned the id
+waits (it keeps the null row) and counts as *rejected*. With ``ttl``, slots unused for more
+than ``ttl`` steps are freed at each step.
+
+Admission: with ``admit_after=k > 1``, training requests for ids without a row are counted in a
+:class:`CountSketch`; an id gets a row on the request that brings its count to ``k``. A request
+is one rank's lookup asking for the id (however often the id occurs in that rank's batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.hashing import mix
+from lightning_sparse.slot_map import SlotMap
+
+EVICTION = ("lru", "lfu")
+NULL_SLOT = 0
+
+
+@dataclass
+class SlotStats:
+    """Running totals of one owner's slot decisions; reset by the reader (``occupancy`` is a level, not a total)."""
+
+    admissions: int = 0
+    evictions: int = 0
+    expirations: int = 0
+    rejections: int = 0
+    occupancy: int = 0
+
+    def reset(self) -> None:
+        self.admissions = self.evictions = self.expirations = self.rejections = 0
+
+
+class CountSketch:
+    """A count-min sketch of request counts: ``depth`` rows of ``width`` int32 counters, halved as they fill.
+
+    An estimate is never below the true count since the last halving (it may be above, by
+    collisions); once the counters have taken ``10 * width`` requests, all are halved, so ids
+    that stopped coming fade (TinyLFU's reset). Memory: ``4 * depth * width`` bytes.
+    """
+
+    def __init__(self, width: int, depth: int = 4, device: torch.device | str | None = None) -> None:
+        self.width = 1 << max(4, (width - 1).bit_length())
+        self.counters = torch.zeros(depth, self.width, dtype=torch.int32, device=device)
+        self.added, self.salts = 0, [((2 * d + 1) * 0x9E3779B97F4A7C15) & 0x7FFFFFFFFFFFFFFF for d in range(depth)]
+
+    def add(self, keys: Tensor, counts: Tensor) -> Tensor:
+        """Count ``counts[i]`` more requests of distinct ``keys[i]``; returns each key's estimate after."""
+        estimate = None
+        for row, salt in zip(self.counters, self.salts):
+            bucket = mix(keys ^ salt) & (self.width - 1)
+            row.index_add_(0, bucket, counts.to(torch.int32))
+            seen = row.index_select(0, bucket)
+            estimate = seen if estimate is None else torch.minimum(estimate, seen)
+        self.added += len(keys)
+        if self.added >= 10 * self.width:
+            self.counters.div_(2, rounding_mode="floor")
+            self.added = 0
+        return estimate.to(torch.int64)
+
+
+class SlotTable:
+    """An owner's slots: which key each holds, and the admission, eviction and expiry decisions.
+
+    ``num_slots`` includes the null slot 0; ``capacity`` (at most ``num_slots - 1``) is how many
+    ids this owner may hold.
+    """
+
+    def __init__(self, num_slots: int, capacity: int, *, admit_after: int, eviction: str, ttl: int | None,
+                 sketch_width: int, device: torch.device) -> None:  # fmt: skip
+        self.map = SlotMap(num_slots, device)
+        self.capacity, self.admit_after, self.eviction, self.ttl = capacity, admit_after, eviction, ttl
+        self.last_used = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.requests = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.sketch = CountSketch(sketch_width, device=device) if admit_after > 1 else None
+        self.clock = 0
+        self.stats = SlotStats()
+        # Free slots as a stack: the next ones to take are at the end.
+        self._free = torch.arange(capacity, 0, -1, dtype=torch.int64, device=device)
+        self._num_free = capacity
+
+    @property
+    def occupancy(self) -> int:
+        return self.capacity - self._num_free
+
+    def resolve(self, keys: Tensor, requests: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Slots of distinct ``keys`` (``NULL_SLOT`` where none); ``requests``: training requests per key (0: read only).
+
+        Returns (slots, the slots newly given, the keys they were given to): the caller
+        initializes those rows and resets their optimizer state.
+        """
+        slots = self.map.find(keys)
+        found = slots >= 0
+        asked = requests > 0
+        used = torch.nonzero(found & asked).view(-1)
+        if len(used):
+            used_slots = slots.index_select(0, used)
+            self.last_used.index_fill_(0, used_slots, self.clock)
+            self.requests.index_add_(0, used_slots, requests.index_select(0, used))
+        wanting = torch.nonzero(~found & asked).view(-1)
+        if self.sketch is not None and len(wanting):
+            counts = self.sketch.add(keys.index_select(0, wanting), requests.index_select(0, wanting))
+            wanting = wanting.index_select(0, torch.nonzero(counts >= self.admit_after).view(-1))
+        new_slots = self._take(len(wanting))
+        admitted = wanting[: len(new_slots)]
+        self.stats.rejections += len(wanting) - len(admitted)
+        new_keys = keys.index_select(0, admitted)
+        if len(admitted):
+            self.map.insert(new_keys, new_slots)
+            self.last_used.index_fill_(0, new_slots, self.clock)
+            self.requests.index_copy_(0, new_slots, requests.index_select(0, admitted))
+            slots.index_copy_(0, admitted, new_slots)
+            self.stats.admissions += len(admitted)
+        self.stats.occupancy = self.occupancy
+        return torch.where(slots >= 0, slots, NULL_SLOT), new_slots, new_keys
+
+    def _take(self, count: int) -> Tensor:
+        """Up to ``count`` slots for new ids: free ones first, then evicted unpinned ones."""
+        short = count - self._num_free
+        if short > 0:
+            victims = self._victims(short)
+            self._release(victims)
+            self.stats.evictions += len(victims)
+        count = min(count, self._num_free)
+        taken = self._free[self._num_free - count : self._num_free].flip(0)
+        self._num_free -= count
+        return taken
+
+    def _victims(self, count: int) -> Tensor:
+        """The ``count`` (or fewer) unpinned slots to evict first under the eviction policy."""
+        candidates = torch.nonzero(self.map.used() & (self.last_used < self.clock)).view(-1)
+        if not len(candidates):
+            return candidates
+        score = self.last_used if self.eviction == "lru" else self.requests
+        order = score.index_select(0, candidates) * len(self.last_used) + candidates  # ties: the lowest slot
+        return candidates.index_select(0, torch.topk(order, min(count, len(candidates)), largest=False).indices)
+
+    def _release(self, slots: Tensor) -> None:
+        """Free slots in use: their keys leave the map; the slots go on the free stack."""
+        if not len(slots):
+            return
+        self.map.remove(slots)
+        self._free[self._num_free : self._num_free + len(slots)] = slots.sort(descending=True).values
+        self._num_free += len(slots)
+
+    def tick(self) -> None:
+        """An optimizer step happened: unpin every slot, then free the slots unused for more than ``ttl`` steps."""
+        self.clock += 1
+        if self.ttl is not None:
+            stale = torch.nonzero(self.map.used() & (self.last_used < self.clock - self.ttl)).view(-1)
+            self._release(stale)
+            self.stats.expirations += len(stale)
+        self.stats.occupancy = self.occupancy
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, Tensor]:
+        """Per-slot tensors that restore the table: ``keys``, ``used`` (int8), ``last_used``, ``requests``."""
+        return {"slot_keys": self.map.keys, "slot_used": self.map.used().to(torch.int8), "slot_last_used": self.last_used,
+                "slot_requests": self.requests}  # fmt: skip
+
+    def load(self, keys: Tensor, used: Tensor, last_used: Tensor, requests: Tensor, clock: int) -> None:
+        """Hold what :meth:`state` returned, each key in the same slot."""
+        self.map.load(keys, used.bool())
+        self.last_used.copy_(last_used)
+        self.requests.copy_(requests)
+        self.clock = clock
+        free = torch.nonzero(~self.map.used()[1 : self.capacity + 1]).view(-1) + 1
+        self._num_free = len(free)
+        self._free[: len(free)] = free.flip(0)
+        self.stats.occupancy = self.occupancy
+
+    def restore(self, keys: Tensor, last_used: Tensor, requests: Tensor, clock: int) -> Tensor:
+        """Empty the table, then hold ``keys`` (distinct), the most deserving first while there is room; returns their slots.
+
+        Keys without room get ``-1``. Used when loading a checkpoint, possibly saved on another
+        number of ranks: every key arrives at its new owner with its last use and requests.
+        """
+        self._release(torch.nonzero(self.map.used()).view(-1))
+        self.clock = clock
+        score = last_used if self.eviction == "lru" else requests
+        order = torch.argsort(score, descending=True, stable=True)[: self.capacity]
+        slots = torch.full_like(keys, -1)
+        taken = self._take(len(order))
+        self.map.insert(keys.index_select(0, order), taken)
+        self.last_used.index_copy_(0, taken, last_used.index_select(0, order))
+        self.requests.index_copy_(0, taken, requests.index_select(0, order))
+        self.stats.occupancy = self.occupancy
+        return slots.index_copy_(0, order, taken)

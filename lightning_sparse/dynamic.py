@@ -1,0 +1,320 @@
+"""DynamicEmbedding: a table addressed by arbitrary 64-bit ids, each given a row of its own while it fits.
+
+A lookup takes two steps, each a collective over the table's group:
+
+1. **Ids to slots.** Each rank sends its distinct ids' keys (:func:`~lightning_sparse.hashing.mix`)
+   to their owners (the high bits of the key) with the lookup stage
+   (:func:`~lightning_sparse.exchange.ids_to_owners`, header checks included); each owner finds
+   or admits them in its :class:`~lightning_sparse.admission.SlotTable` and sends back each id's
+   slot (``rows_to_requesters`` with one int64 per id). An id without a row gets the owner's
+   null slot 0, which stays zero.
+2. **Rows.** The table is a ``"range"``-sharded :class:`~lightning_sparse.embedding.SparseEmbedding`
+   of ``W * rows_per_rank`` rows: owner ``o``'s slot ``s`` is row ``o * rows_per_rank + s``. The
+   lookup of those rows, their gradients and every sparse optimizer are the ones of a
+   ``SparseEmbedding``.
+
+A sparse optimizer that holds the table resets the optimizer state of every slot given to a new
+id, and after each step calls :meth:`DynamicEmbedding.after_step`, which moves the clock (slots
+used since the last step are pinned until then), frees expired slots and zeroes the null rows.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sparse import init as row_init
+from lightning_sparse.admission import EVICTION, NULL_SLOT, SlotStats, SlotTable
+from lightning_sparse.embedding import SparseEmbedding
+from lightning_sparse.exchange import Headers, Route, ids_to_owners, rows_to_requesters
+from lightning_sparse.features import FeatureIds
+from lightning_sparse.grouping import SortedKeys
+from lightning_sparse.hashing import HashSharding, mix, unmix
+from lightning_sparse.lookup import check_headers, lookup, read_ids, serve_rows
+
+RESOLVE = 1  # the ``LookupHeader.stage`` of a round that turns ids into slots
+# Per-slot state in a state dict, then the clock (a 0-d tensor).
+SLOT_STATE = ("slot_keys", "slot_used", "slot_last_used", "slot_requests", "slot_clock")
+
+
+class DynamicEmbedding(SparseEmbedding):
+    """An embedding table for arbitrary int64 (or uint64) ids, sharded by a hash of the id.
+
+    Args:
+        capacity: ids the table holds at most, over all ranks (rank ``r`` holds
+            ``capacity // W``, plus one for the first ``capacity % W`` ranks).
+        embedding_dim: width of a row.
+        admit_after: an id gets a row on the training lookup that asks for it the
+            ``admit_after``-th time (counted per rank's lookup, in a count sketch); until then,
+            and when no slot can be had, its lookups return zeros and its gradient is dropped.
+        eviction: when a rank's slots are full, a new id takes the slot of the id used longest
+            ago (``"lru"``) or requested least often (``"lfu"``); slots used since the last
+            optimizer step are never taken.
+        ttl: if set, ids unused for more than ``ttl`` optimizer steps lose their row.
+        sketch_width: counters per row of the admission sketch (default: 4 per slot).
+        init, seed, dtype, device, process_group, name: as for :class:`SparseEmbedding`; a new
+            row is ``init(id, embedding_dim, seed)``, so an id that is evicted and admitted again
+            starts afresh, and its optimizer state too.
+
+    Only lookups with grad mode on (training) count requests, admit ids and pin slots; others
+    (validation) read what is there. The owner of an id is a fixed mix of its bits modulo the
+    ranks, so hash values that share low bits spread evenly.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        embedding_dim: int,
+        *,
+        admit_after: int = 1,
+        eviction: str = "lru",
+        ttl: int | None = None,
+        sketch_width: int | None = None,
+        init: row_init.RowInit | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        name: str | None = None,
+    ) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"Invalid capacity: {capacity!r}. HINT: a dynamic table holds at least one id.")
+        if not isinstance(admit_after, int) or admit_after < 1:
+            raise ValueError(f"Invalid admit_after: {admit_after!r}. HINT: 1 admits an id on its first training lookup.")
+        if eviction not in EVICTION:
+            raise ValueError(f"Invalid eviction: {eviction!r}. HINT: use one of {EVICTION}.")
+        if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
+            raise ValueError(f"Invalid ttl: {ttl!r}. HINT: a number of optimizer steps >= 1, or None to keep ids.")
+        super().__init__(capacity + 1, embedding_dim, sharding="range", init=init, seed=seed, dtype=dtype, device=device,
+                         process_group=process_group, name=name or f"DynamicEmbedding({capacity}, {embedding_dim})")  # fmt: skip
+        self.has_given_name = name is not None
+        self.capacity, self.admit_after, self.eviction, self.ttl = capacity, admit_after, eviction, ttl
+        self.sketch_width = sketch_width
+        self.slots: SlotTable | None = None
+        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # they reset the state of re-used slots
+
+    # ------------------------------------------------------------------ placement
+    def rows_per_rank(self, world_size: int | None = None) -> int:
+        """Rows of each rank's shard: the most ids a rank holds, plus the null row."""
+        return -(-self.capacity // (world_size or self.world_size)) + 1
+
+    def materialize(
+        self, process_group: dist.ProcessGroup | None = None, replica_group: dist.ProcessGroup | None = None
+    ) -> "DynamicEmbedding":
+        """Allocate this rank's slots and rows (local, no collective). See :meth:`SparseEmbedding.materialize`."""
+        if replica_group is not None:
+            raise ValueError(f"{self.name}: a DynamicEmbedding is sharded over one group. HINT: use 1-D sharding "
+                             f"(no sharding_group_size) for models with dynamic tables.")  # fmt: skip
+        group = process_group or (self._requested_group() if self._requested_group is not None else None)
+        initialized = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size(group or dist.group.WORLD) if initialized else 1
+        if self._materialized and world_size != self._world_size:
+            if self.slots.occupancy or self._world_size != 1:
+                raise RuntimeError(f"{self.name} holds ids on {self._world_size} rank(s) and cannot be re-sharded over "
+                                   f"{world_size}. HINT: save a checkpoint and load it into a new module.")  # fmt: skip
+            self._materialized = False  # an unused local table: start over on the group
+        self.num_embeddings = world_size * self.rows_per_rank(world_size)
+        super().materialize(process_group)
+        if self.slots is None or len(self.slots.last_used) != len(self._shard):
+            rank = self._rank
+            capacity = self.capacity // world_size + (rank < self.capacity % world_size)
+            self.slots = SlotTable(len(self._shard), capacity, admit_after=self.admit_after, eviction=self.eviction,
+                                   ttl=self.ttl, sketch_width=self.sketch_width or 4 * capacity, device=self.device)  # fmt: skip
+        return self
+
+    def _initial_rows(self, global_ids: Tensor) -> Tensor:
+        # Rows get their values when an id is admitted; the null row stays zero.
+        return torch.zeros(len(global_ids), self.embedding_dim, dtype=self._shard.dtype, device=self._shard.device)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "DynamicEmbedding":
+        super()._apply(fn, recurse)
+        if self.slots is not None and self.slots.map.device != self.device:
+            raise RuntimeError(f"{self.name}: move a DynamicEmbedding before its first lookup. HINT: build it on its "
+                               f"device (device=...), or call .to() before using it.")  # fmt: skip
+        return self
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Forget every id: all slots free, all rows zero (optimizer state is reset as ids come back)."""
+        self.materialize()
+        none = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.slots.restore(none, none, none, self.slots.clock)
+        self._shard.zero_()
+
+    # ------------------------------------------------------------------ lookups
+    def forward(self, ids: Tensor) -> Tensor:
+        """Rows for ``ids`` (any shape, integer dtype, any value) -> ``[*ids.shape, embedding_dim]``.
+
+        Collective: every rank of the group must call it (with possibly empty ``ids``), in the
+        same order as the other tables of the group. Ids without a row read zeros.
+        """
+        self.check_first_lookup()
+        self.materialize()
+        rows = self.rows_of(ids)
+        return lookup(self, rows.view(ids.shape))
+
+    def rows_of(self, ids: Any) -> Tensor:
+        """Stage 1: the row of each id (flat int64), admitting ids on a training lookup. Collective.
+
+        Bad input (not a tensor, not integers) raises on every rank, as for ``SparseEmbedding``.
+        """
+        flat, header, problem = read_ids(self, ids)
+        header = replace(header, stage=RESOLVE)
+        check = partial(check_headers, self, own_problem=problem)
+        runs = SortedKeys(mix(flat))
+        if self.world_size == 1:
+            check(Headers.of(header))
+            runs.finish()
+            recording = torch.full_like(runs.unique, int(torch.is_grad_enabled()))
+            return self._assign(runs.unique, recording).index_select(0, runs.inverse())
+        sharding = HashSharding(self.world_size)
+        route = ids_to_owners(runs, sharding, header.fields(self.device), self.process_group, self.rank, self.stats, check)
+        runs.finish(sum(route.send_splits))
+        slots = self.answer(route)
+        rows = sharding.owner_of_key(runs.unique) * self.rows_per_rank() + slots
+        return rows.index_select(0, runs.inverse())
+
+    def answer(self, route: Route) -> Tensor:
+        """Stage 1 on the owner: give the ids that ranks sent their slots and send them back; returns this rank's own. Collective."""
+        recording = torch.repeat_interleave(route.headers.column("record"), route.recv_counts).to(self.device)
+        runs = SortedKeys(route.received).finish()
+        requests = torch.zeros(len(runs.unique), dtype=torch.int64, device=self.device)
+        requests.index_add_(0, runs.inverse(), recording)  # training requests per distinct key
+        slots = self._assign(runs.unique, requests).index_select(0, runs.inverse())
+        back = rows_to_requesters(slots.unsqueeze(1), route, self.process_group, self.world_size, self.rank, self.stats)
+        return back.view(-1)
+
+    @torch.no_grad()
+    def _assign(self, keys: Tensor, requests: Tensor) -> Tensor:
+        """Slots of distinct keys on this owner; new ids' rows start from ``init`` and their optimizer state afresh."""
+        slots, new_slots, new_keys = self.slots.resolve(keys, requests)
+        if len(new_slots):
+            self._shard.index_copy_(0, new_slots, self._init_rows(unmix(new_keys)))
+            for optimizer in self._optimizers:
+                optimizer.reset_rows(self._shard, new_slots)
+        return slots
+
+    def serve(self, route: Route) -> None:
+        """Answer a round of this table's lookups made by other ranks (see ``serve_lookups``)."""
+        if route.headers.active_stages() != [0]:
+            check_headers(self, route.headers)
+            self.answer(route)
+        else:
+            serve_rows(self, route)
+
+    # ------------------------------------------------------------------ optimizer steps
+    def watch(self, optimizer: Any) -> None:
+        """Called by a sparse optimizer that holds this table: it will reset the state of slots given to new ids."""
+        self._optimizers.add(optimizer)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Called by the sparse optimizer after each step: unpin, expire, and put the null row back to zero."""
+        self.slots.tick()
+        null = torch.tensor([NULL_SLOT], device=self.device)
+        self._shard.index_fill_(0, null, 0)
+        for optimizer in self._optimizers:
+            optimizer.reset_rows(self._shard, null)
+
+    @property
+    def slot_stats(self) -> SlotStats:
+        """This rank's admissions, evictions, expirations and rejections since the last reset, and its occupancy."""
+        self.materialize()
+        return self.slots.stats
+
+    # ------------------------------------------------------------------ whole table
+    @torch.no_grad()
+    def export(self) -> tuple[Tensor, Tensor]:
+        """``(ids, rows)`` of every id that holds a row, on every rank (ascending ids).
+
+        Collective: every rank of the group must call it. For export and tests: the table is
+        gathered on every rank.
+        """
+        self.materialize()
+        state = self.slots.state()
+        keys, used, rows = (self.gather_rows(t) for t in (state["slot_keys"], state["slot_used"], self.shard))
+        held = torch.nonzero(used).view(-1)
+        ids, order = torch.sort(unmix(keys.index_select(0, held)))
+        return ids, rows.index_select(0, held.index_select(0, order))
+
+    # ------------------------------------------------------------------ state dict
+    def sharded_keys(self) -> tuple[str, ...]:
+        return (*super().sharded_keys(), *SLOT_STATE)
+
+    def full_tensors(self) -> dict[str, Tensor]:
+        """``ids`` and their rows as ``weight`` (:meth:`export`). Collective."""
+        ids, rows = self.export()
+        return {"ids": ids, "weight": rows}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {**super().get_extra_state(), "capacity": self.capacity}
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, value in self.slots.state().items():
+            destination[prefix + name] = value
+        destination[prefix + "slot_clock"] = torch.tensor(self.slots.clock)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        """Accepts this rank's ``shard`` and slots (same placement), or ``ids`` with their rows as ``weight`` (any placement)."""
+        ours = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
+        if "ids" in ours or "weight" in ours:
+            if "ids" not in ours or "weight" not in ours:
+                error_msgs.append(f"{self.name}: a full state of a DynamicEmbedding holds {prefix}ids and {prefix}weight "
+                                  f"(see lightning_sparse.full_state_dict); got {sorted(ours)}.")  # fmt: skip
+                return
+            self.load_ids(ours["ids"], ours["weight"])
+            if strict:
+                unexpected_keys.extend(prefix + k for k in ours if k not in ("ids", "weight", "_extra_state"))
+            return
+        rest = {key: value for key, value in state_dict.items() if key[len(prefix):] not in SLOT_STATE}
+        errors = len(error_msgs)
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if "shard" not in ours or len(error_msgs) > errors:
+            return
+        if any(name not in ours for name in SLOT_STATE):
+            missing_keys.extend(prefix + name for name in SLOT_STATE if name not in ours)
+            return
+        self.slots.load(*(ours[name].to(self.device) for name in SLOT_STATE[:-1]), clock=int(ours["slot_clock"]))
+
+    @torch.no_grad()
+    def load_ids(self, ids: Tensor, rows: Tensor) -> None:
+        """Hold exactly ``ids`` (distinct) with ``rows``: this rank keeps the ids it owns. Local (every rank gets all of them)."""
+        self.materialize()
+        keys = mix(ids.to(self.device).view(-1))
+        mine = torch.nonzero(HashSharding(self.world_size).owner_of_key(keys) == self.rank).view(-1)
+        zeros = torch.zeros(len(mine), dtype=torch.int64, device=self.device)
+        slots = self.slots.restore(keys.index_select(0, mine), zeros, zeros, self.slots.clock)
+        kept = torch.nonzero(slots >= 0).view(-1)
+        self._shard.zero_()
+        self._shard.index_copy_(0, slots.index_select(0, kept), rows.to(self._shard).index_select(0, mine.index_select(0, kept)))
+        for optimizer in self._optimizers:
+            optimizer.reset_rows(self._shard, slots.index_select(0, kept))
+
+    def extra_repr(self) -> str:
+        held = f", holds={self.slots.occupancy}" if self.slots is not None else ""
+        return (f"capacity={self.capacity}, {self.embedding_dim}, admit_after={self.admit_after}, "
+                f"eviction={self.eviction!r}, ttl={self.ttl}{held}")  # fmt: skip
+
+
+def rows_of_features(tables: list[SparseEmbedding], read: list[FeatureIds]) -> list[FeatureIds]:
+    """A collection's features with each dynamic table's ids turned into its rows (stage 1 per dynamic table).
+
+    Collective: every rank of the group must call it; each dynamic table of the collection takes
+    one round, in the collection's order, also on a rank whose batch has none of its features.
+    """
+    for part, table in enumerate(tables):
+        if not isinstance(table, DynamicEmbedding):
+            continue
+        mine = [index for index, feature in enumerate(read) if feature.part == part]
+        ids = [read[index].ids for index in mine]
+        rows = table.rows_of(torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=table.device))
+        for index, feature_rows in zip(mine, rows.split([len(i) for i in ids])):
+            read[index] = replace(read[index], ids=feature_rows)
+    return read

@@ -1,0 +1,115 @@
+"""SlotMap: an owner's map from hashed keys to the slots (rows) of its shard, built from tensor ops.
+
+An open-addressing hash table with linear probing, in two tensors: ``buckets`` (``[M]``, the
+slot stored in each bucket, or ``EMPTY``/``DELETED``) and ``keys`` (``[slots]``, the key each
+slot holds). A batch of keys is looked up or inserted at once: every round moves all unsettled
+keys one bucket on, so the number of rounds is the longest probe sequence of the batch, not the
+batch size, and the same code runs on CPU and CUDA (one host read per round, to stop).
+
+Keys are already mixed (:func:`lightning_sparse.hashing.mix`), so a key's home bucket is its
+low bits. ``M`` is a power of two at least twice the slots, so the table is at most half full
+with live keys; removed keys leave ``DELETED`` marks that probes walk over, and the buckets are
+rebuilt when live keys and marks fill three quarters of them.
+
+>>> slots = SlotMap(4)
+>>> slots.insert(torch.tensor([10, -7]), torch.tensor([0, 3]))
+>>> slots.find(torch.tensor([-7, 5, 10])).tolist()
+[3, -1, 0]
+>>> slots.remove(torch.tensor([3])); slots.find(torch.tensor([-7, 10])).tolist()
+[-1, 0]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+EMPTY, DELETED = -1, -2
+_NO_CLAIM = torch.iinfo(torch.int64).max
+
+
+class SlotMap:
+    """Key -> slot for ``num_slots`` slots; each slot holds at most one key, each key at most one slot."""
+
+    def __init__(self, num_slots: int, device: torch.device | str | None = None) -> None:
+        self.num_slots = num_slots
+        size = 1 << max(4, (2 * num_slots - 1).bit_length())
+        self.mask = size - 1
+        self.buckets = torch.full((size,), EMPTY, dtype=torch.int64, device=device)
+        self.keys = torch.zeros(num_slots, dtype=torch.int64, device=device)  # valid where the slot is in use
+        self.bucket_of = torch.full((num_slots,), EMPTY, dtype=torch.int64, device=device)  # EMPTY: slot not in use
+        self.deleted = 0  # DELETED marks in ``buckets``
+        # Per bucket, the lowest position of a key claiming it in an insert round; NO_CLAIM between rounds.
+        self._claims = torch.full_like(self.buckets, _NO_CLAIM)
+
+    @property
+    def device(self) -> torch.device:
+        return self.buckets.device
+
+    def used(self) -> Tensor:
+        """``[num_slots]`` bool: which slots hold a key."""
+        return self.bucket_of >= 0
+
+    def find(self, keys: Tensor) -> Tensor:
+        """The slot of each key, ``-1`` where the map does not hold it."""
+        found = torch.full_like(keys, -1)
+        pending = torch.arange(len(keys), device=keys.device)
+        bucket = keys & self.mask
+        while len(pending):
+            slot = self.buckets.index_select(0, bucket)
+            hit = (slot >= 0) & (self.keys.index_select(0, slot.clamp(min=0)) == keys.index_select(0, pending))
+            found.index_copy_(0, pending, torch.where(hit, slot, -1))
+            go_on = torch.nonzero(~hit & (slot != EMPTY)).view(-1)  # another key or a mark: probe the next bucket
+            pending, bucket = pending.index_select(0, go_on), (bucket.index_select(0, go_on) + 1) & self.mask
+        return found
+
+    def insert(self, keys: Tensor, slots: Tensor) -> None:
+        """Put distinct ``keys``, none of them in the map, into free ``slots`` (one each)."""
+        pending = torch.arange(len(keys), device=keys.device)
+        bucket = keys & self.mask
+        claims = self._claims
+        while len(pending):
+            free = self.buckets.index_select(0, bucket) < 0
+            # Several keys may probe one free bucket in a round: the first of them (lowest position) takes it.
+            claims.scatter_reduce_(0, bucket, torch.where(free, pending, _NO_CLAIM), "amin")
+            won = free & (claims.index_select(0, bucket) == pending)
+            claims.index_fill_(0, bucket, _NO_CLAIM)
+            taken = torch.nonzero(won).view(-1)
+            self.deleted -= int((self.buckets.index_select(0, bucket.index_select(0, taken)) == DELETED).sum())
+            placed = slots.index_select(0, pending.index_select(0, taken))
+            self.buckets.index_copy_(0, bucket.index_select(0, taken), placed)
+            self.bucket_of.index_copy_(0, placed, bucket.index_select(0, taken))
+            self.keys.index_copy_(0, placed, keys.index_select(0, pending.index_select(0, taken)))
+            go_on = torch.nonzero(~won).view(-1)
+            pending, bucket = pending.index_select(0, go_on), (bucket.index_select(0, go_on) + 1) & self.mask
+
+    def remove(self, slots: Tensor) -> None:
+        """Free ``slots`` (distinct, in use): their keys leave the map."""
+        if not len(slots):
+            return
+        self.buckets.index_fill_(0, self.bucket_of.index_select(0, slots), DELETED)
+        self.bucket_of.index_fill_(0, slots, EMPTY)
+        self.deleted += len(slots)
+        if (int(self.used().sum()) + self.deleted) * 4 > 3 * len(self.buckets):
+            self.rebuild()
+
+    def rebuild(self) -> None:
+        """Put every live key back into fresh buckets (drops the DELETED marks)."""
+        slots = torch.nonzero(self.used()).view(-1)
+        self.buckets.fill_(EMPTY)
+        self.bucket_of.fill_(EMPTY)
+        self.deleted = 0
+        self.insert(self.keys.index_select(0, slots), slots)
+
+    def state(self) -> dict[str, Tensor]:
+        """Per-slot tensors that rebuild the map: ``keys`` and ``used``."""
+        return {"keys": self.keys, "used": self.used()}
+
+    def load(self, keys: Tensor, used: Tensor) -> None:
+        """Hold exactly the keys of ``used`` slots (the inverse of :meth:`state`)."""
+        self.keys.copy_(keys)
+        self.buckets.fill_(EMPTY)
+        self.bucket_of.fill_(EMPTY)
+        self.deleted = 0
+        slots = torch.nonzero(used).view(-1)
+        self.insert(keys.index_select(0, slots), slots)

@@ -1,0 +1,190 @@
+"""DynamicEmbedding: arbitrary 64-bit ids, admission, eviction, expiry; parity with SparseEmbedding while ids fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_sparse as ls
+from lightning_sparse.admission import SlotTable
+from lightning_sparse.hashing import HashSharding, mix, unmix
+from lightning_sparse.slot_map import SlotMap
+from rank_pool import DEVICES
+from references import batch_loss
+from test_optim_parity import CASES, GLOBAL_BATCH, SEED, D, N, make_batches
+
+# Row r of the reference table answers to this 64-bit id (spread over the whole int64 range).
+RAW = mix(torch.arange(N) * 7919 + 12345)
+
+
+class RowOfRawId:
+    """An init that gives raw id ``RAW[r]`` the row that ``ls.init.normal()`` gives row ``r`` (picklable)."""
+
+    def __init__(self, raw: torch.Tensor) -> None:
+        self.order = torch.argsort(raw)
+        self.sorted = raw[self.order]
+
+    def __call__(self, ids: torch.Tensor, dim: int, seed: int) -> torch.Tensor:
+        rows = self.order[torch.searchsorted(self.sorted, ids.cpu())]
+        return ls.init.normal()(rows, dim, seed).to(ids.device)
+
+
+# ---------------------------------------------------------------------------- building blocks
+def test_mix_is_a_bijection_that_spreads_ids_over_owners():
+    ids = torch.cat([torch.arange(-5, 5), torch.randint(-(2**63), 2**63 - 1, (10_000,)), torch.tensor([2**63 - 1, -(2**63)])])
+    assert torch.equal(unmix(mix(ids)), ids)
+    assert len(torch.unique(mix(ids))) == len(torch.unique(ids))
+    # Ids that share their low bits (hash values often do) still spread evenly: id % W would put all on rank 0.
+    counts = torch.bincount(HashSharding(4).owner_of_key(mix(torch.arange(4000) * 4096)), minlength=4)
+    assert counts.min() > 900, counts
+
+
+def test_slot_map_finds_inserts_and_removes_batches():
+    gen = torch.Generator().manual_seed(0)
+    slots = SlotMap(2000)
+    keys = mix(torch.randperm(10**6, generator=gen)[:2000])
+    slots.insert(keys, torch.arange(2000))
+    assert torch.equal(slots.find(keys), torch.arange(2000))
+    for round_ in range(5):  # remove half, insert others into the freed slots: marks pile up, then a rebuild
+        freed = torch.arange(round_ % 2, 2000, 2)
+        slots.remove(freed)
+        assert bool((slots.find(keys[freed]) == -1).all())
+        keys[freed] = mix(torch.arange(len(freed)) + 10**7 * (round_ + 1))
+        slots.insert(keys[freed], freed)
+        assert torch.equal(slots.find(keys), torch.arange(2000))
+    assert torch.equal(slots.find(mix(torch.arange(-50, 0))), torch.full((50,), -1))
+
+
+def _table(capacity: int, **kwargs) -> SlotTable:
+    options = dict(admit_after=1, eviction="lru", ttl=None, sketch_width=64, device=torch.device("cpu")) | kwargs
+    return SlotTable(capacity + 1, capacity, **options)
+
+
+def test_slots_admit_after_k_requests_and_evict_the_least_recently_used():
+    table = _table(2, admit_after=2)
+    one = torch.ones(3, dtype=torch.int64)
+    keys = mix(torch.tensor([10, 20, 30]))
+    slots, new, _ = table.resolve(keys, one)
+    assert slots.tolist() == [0, 0, 0] and len(new) == 0  # seen once: no row yet
+    slots, new, _ = table.resolve(keys[:2], one[:2])
+    assert sorted(slots.tolist()) == [1, 2] and table.occupancy == 2
+    table.tick()
+    table.resolve(keys[1:2], one[:1])  # 20 used at step 1, 10 last used at step 0
+    table.tick()
+    slots, new, _ = table.resolve(keys[2:], one[:1])  # 30's second request: takes 10's slot
+    assert table.stats.evictions == 1 and table.map.find(keys[:1]).tolist() == [-1]
+    assert slots.tolist() == new.tolist() and table.map.find(keys[2:]).tolist() == new.tolist()
+
+
+def test_slots_used_since_the_last_step_are_never_taken():
+    table = _table(2)
+    one = torch.ones(2, dtype=torch.int64)
+    table.resolve(mix(torch.tensor([1, 2])), one)
+    slots, new, _ = table.resolve(mix(torch.tensor([3])), one[:1])  # same step: both slots pinned
+    assert slots.tolist() == [0] and table.stats.rejections == 1 and table.stats.evictions == 0
+    table.tick()
+    slots, _, _ = table.resolve(mix(torch.tensor([3])), one[:1])
+    assert slots.tolist() != [0] and table.stats.evictions == 1
+
+
+def test_lfu_keeps_frequent_ids_and_ttl_expires_unused_ones():
+    table = _table(2, eviction="lfu", ttl=2)
+    keys = mix(torch.tensor([1, 2]))
+    table.resolve(keys, torch.tensor([5, 1]))  # id 1 asked 5 times (by 5 ranks), id 2 once
+    table.tick()
+    table.resolve(mix(torch.tensor([3])), torch.tensor([1]))
+    assert table.map.find(keys).tolist()[0] >= 1 and table.map.find(keys).tolist()[1] == -1  # 2 was evicted
+    for _ in range(3):
+        table.tick()
+    assert table.occupancy == 0 and table.stats.expirations == 2
+
+
+def test_read_only_lookups_neither_admit_nor_pin():
+    emb = ls.DynamicEmbedding(4, 3)
+    with torch.no_grad():
+        assert torch.equal(emb(torch.tensor([7, 8])), torch.zeros(2, 3))
+    assert emb.slots.occupancy == 0
+    emb(torch.tensor([7]))  # grad mode: admitted
+    with torch.no_grad():
+        assert not torch.equal(emb(torch.tensor([7, 8])), torch.zeros(2, 3))
+
+
+# ---------------------------------------------------------------------------- one process
+def test_ids_without_a_row_read_zeros_and_drop_their_gradient():
+    emb = ls.DynamicEmbedding(2, 3, admit_after=2, seed=1)
+    opt = ls.SparseAdam([emb], lr=0.1)
+    ids = torch.tensor([2**62, -9, 2**62])
+    out = emb(ids)
+    assert torch.equal(out, torch.zeros(3, 3))
+    out.sum().backward()
+    opt.step()
+    opt.zero_grad()
+    assert torch.equal(emb.shard, torch.zeros_like(emb.shard))  # the null row stayed zero
+    out = emb(ids)  # second request: both admitted, rows from init
+    expected = ls.init.normal()(torch.tensor([2**62, -9]), 3, 1)
+    assert torch.equal(out, expected[[0, 1, 0]])
+    ids_u64 = torch.tensor([2**62], dtype=torch.int64).view(torch.uint64)
+    assert torch.equal(emb(ids_u64), expected[:1])
+
+
+def test_a_reused_slot_starts_from_init_with_fresh_optimizer_state():
+    emb = ls.DynamicEmbedding(1, 2, seed=3)
+    opt = ls.SparseAdam([emb], lr=0.1)
+    for ids in ([5], [6], [5]):  # 6 evicts 5, then 5 evicts 6 and comes back as new
+        emb(torch.tensor(ids)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = opt.state[emb.shard]
+    slot = emb.slots.map.find(mix(torch.tensor([5]))).item()
+    assert state["row_step"][slot].item() == 1  # one step since it came back, not two
+    fresh = ls.DynamicEmbedding(1, 2, seed=3)
+    fresh_opt = ls.SparseAdam([fresh], lr=0.1)
+    fresh(torch.tensor([5])).sum().backward()
+    fresh_opt.step()
+    assert torch.equal(emb.export()[1], fresh.export()[1])
+    assert emb.slot_stats.evictions == 2
+
+
+def test_bad_ids_raise_with_a_hint():
+    emb = ls.DynamicEmbedding(4, 3)
+    with pytest.raises(TypeError, match="HINT"):
+        emb([1, 2])
+    with pytest.raises(TypeError, match="dtype torch.float32"):
+        emb(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="Invalid capacity"):
+        ls.DynamicEmbedding(0, 3)
+    with pytest.raises(ValueError, match="Invalid eviction"):
+        ls.DynamicEmbedding(3, 3, eviction="random")
+
+
+# ---------------------------------------------------------------------------- 1 to 3 ranks
+def _train_side_by_side(name: str, kwargs: dict, batches, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A SparseEmbedding fed row numbers and a DynamicEmbedding fed the raw ids of those rows, trained alike."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    sparse = ls.SparseEmbedding(N, D, seed=SEED, device=device)
+    dynamic = ls.DynamicEmbedding(4 * N, D, seed=SEED, init=RowOfRawId(RAW), device=device)  # room on every rank
+    opts = [getattr(ls, name)([table], **kwargs) for table in (sparse, dynamic)]
+    for ids, target in batches:
+        mine = torch.tensor_split(torch.arange(len(ids)), world)[rank]
+        rows = ids[mine].to(device)
+        for table, opt, fed in ((sparse, opts[0], rows), (dynamic, opts[1], RAW.to(device)[rows])):
+            batch_loss(table(fed), target[mine].to(device)).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    ids, rows = dynamic.export()
+    return sparse.full_weight().cpu(), ids.cpu(), rows.cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_with_sparse_embedding_while_ids_fit(rank_pools, world_size, case, device):
+    name, kwargs = CASES[case]
+    batches = make_batches()
+    used = torch.unique(torch.cat([ids.view(-1) for ids, _ in batches]))
+    by_id = used[torch.argsort(RAW[used])]  # the rows looked up, in the order of their raw ids
+    initial = ls.init.normal()(by_id, D, SEED)
+    for sparse, ids, rows in rank_pools(world_size, device).run(_train_side_by_side, name, kwargs, batches, device):
+        assert torch.equal(ids, RAW[by_id])  # exactly the ids looked up hold rows
+        torch.testing.assert_close(rows, sparse[by_id], rtol=0, atol=0)
+        assert not torch.equal(rows, initial), "the run must actually train"

@@ -39,8 +39,8 @@ from lightning_sparse.hashing import HashSharding, mix, unmix
 from lightning_sparse.lookup import check_headers, lookup, read_ids, serve_rows
 
 RESOLVE = 1  # the ``LookupHeader.stage`` of a round that turns ids into slots
-# Per-slot state in a state dict, then the clock (a 0-d tensor).
-SLOT_STATE = ("slot_keys", "slot_used", "slot_last_used", "slot_requests", "slot_clock")
+# Per-slot state in a state dict (one entry per row of the shard), and the clock (a 0-d tensor, the same on every rank).
+SLOT_STATE, CLOCK = ("slot_keys", "slot_used", "slot_last_used", "slot_requests"), "slot_clock"
 
 
 class DynamicEmbedding(SparseEmbedding):
@@ -98,6 +98,7 @@ class DynamicEmbedding(SparseEmbedding):
         self.sketch_width = sketch_width
         self.slots: SlotTable | None = None
         self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # they reset the state of re-used slots
+        self.placement: Any = None  # where a checkpoint's rows went (lightning_sparse.checkpoint.dynamic_rows)
 
     # ------------------------------------------------------------------ placement
     def rows_per_rank(self, world_size: int | None = None) -> int:
@@ -213,6 +214,10 @@ class DynamicEmbedding(SparseEmbedding):
         """Called by a sparse optimizer that holds this table: it will reset the state of slots given to new ids."""
         self._optimizers.add(optimizer)
 
+    def watchers(self) -> list[Any]:
+        """The sparse optimizers that hold this table."""
+        return list(self._optimizers)
+
     @torch.no_grad()
     def after_step(self) -> None:
         """Called by the sparse optimizer after each step: unpin, expire, and put the null row back to zero."""
@@ -248,9 +253,14 @@ class DynamicEmbedding(SparseEmbedding):
         return (*super().sharded_keys(), *SLOT_STATE)
 
     def full_tensors(self) -> dict[str, Tensor]:
-        """``ids`` and their rows as ``weight`` (:meth:`export`). Collective."""
+        """``ids`` and their rows as ``weight`` (:meth:`export`); the clock stays. Collective."""
         ids, rows = self.export()
         return {"ids": ids, "weight": rows}
+
+    def slot_state(self) -> dict[str, Tensor]:
+        """This rank's per-slot tensors (:data:`SLOT_STATE`), one entry per row of the shard."""
+        self.materialize()
+        return self.slots.state()
 
     def get_extra_state(self) -> dict[str, Any]:
         return {**super().get_extra_state(), "capacity": self.capacity}
@@ -259,7 +269,7 @@ class DynamicEmbedding(SparseEmbedding):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for name, value in self.slots.state().items():
             destination[prefix + name] = value
-        destination[prefix + "slot_clock"] = torch.tensor(self.slots.clock)
+        destination[prefix + CLOCK] = torch.tensor(self.slots.clock)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         """Accepts this rank's ``shard`` and slots (same placement), or ``ids`` with their rows as ``weight`` (any placement)."""
@@ -270,18 +280,20 @@ class DynamicEmbedding(SparseEmbedding):
                                   f"(see lightning_sparse.full_state_dict); got {sorted(ours)}.")  # fmt: skip
                 return
             self.load_ids(ours["ids"], ours["weight"])
+            if CLOCK in ours:
+                self.slots.clock = int(ours[CLOCK])
             if strict:
-                unexpected_keys.extend(prefix + k for k in ours if k not in ("ids", "weight", "_extra_state"))
+                unexpected_keys.extend(prefix + k for k in ours if k not in ("ids", "weight", CLOCK, "_extra_state"))
             return
-        rest = {key: value for key, value in state_dict.items() if key[len(prefix):] not in SLOT_STATE}
+        rest = {key: value for key, value in state_dict.items() if key[len(prefix) :] not in (*SLOT_STATE, CLOCK)}
         errors = len(error_msgs)
         super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         if "shard" not in ours or len(error_msgs) > errors:
             return
-        if any(name not in ours for name in SLOT_STATE):
-            missing_keys.extend(prefix + name for name in SLOT_STATE if name not in ours)
+        if any(name not in ours for name in (*SLOT_STATE, CLOCK)):
+            missing_keys.extend(prefix + name for name in (*SLOT_STATE, CLOCK) if name not in ours)
             return
-        self.slots.load(*(ours[name].to(self.device) for name in SLOT_STATE[:-1]), clock=int(ours["slot_clock"]))
+        self.slots.load(*(ours[name].to(self.device) for name in SLOT_STATE), clock=int(ours[CLOCK]))
 
     @torch.no_grad()
     def load_ids(self, ids: Tensor, rows: Tensor) -> None:

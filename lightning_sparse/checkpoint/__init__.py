@@ -47,7 +47,10 @@ from lightning_sparse.checkpoint.files import (
     remove,
     write_checksums,
 )
+from lightning_sparse.checkpoint.dynamic_rows import place_ids, read_placed
 from lightning_sparse.checkpoint.rows import RowStore, export_rows
+from lightning_sparse.dynamic import CLOCK, SLOT_STATE, DynamicEmbedding
+from lightning_sparse.hashing import unmix
 from lightning_sparse.sharding import RowSharding
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.faults import PeerFailure, collective, is_peer_failure
@@ -77,9 +80,9 @@ def _distributed() -> bool:
 def dense_module_state(module: nn.Module) -> dict[str, Any]:
     """``module.state_dict()`` without the tables (they are written by :func:`save` from the module itself)."""
     state = module.state_dict()
-    for prefix, _ in tables(module):
-        state.pop(prefix + "shard", None)
-        state.pop(prefix + "_extra_state", None)
+    for prefix, table in tables(module):
+        for key in table.sharded_keys():
+            state.pop(prefix + key, None)
     return state
 
 
@@ -110,6 +113,9 @@ def _row_tensors(module: nn.Module, sparse_optimizers: Mapping[int, SparseOptimi
     """Every per-row tensor to store: (key, its table, this rank's rows in the table's sharding)."""
     for prefix, table in tables(module):
         yield f"state_dict.{prefix}weight", table, table.shard
+        if isinstance(table, DynamicEmbedding):
+            for name, value in table.slot_state().items():
+                yield f"state_dict.{prefix}{name}", table, value
     for index, optimizer in sparse_optimizers.items():
         for p_index, table in enumerate(optimizer.tables):
             for name, value in optimizer.state[table.shard].items():
@@ -302,14 +308,44 @@ def _dcp_load(state: dict[str, Any], directory: Path, checkpoint: Path, what: st
         ) from err
 
 
-def _read_rows(path: Path, store: RowStore, key: str, table: SparseEmbedding, out: Tensor, what: str) -> None:
-    """Fill ``out`` (this rank's rows in the table's sharding) from the stored tensor ``key``, in place. Collective."""
-    entry = load_meta(path)["row_tensors"][key]
-
+def _loader(path: Path, what: str, distributed: bool) -> Any:
     def load(state: dict[str, Any], directory: Path) -> None:
-        _dcp_load(state, directory, path, what, store.distributed)
+        _dcp_load(state, directory, path, what, distributed)
 
-    store.load(key, table, out, entry, load)
+    return load
+
+
+def _read_rows(path: Path, store: RowStore, key: str, table: SparseEmbedding, out: Tensor, what: str) -> None:
+    """Fill ``out`` (this rank's rows in the table's sharding) from the stored tensor ``key``, in place. Collective.
+
+    A dynamic table's rows go where its ids were placed (:mod:`lightning_sparse.checkpoint.dynamic_rows`).
+    """
+    entry = load_meta(path)["row_tensors"][key]
+    if not isinstance(table, DynamicEmbedding):
+        store.load(key, table, out, entry, _loader(path, what, store.distributed))
+        return
+    placement = getattr(table, "placement", None)
+    if placement is None or placement.checkpoint != str(path):
+        raise RuntimeError(f"The rows of {table.name} in {path} can only be read after its ids are placed. "
+                           f"HINT: load the module from the same checkpoint first (checkpoint.load_module).")  # fmt: skip
+    read_placed(store, key, table, out, entry, _loader(path, what, store.distributed), placement)
+
+
+def _check_rows(stored: dict[str, StoredTensor], key: str, table: SparseEmbedding, row_shape: tuple[int, ...], path: Path,
+                what: str) -> None:  # fmt: skip
+    """A per-row tensor's stored shape: the table's rows (a dynamic table: any number, saved on any ranks) x ``row_shape``."""
+    rows = stored[key].shape[0] if isinstance(table, DynamicEmbedding) and key in stored else table.num_embeddings
+    _check(stored, key, (rows, *row_shape), path, what)
+
+
+def _place_dynamic(path: Path, store: RowStore, prefix: str, table: DynamicEmbedding) -> None:
+    """Put a dynamic table's ids where they belong now, and forget every row and optimizer state they held. Collective."""
+    entries = load_meta(path)["row_tensors"]
+    table.placement = place_ids(path, store, prefix, table, entries.__getitem__,
+                                lambda key: _loader(path, f"slots of {table.name}", store.distributed))  # fmt: skip
+    table.shard.zero_()
+    for optimizer in table.watchers():
+        optimizer.reset_rows(table.shard, torch.arange(len(table.shard), device=table.device))
 
 
 def load_module(path: str | os.PathLike, module: nn.Module, strict: bool = True) -> None:
@@ -324,10 +360,15 @@ def load_module(path: str | os.PathLike, module: nn.Module, strict: bool = True)
     store = RowStore(path / ROWS_DIR, _distributed())
     for prefix, table in tables(module):  # tables first: the bulk of a checkpoint
         key, what = f"state_dict.{prefix}weight", f"table {table.name}"
-        _check(stored, key, (table.num_embeddings, table.embedding_dim), path, what)
+        _check_rows(stored, key, table, (table.embedding_dim,), path, what)
+        if isinstance(table, DynamicEmbedding):
+            _place_dynamic(path, store, prefix, table)
         _read_rows(path, store, key, table, table.shard, what)
     if dense:
         _dcp_load({"state_dict": dense}, path, path, "the dense tensors", _distributed())
+    for prefix, table in tables(module):
+        if isinstance(table, DynamicEmbedding) and f"{prefix}{CLOCK}" in dense:
+            table.slots.clock = int(dense[f"{prefix}{CLOCK}"])
 
 
 def load_sparse_optimizer(path: str | os.PathLike, index: int, optimizer: SparseOptimizer, param_groups: list[dict]) -> None:
@@ -343,7 +384,7 @@ def load_sparse_optimizer(path: str | os.PathLike, index: int, optimizer: Sparse
                 _check(stored, key, (), path, what)
                 counters.setdefault(p_index, {})[name] = value.clone()
                 continue
-            _check(stored, key, (table.num_embeddings, *value.shape[1:]), path, what)
+            _check_rows(stored, key, table, tuple(value.shape[1:]), path, what)
             _read_rows(path, store, key, table, value, what)
     if counters:
         _dcp_load({f"optimizer_{index}": {"state": counters}}, path, path, f"the step counters of optimizer {index}", _distributed())
@@ -413,7 +454,6 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> list[tuple[str, t
     verify(path)
     rows = load_meta(path).get("row_tensors", {})
     state: dict[str, Tensor] = {}
-    summary = []
 
     def load(what: str) -> Any:
         return lambda state, directory: _dcp_load(state, directory, path, what, distributed=False)
@@ -434,6 +474,19 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> list[tuple[str, t
             else:
                 load(f"tensor {key}")({"state_dict": {key: target}}, path)
             state[key] = target
-            summary.append((key, item.shape, item.dtype, numel * target.element_size()))
+        for prefix in [key[: -len(SLOT_STATE[0])] for key in state if key.endswith(SLOT_STATE[0])]:
+            _ids_and_rows(state, prefix)
+        summary = [(key, tuple(t.shape), t.dtype, t.numel() * t.element_size()) for key, t in state.items()]
         torch.save(state, out)
     return summary
+
+
+def _ids_and_rows(state: dict[str, Tensor], prefix: str) -> None:
+    """A dynamic table's slots in an export, as ``<prefix>ids`` (ascending) and their rows ``<prefix>weight``."""
+    keys, used = state.pop(prefix + "slot_keys"), state.pop(prefix + "slot_used")
+    for name in SLOT_STATE[2:]:
+        state.pop(prefix + name)
+    held = torch.nonzero(used).view(-1)
+    ids, order = torch.sort(unmix(keys.index_select(0, held)))
+    state[prefix + "ids"] = ids
+    state[prefix + "weight"] = state[prefix + "weight"].index_select(0, held.index_select(0, order))

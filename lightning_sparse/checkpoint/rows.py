@@ -16,7 +16,7 @@ world sizes or the schemes. ``parts`` follows from the logical shape, the same o
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -111,15 +111,24 @@ class RowStore:
 
         ``load(state, directory)`` runs ``dcp.load`` with the caller's error handling.
         """
+        for saved_rows, block in self.blocks(key, table, stored, load, out):
+            with torch.no_grad():
+                move_rows(block, saved_rows, table.sharding, table, out)
+            del block
+
+    def blocks(self, key: str, table: SparseEmbedding, stored: dict[str, Any], load: Any, like: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+        """This rank's contiguous block of each band of the stored tensor ``key``: (the rows' saved ids, their values).
+
+        ``like``: a tensor with the rows' trailing shape, dtype and device. Collective: every
+        rank of the table's group reads each band.
+        """
         for part in range(stored["parts"]):
             start = part * stored["part_rows"]
-            stop = min(table.num_embeddings, start + stored["part_rows"])
+            stop = min(stored["shape"][0], start + stored["part_rows"])
             blocks = RowSharding(stop - start, table.world_size, "range")
-            block = out.new_empty(blocks.num_local_rows(table.rank), *out.shape[1:])
+            block = like.new_empty(blocks.num_local_rows(table.rank), *like.shape[1:])
             load({key: self._stored(table, block, stop - start)}, self.part_directory(key, part))
-            with torch.no_grad():
-                move_rows(block, blocks.global_ids(table.rank, device=block.device) + start, table.sharding, table, out)
-            del block
+            yield blocks.global_ids(table.rank, device=block.device) + start, block
 
     def _stored(self, table: SparseEmbedding, block: Tensor, rows: int) -> Any:
         """``block`` as the chunk of a logical ``[rows, ...]`` band (a DTensor, or itself with one rank)."""

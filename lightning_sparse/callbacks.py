@@ -8,6 +8,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_sparse.dynamic import DynamicEmbedding
 from lightning_sparse.exchange import ExchangeStats
 from lightning_sparse.strategy import SparseDDPStrategy
 
@@ -27,6 +28,11 @@ class SparseStatsMonitor(Callback):
     With ``per_table=True`` it also logs, per table, ``<table>/ids`` and ``<table>/unique_ids``
     (summed over ranks; the table's module path, e.g. ``sparse/embeddings.tables.user/ids``).
 
+    For every :class:`~lightning_sparse.DynamicEmbedding` it logs, summed over ranks,
+    ``<table>/occupancy`` (ids holding a row when it logs) and, per optimizer step since the
+    last log, ``<table>/admissions``, ``<table>/evictions``, ``<table>/expirations`` and
+    ``<table>/rejections`` (ids that were due a row but found every slot pinned).
+
     Args:
         prog_bar: also show the values on the progress bar.
         prefix: prepended to every key.
@@ -35,6 +41,7 @@ class SparseStatsMonitor(Callback):
 
     SUMMED = ("ids", "unique_ids", "bytes_sent", "bytes_received")
     SLOWEST = ("exchange_s", "update_s")
+    SLOTS = ("admissions", "evictions", "expirations", "rejections")
 
     def __init__(self, prog_bar: bool = False, prefix: str = "sparse/", per_table: bool = False) -> None:
         self.prog_bar = prog_bar
@@ -59,6 +66,9 @@ class SparseStatsMonitor(Callback):
         self._totals.reset()
         self._table_totals = {}
         trainer.strategy.pop_sparse_stats()
+        for table in trainer.strategy.sparse_tables:
+            if isinstance(table, DynamicEmbedding):
+                table.slot_stats.reset()
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -80,9 +90,16 @@ class SparseStatsMonitor(Callback):
         for name, (ids, unique) in self._table_totals.items():
             summed[f"{name}/ids"], summed[f"{name}/unique_ids"] = ids, unique
         self._table_totals = {}
-        for values, reduce_fx in ((summed, "sum"), (slowest, "max")):  # every rank logs at the same steps
-            pl_module.log_dict(
-                {self.prefix + key: float(value) / steps for key, value in values.items()},
+        levels = {}
+        for table in trainer.strategy.sparse_tables:
+            if isinstance(table, DynamicEmbedding):
+                slots = table.slot_stats
+                levels[f"{table.name}/occupancy"] = slots.occupancy
+                summed.update({f"{table.name}/{key}": getattr(slots, key) for key in self.SLOTS})
+                slots.reset()
+        for values, reduce_fx, per_step in ((summed, "sum", True), (slowest, "max", True), (levels, "sum", False)):
+            pl_module.log_dict(  # every rank logs at the same steps
+                {self.prefix + key: float(value) / (steps if per_step else 1) for key, value in values.items()},
                 prog_bar=self.prog_bar, on_step=True, on_epoch=False, batch_size=1, sync_dist=True, reduce_fx=reduce_fx,
             )  # fmt: skip
         self._totals.reset()

@@ -188,3 +188,114 @@ def test_parity_with_sparse_embedding_while_ids_fit(rank_pools, world_size, case
         assert torch.equal(ids, RAW[by_id])  # exactly the ids looked up hold rows
         torch.testing.assert_close(rows, sparse[by_id], rtol=0, atol=0)
         assert not torch.equal(rows, initial), "the run must actually train"
+
+
+# ---------------------------------------------------------------------------- Lightning
+USER_RAW = mix(torch.arange(200) * 104729 + 7)  # raw 64-bit ids of the towers' users
+
+
+def _lightning_models():
+    import lightning_models as lm
+
+    class HashedTower(lm.CollectionTower):
+        """CollectionTower whose user table is a DynamicEmbedding, fed the users' raw 64-bit ids."""
+
+        def __init__(self, capacity: int = 4 * lm.USERS, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.embeddings.tables._modules["users"] = ls.DynamicEmbedding(capacity, lm.DIM, seed=1, init=RowOfRawId(USER_RAW))
+
+        def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+            return super().forward(USER_RAW.to(users.device)[users], items)
+
+    return lm, HashedTower
+
+
+def _users_by_id(module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row numbers, rows) of the users that hold a row, for either tower (collective)."""
+    table = module.users
+    if isinstance(table, ls.DynamicEmbedding):
+        ids, rows = table.export()
+        return torch.argsort(USER_RAW)[torch.searchsorted(USER_RAW.sort().values, ids)], rows
+    return torch.arange(table.num_embeddings), table.full_weight()
+
+
+def _fit_and_predict(dynamic: bool) -> dict:
+    """2 epochs with accumulation, then predict with uneven loaders (rank 1 serves rank 0's lookups)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    lm, HashedTower = _lightning_models()
+    rank = torch.distributed.get_rank()
+    lm.lightning_env(rank, 2)
+    module = (HashedTower if dynamic else lm.CollectionTower)(sparse="SparseAdagrad")
+    trainer = lm.trainer(2, max_epochs=2, accumulate_grad_batches=2, log_every_n_steps=1, callbacks=[ls.SparseStatsMonitor()])
+    trainer.fit(module)
+    logged = {key: float(value) for key, value in trainer.callback_metrics.items() if key.startswith("sparse/")}
+    data, index = lm.dataset(9), torch.arange(7) if rank == 0 else torch.arange(7, 9)  # 4 batches and 1
+    loader = DataLoader(TensorDataset(data.tensors[0][index], data.tensors[1][index], index), batch_size=2)
+    predictions = torch.cat(lm.trainer(2, use_distributed_sampler=False).predict(module, loader))
+    rows, users = _users_by_id(module)
+    return {"mlp": [p.detach().clone() for p in module.mlp.parameters()], "items": module.items.full_weight(),
+            "user_rows": rows, "users": users, "predictions": predictions, "logged": logged}  # fmt: skip
+
+
+def test_a_lightning_fit_equals_the_same_model_with_sparse_tables(rank_pools):
+    """In a collection, under sparse_ddp, with accumulation and uneven prediction loaders."""
+    expected = rank_pools(2).run(_fit_and_predict, False)
+    got = rank_pools(2).run(_fit_and_predict, True)
+    for mine, theirs in zip(got, expected):
+        assert torch.equal(mine["predictions"], theirs["predictions"])
+        users = "sparse/embeddings.tables.users"
+        assert mine["logged"][f"{users}/occupancy"] == len(mine["user_rows"])  # summed over the ranks
+        assert mine["logged"][f"{users}/evictions"] == 0 and f"{users}/occupancy" not in theirs["logged"]
+        assert sorted(mine["user_rows"].tolist()) == sorted(set(lm_users_seen()))
+        torch.testing.assert_close(mine["users"], theirs["users"][mine["user_rows"]], rtol=0, atol=0)
+        torch.testing.assert_close(mine["items"], theirs["items"], rtol=0, atol=0)
+        for a, b in zip(mine["mlp"], theirs["mlp"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def lm_users_seen() -> list[int]:
+    import lightning_models as lm
+
+    return lm.dataset().tensors[0].tolist()
+
+
+def _per_id_state(module, trainer) -> dict:
+    """The users' rows and their SparseAdam state by id, the items, the step (collective)."""
+    from lightning_sparse.hashing import unmix
+
+    table = module.users
+    optimizer = next(o for o in trainer.optimizers if isinstance(o, ls.SparseAdam))
+    slots = {name: table.gather_rows(value) for name, value in table.slot_state().items()}
+    held = torch.nonzero(slots["slot_used"]).view(-1)
+    order = torch.argsort(unmix(slots["slot_keys"][held]))
+    out = {f"users.{name}": table.gather_rows(value)[held][order]
+           for name, value in optimizer.state[table.shard].items() if value.dim()}  # fmt: skip
+    out["users.ids"], out["users.rows"] = table.export()
+    out["items"], out["step"] = module.items.full_weight(), torch.tensor(trainer.global_step)
+    out.update({name: p.detach().clone() for name, p in module.mlp.named_parameters()})
+    return out
+
+
+def _checkpoint_job(world_size: int, directory: str, ckpt: str | None, capacity: int) -> tuple[dict, str]:
+    lm, HashedTower = _lightning_models()
+    lm.lightning_env(torch.distributed.get_rank(), world_size)
+    module = HashedTower(capacity=capacity, sparse="mixed", dense="Adam", dense_lr=0.01)
+    trainer = lm.trainer(world_size, max_epochs=2, enable_checkpointing=ckpt is None, default_root_dir=directory)
+    trainer.fit(module, ckpt_path=ckpt)  # from a checkpoint at the end of epoch 2: nothing left to train
+    return _per_id_state(module, trainer), (trainer.checkpoint_callback.best_model_path if ckpt is None else "")
+
+
+def test_a_checkpoint_of_dynamic_tables_loads_on_any_number_of_ranks(rank_pools, tmp_path):
+    (expected, ckpt), *_ = rank_pools(2).run(_checkpoint_job, 2, str(tmp_path), None, 100)
+    assert expected["step"] > 0 and bool((expected["users.row_step"] > 0).all())
+    for world_size in (3, 1):
+        for got, _ in rank_pools(world_size).run(_checkpoint_job, world_size, str(tmp_path), ckpt, 100):
+            assert set(got) == set(expected)
+            for key, value in expected.items():
+                torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=f"2 -> {world_size} ranks: {key}")
+    # A table with less room keeps the ids used last (LRU) with their state.
+    got, _ = rank_pools(1).run(_checkpoint_job, 1, str(tmp_path), ckpt, 5)[0]
+    kept = torch.searchsorted(expected["users.ids"], got["users.ids"])
+    assert len(got["users.ids"]) == 5 and torch.equal(expected["users.ids"][kept], got["users.ids"])
+    torch.testing.assert_close(got["users.exp_avg"], expected["users.exp_avg"][kept], rtol=0, atol=0)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_sparse.grouping import SortedKeys
 from lightning_sparse.hashing import mix
 from lightning_sparse.slot_map import SlotMap
 
@@ -98,11 +99,13 @@ class SlotTable:
     def occupancy(self) -> int:
         return self.capacity - self._num_free
 
-    def resolve(self, keys: Tensor, requests: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Slots of distinct ``keys`` (``NULL_SLOT`` where none); ``requests``: training requests per key (0: read only).
+    def resolve(self, keys: Tensor, requests: Tensor, *, once: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """Slots of ``keys`` (``NULL_SLOT`` where none); ``requests``: training requests each entry makes (0: read only).
 
-        Returns (slots, the slots newly given, the keys they were given to): the caller
-        initializes those rows and resets their optimizer state.
+        Keys may repeat: each entry adds its requests (one per requesting rank), or, with
+        ``once``, the entries of a key count as one request (one rank's lookup). Returns (slots,
+        the slots newly given, the keys they were given to): the caller initializes those rows
+        and resets their optimizer state.
         """
         slots = self.map.find(keys)
         found = slots >= 0
@@ -111,22 +114,33 @@ class SlotTable:
         if len(used):
             used_slots = slots.index_select(0, used)
             self.last_used.index_fill_(0, used_slots, self.clock)
-            self.requests.index_add_(0, used_slots, requests.index_select(0, used))
+            if once:  # repeats read the same count and write the same sum: one request per key
+                self.requests.index_put_((used_slots,), self.requests.index_select(0, used_slots) + 1)
+            else:
+                self.requests.index_add_(0, used_slots, requests.index_select(0, used))
         wanting = torch.nonzero(~found & asked).view(-1)
-        if self.sketch is not None and len(wanting):
-            counts = self.sketch.add(keys.index_select(0, wanting), requests.index_select(0, wanting))
-            wanting = wanting.index_select(0, torch.nonzero(counts >= self.admit_after).view(-1))
-        new_slots = self._take(len(wanting))
-        admitted = wanting[: len(new_slots)]
-        self.stats.rejections += len(wanting) - len(admitted)
-        new_keys = keys.index_select(0, admitted)
-        if len(admitted):
+        if not len(wanting):
+            return torch.where(found, slots, NULL_SLOT), slots.new_empty(0), keys.new_empty(0)
+        runs = SortedKeys(keys.index_select(0, wanting)).finish()  # the keys without a row, each once
+        new_keys = runs.unique
+        counts = torch.ones_like(new_keys)
+        if not once:  # requests per distinct key
+            counts = torch.zeros_like(new_keys).index_add_(0, runs.inverse(), requests.index_select(0, wanting))
+        if self.sketch is not None:
+            admit = torch.nonzero(self.sketch.add(new_keys, counts) >= self.admit_after).view(-1)
+            new_keys, counts = new_keys.index_select(0, admit), counts.index_select(0, admit)
+        new_slots = self._take(len(new_keys))
+        self.stats.rejections += len(new_keys) - len(new_slots)
+        new_keys, counts = new_keys[: len(new_slots)], counts[: len(new_slots)]
+        if len(new_slots):
             self.map.insert(new_keys, new_slots)
             self.last_used.index_fill_(0, new_slots, self.clock)
-            self.requests.index_copy_(0, new_slots, requests.index_select(0, admitted))
-            slots.index_copy_(0, admitted, new_slots)
-            self.stats.admissions += len(admitted)
-        self.stats.occupancy = self.occupancy
+            self.requests.index_copy_(0, new_slots, counts)
+            self.stats.admissions += len(new_slots)
+            self.stats.occupancy = self.occupancy
+            at = torch.searchsorted(new_keys, keys.index_select(0, wanting)).clamp(max=len(new_keys) - 1)
+            given = new_keys.index_select(0, at) == keys.index_select(0, wanting)
+            slots.index_copy_(0, wanting, torch.where(given, new_slots.index_select(0, at), -1))
         return torch.where(slots >= 0, slots, NULL_SLOT), new_slots, new_keys
 
     def _take(self, count: int) -> Tensor:

@@ -168,12 +168,10 @@ class DynamicEmbedding(SparseEmbedding):
         flat, header, problem = read_ids(self, ids)
         header = replace(header, stage=RESOLVE)
         check = partial(check_headers, self, own_problem=problem)
-        runs = SortedKeys(mix(flat))
-        if self.world_size == 1:
+        if self.world_size == 1:  # the owner of every id: no sort, repeats count as one request
             check(Headers.of(header))
-            runs.finish()
-            recording = torch.full_like(runs.unique, int(torch.is_grad_enabled()))
-            return self._assign(runs.unique, recording).index_select(0, runs.inverse())
+            return self._assign(mix(flat), torch.full_like(flat, int(torch.is_grad_enabled())), once=True)
+        runs = SortedKeys(mix(flat))
         sharding = HashSharding(self.world_size)
         route = ids_to_owners(runs, sharding, header.fields(self.device), self.process_group, self.rank, self.stats, check)
         runs.finish(sum(route.send_splits))
@@ -183,18 +181,16 @@ class DynamicEmbedding(SparseEmbedding):
 
     def answer(self, route: Route) -> Tensor:
         """Stage 1 on the owner: give the ids that ranks sent their slots and send them back; returns this rank's own. Collective."""
+        # Each requester sent its distinct keys: a key that came from k training ranks is k requests.
         recording = torch.repeat_interleave(route.headers.column("record"), route.recv_counts).to(self.device)
-        runs = SortedKeys(route.received).finish()
-        requests = torch.zeros(len(runs.unique), dtype=torch.int64, device=self.device)
-        requests.index_add_(0, runs.inverse(), recording)  # training requests per distinct key
-        slots = self._assign(runs.unique, requests).index_select(0, runs.inverse())
+        slots = self._assign(route.received, recording)
         back = rows_to_requesters(slots.unsqueeze(1), route, self.process_group, self.world_size, self.rank, self.stats)
         return back.view(-1)
 
     @torch.no_grad()
-    def _assign(self, keys: Tensor, requests: Tensor) -> Tensor:
-        """Slots of distinct keys on this owner; new ids' rows start from ``init`` and their optimizer state afresh."""
-        slots, new_slots, new_keys = self.slots.resolve(keys, requests)
+    def _assign(self, keys: Tensor, requests: Tensor, once: bool = False) -> Tensor:
+        """Slots of keys on this owner (see ``SlotTable.resolve``); new ids' rows start from ``init``, their optimizer state afresh."""
+        slots, new_slots, new_keys = self.slots.resolve(keys, requests, once=once)
         if len(new_slots):
             self._shard.index_copy_(0, new_slots, self._init_rows(unmix(new_keys)))
             for optimizer in self._optimizers:

@@ -48,8 +48,8 @@ def _shift_right(x: Tensor, bits: int) -> Tensor:
 
 def _unshift(x: Tensor, bits: int) -> Tensor:
     """Inverse of ``x ^ (x >>> bits)``: each pass recovers ``bits`` more of the high bits."""
-    out = x
-    for _ in range(-(-_BITS // bits)):
+    out = x ^ _shift_right(x, bits)  # right in the top 2 * bits bits
+    for _ in range(-(-_BITS // bits) - 2):
         out = x ^ _shift_right(out, bits)
     return out
 

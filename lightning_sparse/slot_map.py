@@ -8,8 +8,9 @@ batch size, and the same code runs on CPU and CUDA (one host read per round, to 
 
 Keys are already mixed (:func:`lightning_sparse.hashing.mix`), so a key's home bucket is its
 low bits. ``M`` is a power of two at least twice the slots, so the table is at most half full
-with live keys; removed keys leave ``DELETED`` marks that probes walk over, and the buckets are
-rebuilt when live keys and marks fill three quarters of them.
+with live keys; removed keys leave ``DELETED`` marks that probes walk over (and inserts reuse),
+and the buckets are rebuilt when live keys and the marks made since the last rebuild would
+fill three quarters of them.
 
 >>> slots = SlotMap(4)
 >>> slots.insert(torch.tensor([10, -7]), torch.tensor([0, 3]))
@@ -25,7 +26,6 @@ import torch
 from torch import Tensor
 
 EMPTY, DELETED = -1, -2
-_NO_CLAIM = torch.iinfo(torch.int64).max
 
 
 class SlotMap:
@@ -38,9 +38,7 @@ class SlotMap:
         self.buckets = torch.full((size,), EMPTY, dtype=torch.int64, device=device)
         self.keys = torch.zeros(num_slots, dtype=torch.int64, device=device)  # valid where the slot is in use
         self.bucket_of = torch.full((num_slots,), EMPTY, dtype=torch.int64, device=device)  # EMPTY: slot not in use
-        self.deleted = 0  # DELETED marks in ``buckets``
-        # Per bucket, the lowest position of a key claiming it in an insert round; NO_CLAIM between rounds.
-        self._claims = torch.full_like(self.buckets, _NO_CLAIM)
+        self.deleted = 0  # DELETED marks made since the last rebuild (some may have been reused since)
 
     @property
     def device(self) -> torch.device:
@@ -51,37 +49,38 @@ class SlotMap:
         return self.bucket_of >= 0
 
     def find(self, keys: Tensor) -> Tensor:
-        """The slot of each key, ``-1`` where the map does not hold it."""
+        """The slot of each key (keys may repeat), ``-1`` where the map does not hold it."""
         found = torch.full_like(keys, -1)
-        pending = torch.arange(len(keys), device=keys.device)
-        bucket = keys & self.mask
-        while len(pending):
+        pending, waiting, bucket = None, keys, keys & self.mask  # pending: positions in ``keys`` (None: all)
+        while len(waiting):
             slot = self.buckets.index_select(0, bucket)
-            hit = (slot >= 0) & (self.keys.index_select(0, slot.clamp(min=0)) == keys.index_select(0, pending))
-            found.index_copy_(0, pending, torch.where(hit, slot, -1))
+            hit = (slot >= 0) & (self.keys.index_select(0, slot.clamp(min=0)) == waiting)
+            if pending is None:
+                found = torch.where(hit, slot, found)
+            else:
+                found.index_copy_(0, pending, torch.where(hit, slot, -1))
             go_on = torch.nonzero(~hit & (slot != EMPTY)).view(-1)  # another key or a mark: probe the next bucket
-            pending, bucket = pending.index_select(0, go_on), (bucket.index_select(0, go_on) + 1) & self.mask
+            pending = go_on if pending is None else pending.index_select(0, go_on)
+            waiting, bucket = waiting.index_select(0, go_on), (bucket.index_select(0, go_on) + 1) & self.mask
         return found
 
     def insert(self, keys: Tensor, slots: Tensor) -> None:
         """Put distinct ``keys``, none of them in the map, into free ``slots`` (one each)."""
-        pending = torch.arange(len(keys), device=keys.device)
-        bucket = keys & self.mask
-        claims = self._claims
+        placed = torch.empty_like(keys)  # the bucket each key ends in
+        pending, bucket = torch.arange(len(keys), device=keys.device), keys & self.mask
         while len(pending):
-            free = self.buckets.index_select(0, bucket) < 0
-            # Several keys may probe one free bucket in a round: the first of them (lowest position) takes it.
-            claims.scatter_reduce_(0, bucket, torch.where(free, pending, _NO_CLAIM), "amin")
-            won = free & (claims.index_select(0, bucket) == pending)
-            claims.index_fill_(0, bucket, _NO_CLAIM)
+            candidates = torch.nonzero(self.buckets.index_select(0, bucket) < 0).view(-1)  # free buckets
+            tried, their_slots = bucket.index_select(0, candidates), slots.index_select(0, pending.index_select(0, candidates))
+            # Several keys may try one free bucket in a round: one write lands, and the key it came from takes the bucket.
+            self.buckets.index_copy_(0, tried, their_slots)
+            won = torch.zeros_like(bucket, dtype=torch.bool)
+            won.index_copy_(0, candidates, self.buckets.index_select(0, tried) == their_slots)
             taken = torch.nonzero(won).view(-1)
-            self.deleted -= int((self.buckets.index_select(0, bucket.index_select(0, taken)) == DELETED).sum())
-            placed = slots.index_select(0, pending.index_select(0, taken))
-            self.buckets.index_copy_(0, bucket.index_select(0, taken), placed)
-            self.bucket_of.index_copy_(0, placed, bucket.index_select(0, taken))
-            self.keys.index_copy_(0, placed, keys.index_select(0, pending.index_select(0, taken)))
+            placed.index_copy_(0, pending.index_select(0, taken), bucket.index_select(0, taken))
             go_on = torch.nonzero(~won).view(-1)
             pending, bucket = pending.index_select(0, go_on), (bucket.index_select(0, go_on) + 1) & self.mask
+        self.bucket_of.index_copy_(0, slots, placed)
+        self.keys.index_copy_(0, slots, keys)
 
     def remove(self, slots: Tensor) -> None:
         """Free ``slots`` (distinct, in use): their keys leave the map."""

@@ -299,3 +299,30 @@ def test_a_checkpoint_of_dynamic_tables_loads_on_any_number_of_ranks(rank_pools,
     kept = torch.searchsorted(expected["users.ids"], got["users.ids"])
     assert len(got["users.ids"]) == 5 and torch.equal(expected["users.ids"][kept], got["users.ids"])
     torch.testing.assert_close(got["users.exp_avg"], expected["users.exp_avg"][kept], rtol=0, atol=0)
+
+
+def _serve_and_fail_together() -> tuple[torch.Tensor, torch.Tensor, str]:
+    rank = torch.distributed.get_rank()
+    emb = ls.DynamicEmbedding(8, 3, seed=4)
+    emb(torch.tensor([rank * 10, rank * 10 + 1]))  # training lookups: admitted
+    with torch.no_grad():  # rank 0 makes two lookups, rank 1 one, then answers rank 0's second
+        looked_up = emb(torch.tensor([0, 1, 10, 99] if rank == 0 else [11]))
+        if rank == 0:
+            looked_up = torch.cat([looked_up, emb(torch.tensor([11, 12]))])
+        ls.serve_lookups([emb])
+    try:
+        emb(torch.tensor([0.5]) if rank == 1 else torch.tensor([1]))  # bad ids on rank 1 only
+        error = ""
+    except TypeError as err:
+        error = str(err)
+    return looked_up, emb(torch.tensor([1, 11])).detach(), error
+
+
+def test_uneven_lookups_are_served_and_bad_ids_raise_on_every_rank(rank_pools):
+    (mine, after, error), (theirs, _, other_error) = rank_pools(2).run(_serve_and_fail_together)
+    init = ls.init.normal()(torch.tensor([0, 1, 10, 11]), 3, 4)
+    zero = torch.zeros(1, 3)
+    assert torch.equal(mine, torch.cat([init[:3], zero, init[3:], zero]))  # 99 and 12 hold no row: zeros
+    assert torch.equal(theirs, init[3:])
+    assert "dtype torch.float32 on rank 1" in error and "dtype torch.float32 on this rank" in other_error
+    assert torch.equal(after, init[[1, 3]])  # the group is still usable

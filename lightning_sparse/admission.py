@@ -99,6 +99,13 @@ class SlotTable:
     def occupancy(self) -> int:
         return self.capacity - self._num_free
 
+    def to(self, device: torch.device) -> None:
+        """Move every tensor of the table to ``device``."""
+        self.map.to(device)
+        self.last_used, self.requests, self._free = (t.to(device) for t in (self.last_used, self.requests, self._free))
+        if self.sketch is not None:
+            self.sketch.counters = self.sketch.counters.to(device)
+
     def resolve(self, keys: Tensor, requests: Tensor, *, once: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Slots of ``keys`` (``NULL_SLOT`` where none); ``requests``: training requests each entry makes (0: read only).
 

@@ -135,9 +135,8 @@ class DynamicEmbedding(SparseEmbedding):
 
     def _apply(self, fn: Any, recurse: bool = True) -> "DynamicEmbedding":
         super()._apply(fn, recurse)
-        if self.slots is not None and self.slots.map.device != self.device:
-            raise RuntimeError(f"{self.name}: move a DynamicEmbedding before its first lookup. HINT: build it on its "
-                               f"device (device=...), or call .to() before using it.")  # fmt: skip
+        if self.slots is not None and self.slots.map.device != self.device:  # the slots follow the rows
+            self.slots.to(self.device)
         return self
 
     @torch.no_grad()

@@ -44,6 +44,10 @@ class SlotMap:
     def device(self) -> torch.device:
         return self.buckets.device
 
+    def to(self, device: torch.device) -> None:
+        """Move the map's tensors to ``device``."""
+        self.buckets, self.keys, self.bucket_of = (t.to(device) for t in (self.buckets, self.keys, self.bucket_of))
+
     def used(self) -> Tensor:
         """``[num_slots]`` bool: which slots hold a key."""
         return self.bucket_of >= 0

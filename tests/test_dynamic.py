@@ -326,3 +326,20 @@ def test_uneven_lookups_are_served_and_bad_ids_raise_on_every_rank(rank_pools):
     assert torch.equal(theirs, init[3:])
     assert "dtype torch.float32 on rank 1" in error and "dtype torch.float32 on this rank" in other_error
     assert torch.equal(after, init[[1, 3]])  # the group is still usable
+
+
+def test_in_a_collection_ids_without_a_row_pool_as_zero_rows():
+    dynamic = ls.DynamicEmbedding(10, 2, admit_after=2, seed=5)
+    static = ls.SparseEmbedding(4, 2, seed=6)
+    collection = ls.SparseEmbeddingCollection({"hashed": dynamic, "plain": static}, pooling={"bags": "mean"},
+                                              features={"bags": "hashed", "one": "hashed", "plain": "plain"})  # fmt: skip
+    batch = {"bags": ls.JaggedIds(torch.tensor([2**50, 7, 7]), lengths=torch.tensor([2, 1])),
+             "one": torch.tensor([7]), "plain": torch.tensor([3])}  # fmt: skip
+    first = collection(batch)  # 7 is asked for twice in one lookup: one request, no row yet
+    assert torch.equal(first["bags"], torch.zeros(2, 2)) and torch.equal(first["one"], torch.zeros(1, 2))
+    second = collection(batch)  # the second request: both admitted
+    rows = ls.init.normal()(torch.tensor([2**50, 7]), 2, 5)
+    torch.testing.assert_close(second["bags"], torch.stack([rows.mean(0), rows[1]]))
+    with torch.no_grad():
+        third = collection({"bags": ls.JaggedIds(torch.tensor([7, 123]), lengths=torch.tensor([2]))})
+    torch.testing.assert_close(third["bags"], rows[1:] / 2)  # 123 holds no row: a zero row in the mean

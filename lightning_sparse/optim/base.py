@@ -115,7 +115,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         """
         state = self.state[shard]
         for key, fresh in self._fresh_rows[shard].items():
-            state[key].index_copy_(0, rows, fresh.expand(len(rows), *fresh.shape[1:]).to(state[key].device))
+            state[key].index_copy_(0, rows, fresh.expand(len(rows), *fresh.shape[1:]).to(state[key]))
 
     @property
     def tables(self) -> list[SparseEmbedding]:

@@ -139,7 +139,8 @@ def _stream(rank: int, world: int, cfg: dict) -> dict:
     stats = table.slot_stats
     return {"steps": steps, "seconds": time.perf_counter() - start, "peak_rss_mib_at_10pct": early,
             "peak_rss_mib_at_end": peak_rss_mib(), "occupancy": stats.occupancy, "most_occupancy": most,
-            "rank_capacity": table.slots.capacity, "admissions": stats.admissions, "evictions": stats.evictions}  # fmt: skip
+            "rank_capacity": table.slots.capacity, "admissions": stats.admissions, "evictions": stats.evictions,
+            "rejections": stats.rejections}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- processes

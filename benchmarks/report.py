@@ -100,6 +100,14 @@ def targets(doc: dict) -> list[dict]:
         if ("26 tables", 8) in scale and ("26 tables", world) in scale:
             ratio = scale[("26 tables", world)]["step_ms"] / scale[("26 tables", 8)]["step_ms"]
             add(f"simulator, 26 tables: step host time at W={world} / at W=8", f"<= {need}x", ratio, ratio <= need)
+    for where, r in doc.get("dynamic", {}).get("step", {}).items():
+        add(f"{where}: DynamicEmbedding step with 10% new ids / SparseEmbedding step of the same batch", "<= 1.5x",
+            r["ratio_room"], r["ratio_room"] <= 1.5)  # fmt: skip
+    stream = doc.get("dynamic", {}).get("stream")
+    if stream:
+        growth = max(r["peak_rss_mib_at_end"] - r["peak_rss_mib_at_10pct"] for r in stream["ranks"])
+        add(f"2 ranks: {stream['config']['distinct']:,} distinct ids through capacity {stream['config']['capacity']:,}: "
+            "peak RSS growth per rank after the first tenth of the stream", "flat (< 5 MiB)", growth, growth < 5, unit=" MiB")  # fmt: skip
     gpu = doc.get("gpu", {})
     for r in gpu.get("results", []):
         add(f"1 GPU: {FAMILY_LABEL[r['family']]} update bandwidth / device copy", ">= 50%", 100 * r["fraction_of_copy"],
@@ -146,6 +154,7 @@ def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
     lines += _collection_markdown(doc.get("collection", {}))
     lines += _scale_markdown(doc.get("scale", {}))
     lines += _network_markdown(doc.get("network", {}))
+    lines += _dynamic_markdown(doc.get("dynamic", {}))
     if not doc.get("quick"):
         lines += _scaling_model_markdown(doc)
     gpu = doc.get("gpu", {})
@@ -198,6 +207,34 @@ def _scale_markdown(section: dict) -> list[str]:
             "sharded over groups of G ranks (rows per rank as above) and replicated W / G times; the all-to-alls stay "
             "inside the group, and the replicas' gradients are summed by two all-gathers over W / G ranks.", "",
             scale.table(section)]  # fmt: skip
+
+
+def _dynamic_markdown(section: dict) -> list[str]:
+    if not section:
+        return []
+    cfg = section["config"]
+    lines = ["", "### Dynamic tables (hashed ids)", "",
+             f"`benchmarks/dynamic.py`: {cfg['batch']} ids per rank and step, {100 * cfg['new_fraction']:.0f}% of them never "
+             f"seen before, the rest skewed over {cfg['pool']:,} ids that hold rows; dim {cfg['dim']}, {cfg['optimizer']}; "
+             f"median step over {cfg['rounds']} interleaved rounds of {cfg['steps']} steps. *room*: capacity for every id of "
+             "the run; *full*: capacity for the pool only, so each new id evicts the least recently used one.", "",
+             "| where | SparseEmbedding (ms) | DynamicEmbedding, room (ms) | ratio | DynamicEmbedding, full (ms) | ratio |",
+             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for where, r in section["step"].items():
+        ms = r["ms"]
+        lines.append(f"| {where} | {ms['sparse']:.2f} | {ms['dynamic_room']:.2f} | {r['ratio_room']:.2f}x | "
+                     f"{ms['dynamic_full']:.2f} | {r['ratio_full']:.2f}x |")  # fmt: skip
+    stream = section["stream"]
+    c = stream["config"]
+    lines += ["", f"A stream of {c['distinct']:,} distinct ids ({c['batch']:,} new ids per rank and step) through a table of "
+              f"capacity {c['capacity']:,} on 2 ranks:", "",
+              "| rank | steps | seconds | peak RSS after 10% (MiB) | peak RSS at the end (MiB) | occupancy / room | admissions | evictions |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for rank, r in enumerate(stream["ranks"]):
+        lines.append(f"| {rank} | {r['steps']} | {r['seconds']:.0f} | {r['peak_rss_mib_at_10pct']:.0f} | "
+                     f"{r['peak_rss_mib_at_end']:.0f} | {r['occupancy']:,} / {r['rank_capacity']:,} | {r['admissions']:,} | "
+                     f"{r['evictions']:,} |")  # fmt: skip
+    return lines
 
 
 def _network_markdown(section: dict) -> list[str]:

@@ -294,6 +294,9 @@ def test_a_checkpoint_of_dynamic_tables_loads_on_any_number_of_ranks(rank_pools,
             assert set(got) == set(expected)
             for key, value in expected.items():
                 torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=f"2 -> {world_size} ranks: {key}")
+    exported = torch.load(checkpoint_export(ckpt, tmp_path / "export.pt"))  # ids and their rows
+    assert torch.equal(exported["embeddings.tables.users.ids"], expected["users.ids"])
+    assert torch.equal(exported["embeddings.tables.users.weight"], expected["users.rows"])
     # A table with less room keeps the ids used last (LRU) with their state.
     got, _ = rank_pools(1).run(_checkpoint_job, 1, str(tmp_path), ckpt, 5)[0]
     kept = torch.searchsorted(expected["users.ids"], got["users.ids"])
@@ -343,3 +346,10 @@ def test_in_a_collection_ids_without_a_row_pool_as_zero_rows():
     with torch.no_grad():
         third = collection({"bags": ls.JaggedIds(torch.tensor([7, 123]), lengths=torch.tensor([2]))})
     torch.testing.assert_close(third["bags"], rows[1:] / 2)  # 123 holds no row: a zero row in the mean
+
+
+def checkpoint_export(ckpt: str, out):
+    from lightning_sparse import checkpoint
+
+    checkpoint.export(ckpt, out)
+    return out

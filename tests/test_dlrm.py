@@ -1,4 +1,4 @@
-"""The DLRM example: Criteo TSV reading, and CI-sized runs of its LightningCLI on 2 processes."""
+"""The DLRM example: Criteo TSV reading, hashed ids and their tables' memory, and CI-sized runs of its LightningCLI on 2 processes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "dlrm"
 sys.path.insert(0, str(EXAMPLE))
 
 import data as dlrm_data  # noqa: E402
+import model as dlrm_model  # noqa: E402
 from processes import assert_clean_exit
+
+import lightning_sparse as ls
 
 
 def write_tsv(path: Path, lines: int, seed: int = 0) -> None:
@@ -62,6 +65,71 @@ def test_synthetic_bags_collate_into_jagged_ids():
     values, offsets, _ = data.bags["C3"]
     assert bags.values.tolist() == values[offsets[10] : offsets[20]].tolist()
     assert features["C24"].weights is not None and len(features["C24"].weights) == len(features["C24"].values)
+
+
+def test_hashed_ids_are_zipf_hashes_with_a_planted_effect_per_id():
+    data = dlrm_data.hashed(20_000, features=2, seed=0, split_seed=1)
+    other = dlrm_data.hashed(20_000, features=2, seed=0, split_seed=2)
+    assert set(data.single) == {"H1", "H2"} and not data.bags
+    ids = data.single["H1"]
+    # Raw 64-bit hash values: both signs, the whole int64 range, distinct values' low bits uniform.
+    values, counts = torch.unique(ids, return_counts=True)
+    assert int(ids.min()) < -(2**62) and int(ids.max()) > 2**62
+    assert torch.bincount(values & 7, minlength=8).min() > 0.8 * len(values) / 8
+    # Zipf head: the most frequent value is rank 0's, with the power law's share ((2^(1-s) - 1) / ((N+1)^(1-s) - 1)).
+    s, n = dlrm_data.HASHED_EXPONENT, dlrm_data.ID_SPACE
+    head = (2 ** (1 - s) - 1) / ((n + 1) ** (1 - s) - 1)
+    assert int(values[counts.argmax()]) == int(dlrm_data.hashed_ids(torch.tensor([0]), 0))
+    assert abs(int(counts.max()) / len(ids) - head) < 0.01
+    assert len(values) > 0.2 * len(ids)  # and a long tail of rare values
+    assert not set(ids.tolist()) & set(data.single["H2"].tolist())  # features draw from separate id streams
+    # Every id has its own effect, a function of the id: the same in another split and another call.
+    effects = dlrm_data.planted_effect(values, 0)
+    assert torch.equal(effects, dlrm_data.planted_effect(values.clone(), 0))
+    shared = values[torch.isin(values, other.single["H1"])]
+    assert len(shared) > 10 and torch.equal(dlrm_data.planted_effect(shared, 0), effects[torch.isin(values, shared)])
+    assert abs(float(effects.mean())) < 0.1 and abs(float(effects.std()) - 1) < 0.1
+    assert not torch.equal(effects, dlrm_data.planted_effect(values, 1))
+
+
+@pytest.mark.parametrize("admit_after", [1, 2])
+def test_memory_accounting_counts_every_tensor_of_a_dynamic_table(admit_after):
+    dim = 16
+    capacity = dlrm_model.capacity_for_budget(300_000, dim, ranks=1, admit_after=admit_after)
+    planned = dlrm_model.dynamic_bytes_per_rank(capacity, dim, 1, admit_after=admit_after)
+    assert planned <= 300_000 < dlrm_model.dynamic_bytes_per_rank(capacity + 1, dim, 1, admit_after=admit_after)
+    table = ls.DynamicEmbedding(capacity, dim, admit_after=admit_after).materialize()
+    assert dlrm_model.table_bytes(table) == planned
+    rows = dlrm_model.modulo_rows(planned, dim, ranks=2)
+    modulo = -(-rows // 2) * dim * 4  # bytes of the fuller rank of SparseEmbedding(rows, dim) on 2 ranks
+    assert planned - dim * 4 < modulo <= planned  # equal within one row
+    # on 2 ranks, each holds half the ids: a rank's part of the table shrinks with the ranks
+    assert dlrm_model.dynamic_bytes_per_rank(capacity, dim, 2) < planned
+
+
+@pytest.mark.parametrize("tables", ["dynamic", "modulo"])
+def test_dlrm_trains_on_hashed_ids(tables):
+    torch.manual_seed(0)
+    data = dlrm_data.hashed(512, features=3, seed=0, split_seed=1)
+    model = dlrm_model.DLRM(tables=tables, hashed_features=3, memory_per_rank=20_000, sparse_lr=0.1, dense_lr=0.01)
+    dense_optimizer, sparse_optimizer = model.configure_optimizers(), model.configure_sparse_optimizers()
+    dense, features, labels = data.collate(list(range(512)))
+    losses = []
+    for _ in range(6):
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, features), labels)
+        dense_optimizer.zero_grad()
+        sparse_optimizer.zero_grad()
+        loss.backward()
+        dense_optimizer.step()
+        sparse_optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    table = model.embeddings.tables["H1"]
+    if tables == "dynamic":
+        assert 0 < table.slot_stats.occupancy <= table.capacity  # ids got rows of their own
+    else:
+        assert model.modulo == dlrm_model.modulo_rows(model.planned_bytes, 16, 1) and table.num_embeddings == model.modulo
+    assert float(table.shard.abs().sum()) > 0
 
 
 def _fit(args: list[str], timeout: int = 240) -> str:

@@ -15,11 +15,18 @@ A sample has a click label, 13 dense counts (``I1..I13``) and 26 categorical fea
 ``tsv=...`` reads Criteo's own layout instead (``label<TAB>I1..I13<TAB>C1..C26``, hex strings
 for the categorical values, empty fields allowed): ids are the hex values modulo the capped
 cardinality, every categorical feature a bag of one id. The same tensors come out either way.
+
+``hashed_features=F`` makes a third kind of data, for tables addressed by raw 64-bit hashes
+(:func:`hashed`): ``F`` single-hot features ``H1..HF`` whose values are Zipf-ranked ids out of
+``id_space`` (10^8) per feature, each put through a fixed 64-bit mix so that they look like hash
+values spread over the whole int64 range, and a click model in which every id has an effect of
+its own, read off a hash of the id (see ``docs/dlrm-hashed.md``).
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,8 +47,22 @@ WEIGHTED = ("C24",)
 SIGNAL = ("C1", "C2", "C3", "C5", "C7", "C12", "C14", "C24")
 
 
+# The hashed-id mode (``hashed``): ids per feature, popularity exponent, and the planted model's scales.
+ID_SPACE = 10**8
+HASHED_EXPONENT = 1.1
+HASHED_EFFECT = 0.6  # standard deviation of one feature's per-id effect on the click logit
+HASHED_BIAS = -0.5
+_FEATURE_SALT = 0x5851F42D4C957F2D  # odd 64-bit constants: they separate the features' id streams and effects
+_EFFECT_SALT = 0x14057B7EF767814F
+
+
 def cardinalities(max_rows: int) -> list[int]:
     return [min(c, max_rows) for c in CRITEO_CARDINALITIES]
+
+
+def feature_names(hashed_features: int = 0) -> tuple[str, ...]:
+    """The sparse features of a dataset: ``C1..C26`` (Criteo-shaped), or ``H1..HF`` in the hashed-id mode."""
+    return tuple(f"H{i + 1}" for i in range(hashed_features)) if hashed_features else SPARSE
 
 
 class ClickData(Dataset):
@@ -109,6 +130,67 @@ def synthetic(samples: int, max_rows: int, seed: int, split_seed: int) -> ClickD
     return ClickData(labels, dense, single, bags, logit)
 
 
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 64-bit finalizer on int64 tensors: a bijection, every input bit spread over the output.
+
+    (int64 products wrap modulo 2^64; ``>>`` on int64 copies the sign bit, so each shift is masked.)
+    """
+    for shift, multiplier in ((33, 0xFF51AFD7ED558CCD), (33, 0xC4CEB9FE1A85EC53)):
+        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * _signed(multiplier)
+    return x ^ ((x >> 33) & ((1 << 31) - 1))
+
+
+def zipf_ranks(count: int, id_space: int, exponent: float, generator: torch.Generator) -> torch.Tensor:
+    """``count`` popularity ranks in ``[0, id_space)``, rank ``r`` drawn with probability ~ ``(r + 1) ** -exponent``.
+
+    The inverse CDF of a continuous power law on ``[1, id_space + 1)``, floored: O(count), the
+    ``id_space`` probabilities are never built (``zipf_ids`` builds them, fine for 10^5 rows).
+    """
+    span = (id_space + 1) ** (1 - exponent) - 1
+    u = torch.rand(count, generator=generator, dtype=torch.float64)
+    return (1 + u * span).pow(1 / (1 - exponent)).floor().to(torch.int64).clamp(1, id_space) - 1
+
+
+def hashed_ids(ranks: torch.Tensor, feature: int) -> torch.Tensor:
+    """The raw 64-bit value of popularity rank ``ranks`` of feature ``feature`` (distinct ranks, distinct values)."""
+    return mix64(ranks + _signed((feature + 1) * _FEATURE_SALT & ((1 << 64) - 1)))
+
+
+def planted_effect(ids: torch.Tensor, feature: int) -> torch.Tensor:
+    """Each id's own effect on the click logit: a standard normal read off a hash of the id (deterministic)."""
+    bits = (mix64(ids ^ _signed((feature + 1) * _EFFECT_SALT & ((1 << 64) - 1))) >> 11) & ((1 << 53) - 1)
+    uniform = (bits.to(torch.float64) + 0.5) / 2**53  # in (0, 1)
+    return (math.sqrt(2) * torch.erfinv(2 * uniform - 1)).to(torch.float32)
+
+
+def hashed(samples: int, features: int, seed: int, split_seed: int, id_space: int = ID_SPACE,
+           exponent: float = HASHED_EXPONENT) -> ClickData:  # fmt: skip
+    """``samples`` clicks with ``features`` single-hot features of raw 64-bit hashed values (``H1..HF``).
+
+    Feature ``f``'s values are Zipf(``exponent``) popularity ranks out of ``id_space`` mapped by
+    :func:`hashed_ids`; the click probability is ``sigmoid(bias + dense term + HASHED_EFFECT *
+    sum_f planted_effect(id_f, f))``. The ids and effects are the same in every split and for
+    every ``seed`` (they are functions of the rank and the id); ``seed`` and ``split_seed`` choose
+    the draws and the dense term.
+    """
+    hidden = torch.Generator().manual_seed(seed)
+    dense_weight = torch.randn(DENSE, generator=hidden) * 0.3
+    draw = torch.Generator().manual_seed(seed * 1000 + split_seed)
+    dense = torch.log1p(torch.exp(torch.randn(samples, DENSE, generator=draw) * 1.5 + 1.0).floor())
+    logit = torch.full((samples,), HASHED_BIAS) + (dense - dense.mean(0)) @ dense_weight
+    single = {}
+    for f, name in enumerate(feature_names(features)):
+        single[name] = hashed_ids(zipf_ranks(samples, id_space, exponent, draw), f)
+        logit += HASHED_EFFECT * planted_effect(single[name], f)
+    labels = torch.bernoulli(torch.sigmoid(logit), generator=draw)
+    return ClickData(labels, dense, single, {}, logit)
+
+
 def read_tsv(path: str | Path, max_rows: int, limit: int | None = None) -> ClickData:
     """Criteo's TSV layout: ``label, I1..I13, C1..C26`` per line; hex categorical values, empty fields allowed."""
     rows = cardinalities(max_rows)
@@ -136,11 +218,14 @@ def read_tsv(path: str | Path, max_rows: int, limit: int | None = None) -> Click
 
 
 class CriteoDataModule(LightningDataModule):
-    """Synthetic Criteo-shaped clicks (default) or Criteo TSV files (``tsv`` and, optionally, ``val_tsv``).
+    """Synthetic Criteo-shaped clicks (default), Criteo TSV files (``tsv`` and, optionally, ``val_tsv``), or hashed ids.
 
     Args:
         max_rows: cap on every table's rows (Criteo's largest features have 10M values).
         train_samples, val_samples: sizes of the synthetic splits.
+        hashed_features: if > 0, the hashed-id mode (:func:`hashed`): this many features of raw
+            64-bit values instead of the 26 Criteo-shaped ones.
+        id_space, zipf_exponent: the hashed-id mode's ids per feature and popularity exponent.
         tsv: a Criteo TSV file to train on instead; ``val_tsv`` to validate on (default: the
             last ``val_samples`` lines of ``tsv``).
         tsv_limit: read at most this many lines of ``tsv``.
@@ -156,12 +241,21 @@ class CriteoDataModule(LightningDataModule):
         tsv: str | None = None,
         val_tsv: str | None = None,
         tsv_limit: int | None = None,
+        hashed_features: int = 0,
+        id_space: int = ID_SPACE,
+        zipf_exponent: float = HASHED_EXPONENT,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
 
     def setup(self, stage: str) -> None:
         h = self.hparams
+        if h.hashed_features and h.tsv is not None:
+            raise ValueError("tsv and hashed_features are two kinds of data. HINT: pass one of them.")
+        if h.hashed_features:
+            make = partial(hashed, features=h.hashed_features, seed=h.seed, id_space=h.id_space, exponent=h.zipf_exponent)
+            self.train_data, self.val_data = make(h.train_samples, split_seed=1), make(h.val_samples, split_seed=2)
+            return
         if h.tsv is None:
             self.train_data = synthetic(h.train_samples, h.max_rows, h.seed, split_seed=1)
             self.val_data = synthetic(h.val_samples, h.max_rows, h.seed, split_seed=2)

@@ -53,8 +53,8 @@ FULL = {
     "network": dict(epochs=8, rounds=2),  # two stand-in hosts over slow, lossy links (root only)
 }
 QUICK = {
-    "single_process": dict(rows=100_000, dim=64, batch=4096, rounds=2, steps_per_round=2, threads=2),
-    "distributed": dict(rows_list=[100_000], batches=[1024], methods=["ours", "sparse_ddp", "sparse_grad_ddp"],
+    "single_process": dict(rows=20_000, dim=64, batch=1024, rounds=2, steps_per_round=2, threads=2),
+    "distributed": dict(rows_list=[20_000], batches=[256], methods=["ours", "sparse_ddp", "sparse_grad_ddp"],
                         budget_s=0.5, min_steps=3, max_steps=10, warmup=2),  # fmt: skip
     "gpu": dict(rows=100_000, dim=64, batch=4096),
     "collection": dict(max_rows=20_000, batch=256, rounds=2, steps_per_round=2),

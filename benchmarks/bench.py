@@ -8,7 +8,8 @@ Sections (see each module's docstring): ``single_process`` (every sparse optimiz
 torch's and FBGEMM's, and against memory floors), ``distributed`` (2 gloo ranks: ours, Lightning
 ``sparse_ddp``, DGL, DDP with sparse gradients, Lightning ``ddp`` with a dense table),
 ``collection`` (26 tables: one SparseEmbeddingCollection against 26 separate tables on 2 ranks,
-and against FBGEMM's TBE in one process), ``scale`` (one rank of W up to 4,096, simulated) and ``gpu``
+and against FBGEMM's TBE in one process), ``scale`` (one rank of W up to 4,096, simulated),
+``dynamic`` (DynamicEmbedding against SparseEmbedding, and a stream of 10^7 ids) and ``gpu``
 (the update kernels' bandwidth against a device copy). The JSON records the machine, versions,
 thread counts, allocator settings and commit; ``report.py`` turns it into tables, plots and the
 verdict on each target. Measure on an otherwise idle machine: the figures are wall-clock times.
@@ -35,6 +36,7 @@ import torch  # noqa: E402
 
 import collection  # noqa: E402
 import distributed  # noqa: E402
+import dynamic  # noqa: E402
 import network  # noqa: E402
 import report  # noqa: E402
 import scale  # noqa: E402
@@ -51,6 +53,8 @@ FULL = {
     "scale": dict(worlds=[(8, None), (64, None), (512, None), (1024, None), (4096, None), (1024, 128), (4096, 512)],
                   workloads=["26 tables", "1 table"], batch=4096, rows_cap=20_000, steps=5, rounds=3),  # fmt: skip
     "network": dict(epochs=8, rounds=2),  # two stand-in hosts over slow, lossy links (root only)
+    # DynamicEmbedding against SparseEmbedding: 10% new ids per step; 10^7 distinct ids through capacity 10^5.
+    "dynamic": dict(batch=4096, pool=200_000, steps=10, rounds=3, distinct=10_000_000, capacity=100_000),
 }
 QUICK = {
     "single_process": dict(rows=20_000, dim=64, batch=1024, rounds=2, steps_per_round=2, threads=2),
@@ -60,6 +64,7 @@ QUICK = {
     "collection": dict(max_rows=20_000, batch=256, rounds=2, steps_per_round=2),
     "scale": dict(worlds=[(8, None), (256, None), (256, 32)], workloads=["26 tables"], batch=128, rows_cap=1000, steps=2,
                   in_process=True),  # fmt: skip
+    "dynamic": dict(batch=512, pool=5000, steps=2, rounds=1, warmup_steps=1, two_ranks=False, distinct=0),
 }
 
 
@@ -70,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench.json"))
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="page whose results block is regenerated")
     parser.add_argument("--no-report", action="store_true")
-    parser.add_argument("--only", choices=["scale", "network"], help="measure this section again into the existing --out file")
+    parser.add_argument("--only", choices=["scale", "network", "dynamic"], help="measure this section again into the existing --out file")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.only:
@@ -100,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if "network" in plan:
         print("two hosts over slow, lossy links...", flush=True)
         doc["network"] = network.run(**plan["network"])
+    print("dynamic tables (hashed ids)...", flush=True)
+    doc["dynamic"] = dynamic.run(**plan["dynamic"])
     if args.device == "cuda":
         import gpu
 
@@ -125,7 +132,7 @@ def _rerun(section: str, plan: dict, out: Path, page: Path | None) -> int:
     """Measure one section again and put it into the existing results (noted in the report with its commit)."""
     doc = json.loads(out.read_text())
     print(f"{section} (again)...", flush=True)
-    doc[section] = {"scale": scale.run, "network": network.run}[section](**plan[section])
+    doc[section] = {"scale": scale.run, "network": network.run, "dynamic": dynamic.run}[section](**plan[section])
     code = _code()
     doc.setdefault("rerun", {})[section] = {"created": datetime.datetime.now().isoformat(timespec="seconds"),
                                             "commit": code["commit"] + (" with uncommitted changes" if code["uncommitted"] else "")}  # fmt: skip

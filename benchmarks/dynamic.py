@@ -168,15 +168,22 @@ def _on_ranks(job: str, cfg: dict, world: int) -> list[dict]:
 
 
 def run(batch: int = 4096, dim: int = 64, pool: int = 200_000, steps: int = 10, rounds: int = 3, warmup_steps: int = 3,
-        distinct: int = 10_000_000, capacity: int = 100_000, stream_batch: int = 8192, log=print) -> dict:  # fmt: skip
+        distinct: int = 10_000_000, capacity: int = 100_000, stream_batch: int = 8192, two_ranks: bool = True,
+        log=print) -> dict:  # fmt: skip
+    """``two_ranks=False`` measures the step in one process only; ``distinct=0`` skips the stream."""
     cfg = dict(batch=batch, dim=dim, pool=pool, steps=steps, rounds=rounds, warmup_steps=warmup_steps)
     torch.set_num_threads(1)
-    step = {"one process": _time_steps(0, 1, cfg), "2 ranks": _on_ranks("step", cfg, 2)[0]}
+    step = {"one process": _time_steps(0, 1, cfg)}
+    if two_ranks:
+        step["2 ranks"] = _on_ranks("step", cfg, 2)[0]
     for where, result in step.items():
         ms = result["ms"]
         result["ratio_room"], result["ratio_full"] = ms["dynamic_room"] / ms["sparse"], ms["dynamic_full"] / ms["sparse"]
         log(f"  {where:<12} batch {batch}: SparseEmbedding {ms['sparse']:.2f} ms, dynamic {ms['dynamic_room']:.2f} ms "
             f"({result['ratio_room']:.2f}x), full and evicting {ms['dynamic_full']:.2f} ms ({result['ratio_full']:.2f}x)")  # fmt: skip
+    out = {"config": {**cfg, "new_fraction": NEW_FRACTION, "optimizer": "SparseAdagrad(lr=0.1)"}, "step": step}
+    if not distinct:
+        return out
     stream_cfg = dict(distinct=distinct, capacity=capacity, batch=stream_batch, dim=dim)
     stream = _on_ranks("stream", stream_cfg, 2)
     for rank, result in enumerate(stream):
@@ -185,8 +192,8 @@ def run(batch: int = 4096, dim: int = 64, pool: int = 200_000, steps: int = 10, 
             f"occupancy {result['occupancy']:,}/{result['rank_capacity']:,}, {result['evictions']:,} evictions")  # fmt: skip
         if result["most_occupancy"] > result["rank_capacity"]:
             raise AssertionError(f"rank {rank} held {result['most_occupancy']} ids, more than its {result['rank_capacity']}")
-    return {"config": {**cfg, "new_fraction": NEW_FRACTION, "optimizer": "SparseAdagrad(lr=0.1)"}, "step": step,
-            "stream": {"config": stream_cfg, "ranks": stream}}  # fmt: skip
+    out["stream"] = {"config": stream_cfg, "ranks": stream}
+    return out
 
 
 if __name__ == "__main__":

@@ -224,7 +224,9 @@ def _dynamic_markdown(section: dict) -> list[str]:
         ms = r["ms"]
         lines.append(f"| {where} | {ms['sparse']:.2f} | {ms['dynamic_room']:.2f} | {r['ratio_room']:.2f}x | "
                      f"{ms['dynamic_full']:.2f} | {r['ratio_full']:.2f}x |")  # fmt: skip
-    stream = section["stream"]
+    stream = section.get("stream")
+    if not stream:
+        return lines
     c = stream["config"]
     lines += ["", f"A stream of {c['distinct']:,} distinct ids ({c['batch']:,} new ids per rank and step) through a table of "
               f"capacity {c['capacity']:,} on 2 ranks:", "",

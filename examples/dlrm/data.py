@@ -253,7 +253,8 @@ class CriteoDataModule(LightningDataModule):
         if h.hashed_features and h.tsv is not None:
             raise ValueError("tsv and hashed_features are two kinds of data. HINT: pass one of them.")
         if h.hashed_features:
-            make = partial(hashed, features=h.hashed_features, seed=h.seed, id_space=h.id_space, exponent=h.zipf_exponent)
+            make = partial(hashed, features=h.hashed_features, seed=h.seed, id_space=h.id_space,
+                           exponent=h.zipf_exponent)  # fmt: skip
             self.train_data, self.val_data = make(h.train_samples, split_seed=1), make(h.val_samples, split_seed=2)
             return
         if h.tsv is None:

@@ -69,13 +69,14 @@ def capacity_for_budget(budget: int, embedding_dim: int, ranks: int, **options) 
         else:
             high = middle - 1
     if low < 1:
+        least = dynamic_bytes_per_rank(1, embedding_dim, ranks, **options)
         raise ValueError(f"Invalid memory_per_rank: {budget} bytes hold no id of width {embedding_dim}. "
-                         f"HINT: give at least {dynamic_bytes_per_rank(1, embedding_dim, ranks, **options)} bytes.")  # fmt: skip
+                         f"HINT: give at least {least} bytes.")  # fmt: skip
     return low
 
 
 def modulo_rows(table_bytes: int, embedding_dim: int, ranks: int, value_bytes: int = 4) -> int:
-    """Rows ``N`` of a table fed ``id % N`` that holds as many bytes per rank as ``table_bytes`` (less one row at most)."""
+    """Rows ``N`` of a table fed ``id % N`` that holds ``table_bytes`` per rank, less one row at most."""
     return ranks * (table_bytes // (embedding_dim * value_bytes))
 
 
@@ -176,7 +177,8 @@ class DLRM(LightningModule):
     def setup(self, stage: str) -> None:
         if self.hparams.tables != "static" and self.trainer.world_size != self.hparams.ranks:
             raise ValueError(f"The tables' memory was sized for ranks={self.hparams.ranks}, the trainer has "
-                             f"{self.trainer.world_size}. HINT: pass --model.ranks {self.trainer.world_size}.")  # fmt: skip
+                             f"{self.trainer.world_size} processes. HINT: build the model with ranks="
+                             f"{self.trainer.world_size} (main.py sets it from an int --trainer.devices).")  # fmt: skip
 
     def memory_summary(self) -> str:
         """What one table of each feature holds on this rank: planned bytes (the accounting) and measured ones."""
@@ -184,8 +186,8 @@ class DLRM(LightningModule):
             return ""
         table = self.embeddings.tables[self.features[0]]
         kind = f"DynamicEmbedding(capacity={table.capacity})" if self.modulo is None else f"id % {self.modulo}"
-        return (f"{len(self.features)} tables of {kind}, dim {self.hparams.embedding_dim}: "
-                f"{self.planned_bytes} bytes per table and rank planned, {table_bytes(table)} held on rank {self.global_rank}")  # fmt: skip
+        return (f"{len(self.features)} tables of {kind}, dim {self.hparams.embedding_dim}: {self.planned_bytes} "
+                f"bytes per table and rank planned, {table_bytes(table)} held on rank {self.global_rank}")  # fmt: skip
 
     def training_step(self, batch, batch_idx):
         dense, features, labels = batch

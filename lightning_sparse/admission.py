@@ -51,8 +51,9 @@ class CountSketch:
     """A count-min sketch of request counts: ``depth`` rows of ``width`` int32 counters, halved as they fill.
 
     An estimate is never below the true count since the last halving (it may be above, by
-    collisions); once the counters have taken ``10 * width`` requests, all are halved, so ids
-    that stopped coming fade (TinyLFU's reset). Memory: ``4 * depth * width`` bytes.
+    collisions); once the counters have taken ``width`` requests, all are halved, so ids that
+    stopped coming fade (TinyLFU's reset) and a row's counters stay small: a count of 1 or 2 means
+    something. Memory: ``4 * depth * width`` bytes.
     """
 
     def __init__(self, width: int, depth: int = 4, device: torch.device | str | None = None) -> None:
@@ -68,8 +69,8 @@ class CountSketch:
             row.index_add_(0, bucket, counts.to(torch.int32))
             seen = row.index_select(0, bucket)
             estimate = seen if estimate is None else torch.minimum(estimate, seen)
-        self.added += len(keys)
-        if self.added >= 10 * self.width:
+        self.added += int(counts.sum())
+        if self.added >= self.width:
             self.counters.div_(2, rounding_mode="floor")
             self.added = 0
         return estimate.to(torch.int64)

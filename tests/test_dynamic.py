@@ -353,3 +353,14 @@ def checkpoint_export(ckpt: str, out):
 
     checkpoint.export(ckpt, out)
     return out
+
+
+def test_the_admission_sketch_never_underestimates_and_fades():
+    from lightning_sparse.admission import CountSketch
+
+    sketch = CountSketch(64)
+    keys = mix(torch.arange(40))
+    assert bool((sketch.add(keys, torch.ones(40, dtype=torch.int64)) >= 1).all())  # never below the true count
+    assert bool((sketch.add(keys[:10], torch.full((10,), 3)) >= 4).all())
+    assert sketch.added == 0 and bool((sketch.counters.sum(1) <= 35).all())  # 70 requests >= width 64: halved
+    assert bool((sketch.add(keys[:10], torch.zeros(10, dtype=torch.int64)) >= 2).all())  # halved, still not below

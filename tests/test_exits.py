@@ -13,7 +13,6 @@ import gc
 import os
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,24 +28,6 @@ sys.path.insert(0, str(Path(__file__).parent / "exits"))
 from stress import report, stress
 
 PLAIN_TORCH = ["torch-spawn", "torch-spawn-destroy", "torchrun"]
-# The plain-torch shapes twice and the launchers no other test uses once.
-SAMPLE = PLAIN_TORCH * 2 + ["fit-spawn", "torchrun-fit"]
-SAMPLE_TEST = "test_every_exit_shape_exits_cleanly_with_the_race_widened"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def exit_shape_sample(request):
-    """The widened exit-shape sample, started when this module starts and checked by its last test.
-
-    Its programs keep both cores busy for most of a minute, while the module's other tests mostly
-    wait (on their spawned ranks, on a 10 s collective timeout): running them meanwhile saves that wait.
-    Every program still runs on its own, in a fresh process tree, with the same timeout.
-    """
-    if not any(item.name == SAMPLE_TEST for item in request.session.items):
-        yield None
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="exit-shapes") as runner:
-        yield runner.submit(stress, len(SAMPLE), SAMPLE, widen=True, parallel=2)
 
 
 def _holders_of_the_group() -> list[str]:
@@ -130,6 +111,19 @@ def test_release_destroys_the_groups_and_drains_their_workers(regrouping_pool, w
         assert not result["initialized"] and result["quiet"], result
 
 
+@pytest.mark.timeout(600)
+def test_every_exit_shape_exits_cleanly_with_the_race_widened():
+    """The plain-torch shapes twice and the launchers no other test uses once, race widened.
+
+    Before the exit handler, 13 of 30 widened plain-torch runs aborted (none of 50 Lightning runs):
+    this sample passed on that code about once in 50 tries. Every shape, many times: stress.py.
+    """
+    plan = PLAIN_TORCH * 2 + ["fit-spawn", "torchrun-fit"]
+    results = stress(len(plan), plan, widen=True, parallel=2)
+    failed = [r for r in results if not r.clean]
+    assert not failed, report(results) + "\n" + "\n".join(f"--- {r.shape}: exit code {r.returncode}\n{r.tail[-1500:]}" for r in failed[:2])
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -164,17 +158,3 @@ def test_a_hung_rank_does_not_outlive_the_fit(tmp_path):
     assert run.returncode != 0 and "PeerFailure" in run.stderr + run.stdout, run.stderr[-2000:]
     assert not alive, f"rank 1 (pid {pid}) was left running after the fit failed"
     assert seconds < 90
-
-
-@pytest.mark.timeout(600)
-def test_every_exit_shape_exits_cleanly_with_the_race_widened(exit_shape_sample: Future):
-    """The plain-torch shapes twice and the launchers no other test uses once, race widened.
-
-    Before the exit handler, 13 of 30 widened plain-torch runs aborted (none of 50 Lightning runs):
-    this sample passed on that code about once in 50 tries. Every shape, many times: stress.py.
-    The sample started with this module (fixture ``exit_shape_sample``); this test waits for it.
-    """
-    results = exit_shape_sample.result(timeout=540)
-    assert sorted(r.shape for r in results) == sorted(SAMPLE)
-    failed = [r for r in results if not r.clean]
-    assert not failed, report(results) + "\n" + "\n".join(f"--- {r.shape}: exit code {r.returncode}\n{r.tail[-1500:]}" for r in failed[:2])

@@ -33,21 +33,31 @@ _MASK32 = 0xFFFFFFFF
 
 def _hash32(x: Tensor) -> Tensor:
     """Chris Wellons' ``lowbias32`` integer hash on int64 tensors holding values in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    return _hash32_(x.clone())
+
+
+def _hash32_(x: Tensor) -> Tensor:
+    """:func:`_hash32` in place: no temporaries the size of ``x`` but one shifted copy at a time."""
+    x ^= x >> 16
+    x.mul_(0x7FEB352D).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    x.mul_(0x846CA68B).bitwise_and_(_MASK32)
+    x ^= x >> 16
+    return x
 
 
 def _uniform01(global_ids: Tensor, embedding_dim: int, seed: int, stream: int) -> Tensor:
-    """Float64 uniforms in (0, 1), one per (row, column), a pure function of (seed, stream, row, column)."""
+    """Float64 uniforms in (0, 1), one per (row, column), a pure function of (seed, stream, row, column).
+
+    Computed in place on one ``[rows, dim]`` buffer (a row is initialized as its id arrives in a
+    DynamicEmbedding, so this is on the training path).
+    """
     ids = global_ids.to(torch.int64).view(-1, 1)
     cols = torch.arange(embedding_dim, dtype=torch.int64, device=ids.device).view(1, -1)
     key = _hash32(torch.tensor((seed * 2 + stream) & _MASK32, dtype=torch.int64, device=ids.device))
-    row_key = _hash32(_hash32(key ^ (ids & _MASK32)) ^ ((ids >> 32) & _MASK32))
-    bits = _hash32(row_key ^ cols)
-    return (bits.to(torch.float64) + 0.5) / 2.0**32
+    row_key = _hash32_(_hash32_(key ^ (ids & _MASK32)) ^ ((ids >> 32) & _MASK32))
+    bits = _hash32_(row_key ^ cols)
+    return bits.to(torch.float64).add_(0.5).div_(2.0**32)
 
 
 def normal(std: float | None = None, mean: float = 0.0) -> RowInit:
@@ -59,8 +69,8 @@ def _normal(global_ids: Tensor, embedding_dim: int, seed: int, *, std: float | N
     scale = std if std is not None else 1.0 / math.sqrt(embedding_dim)
     u1 = _uniform01(global_ids, embedding_dim, seed, stream=0)
     u2 = _uniform01(global_ids, embedding_dim, seed, stream=1)
-    z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)  # Box-Muller
-    return (z * scale + mean).to(torch.float32)
+    z = u1.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(2.0 * math.pi).cos_())  # Box-Muller
+    return z.mul_(scale).add_(mean).to(torch.float32)
 
 
 def uniform(a: float = -0.1, b: float = 0.1) -> RowInit:

@@ -31,33 +31,48 @@ RowInit = Callable[[Tensor, int, int], Tensor]
 _MASK32 = 0xFFFFFFFF
 
 
-def _hash32(x: Tensor) -> Tensor:
-    """Chris Wellons' ``lowbias32`` integer hash on int64 tensors holding values in [0, 2**32)."""
-    return _hash32_(x.clone())
+def _hash32(x: int) -> int:
+    """Chris Wellons' ``lowbias32`` integer hash of a 32-bit value."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
 
 
 def _hash32_(x: Tensor) -> Tensor:
-    """:func:`_hash32` in place: no temporaries the size of ``x`` but one shifted copy at a time."""
-    x ^= x >> 16
-    x.mul_(0x7FEB352D).bitwise_and_(_MASK32)
-    x ^= x >> 15
-    x.mul_(0x846CA68B).bitwise_and_(_MASK32)
-    x ^= x >> 16
+    """:func:`_hash32` in place on int32 tensors holding the values' 32 bits.
+
+    int32 shifts and multiplies wrap and vectorize (int64 right shifts do not, on AVX2): a right
+    shift is arithmetic, so its copies of the sign bit are masked off.
+    """
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        x ^= (x >> shift).bitwise_and_((1 << (32 - shift)) - 1)
+        x.mul_(_int32(multiplier))
+    x ^= (x >> 16).bitwise_and_(0xFFFF)
     return x
 
 
-def _uniform01(global_ids: Tensor, embedding_dim: int, seed: int, stream: int) -> Tensor:
-    """Float64 uniforms in (0, 1), one per (row, column), a pure function of (seed, stream, row, column).
+def _int32(value: int) -> int:
+    """A 32-bit pattern as the int32 that holds it."""
+    return value - (1 << 32) if value >= 1 << 31 else value
 
-    Computed in place on one ``[rows, dim]`` buffer (a row is initialized as its id arrives in a
-    DynamicEmbedding, so this is on the training path).
+
+def _uniform01(global_ids: Tensor, embedding_dim: int, seed: int, streams: tuple[int, ...]) -> Tensor:
+    """Float64 uniforms in (0, 1), ``[streams, rows, dim]``: a pure function of (seed, stream, row, column).
+
+    Row ``r``'s key is the hash of the stream's key and the low 32 bits of ``r``, hashed again
+    with its high 32 bits; element ``(r, c)`` is the hash of the row's key and ``c``. All streams
+    are computed at once, in place on one int32 buffer (a row of a DynamicEmbedding is
+    initialized as its id arrives, so this is on the training path).
     """
-    ids = global_ids.to(torch.int64).view(-1, 1)
-    cols = torch.arange(embedding_dim, dtype=torch.int64, device=ids.device).view(1, -1)
-    key = _hash32(torch.tensor((seed * 2 + stream) & _MASK32, dtype=torch.int64, device=ids.device))
-    row_key = _hash32_(_hash32_(key ^ (ids & _MASK32)) ^ ((ids >> 32) & _MASK32))
-    bits = _hash32_(row_key ^ cols)
-    return bits.to(torch.float64).add_(0.5).div_(2.0**32)
+    ids = global_ids.to(torch.int64).view(1, -1, 1)
+    keys = [_int32(_hash32((seed * 2 + stream) & _MASK32)) for stream in streams]
+    keys = torch.tensor(keys, dtype=torch.int32, device=ids.device).view(-1, 1, 1)
+    low, high = ids.to(torch.int32), (ids >> 32).to(torch.int32)  # the id's two 32-bit halves
+    row_keys = _hash32_(_hash32_(keys ^ low) ^ high)
+    cols = torch.arange(embedding_dim, dtype=torch.int32, device=ids.device).view(1, 1, -1)
+    return _hash32_(row_keys ^ cols).view(torch.uint32).to(torch.float64).add_(0.5).div_(2.0**32)
 
 
 def normal(std: float | None = None, mean: float = 0.0) -> RowInit:
@@ -67,8 +82,7 @@ def normal(std: float | None = None, mean: float = 0.0) -> RowInit:
 
 def _normal(global_ids: Tensor, embedding_dim: int, seed: int, *, std: float | None, mean: float) -> Tensor:
     scale = std if std is not None else 1.0 / math.sqrt(embedding_dim)
-    u1 = _uniform01(global_ids, embedding_dim, seed, stream=0)
-    u2 = _uniform01(global_ids, embedding_dim, seed, stream=1)
+    u1, u2 = _uniform01(global_ids, embedding_dim, seed, streams=(0, 1))
     z = u1.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(2.0 * math.pi).cos_())  # Box-Muller
     return z.mul_(scale).add_(mean).to(torch.float32)
 
@@ -81,7 +95,7 @@ def uniform(a: float = -0.1, b: float = 0.1) -> RowInit:
 
 
 def _uniform(global_ids: Tensor, embedding_dim: int, seed: int, *, a: float, b: float) -> Tensor:
-    return (_uniform01(global_ids, embedding_dim, seed, stream=0) * (b - a) + a).to(torch.float32)
+    return (_uniform01(global_ids, embedding_dim, seed, streams=(0,))[0] * (b - a) + a).to(torch.float32)
 
 
 def zeros() -> RowInit:

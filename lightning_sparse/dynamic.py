@@ -58,9 +58,14 @@ class DynamicEmbedding(SparseEmbedding):
             optimizer step are never taken.
         ttl: if set, ids unused for more than ``ttl`` optimizer steps lose their row.
         sketch_width: counters per row of the admission sketch (default: 4 per slot).
-        init, seed, dtype, device, process_group, name: as for :class:`SparseEmbedding`; a new
-            row is ``init(id, embedding_dim, seed)``, so an id that is evicted and admitted again
+        init: as for :class:`SparseEmbedding`, called with the ids themselves: a new row is
+            ``init(ids, embedding_dim, seed)``, so an id that is evicted and admitted again
             starts afresh, and its optimizer state too.
+        seed: initial values depend only on ``(seed, id)``.
+        dtype: of the rows.
+        device: of the rows and the slots.
+        process_group: the ranks that share the table (see :class:`SparseEmbedding`).
+        name: used in error messages and stats; the strategy sets it to the module path.
 
     Only lookups with grad mode on (training) count requests, admit ids and pin slots; others
     (validation) read what is there. The owner of an id is a fixed mix of its bits modulo the

@@ -364,3 +364,15 @@ def test_the_admission_sketch_never_underestimates_and_fades():
     assert bool((sketch.add(keys[:10], torch.full((10,), 3)) >= 4).all())
     assert sketch.added == 0 and bool((sketch.counters.sum(1) <= 35).all())  # 70 requests >= width 64: halved
     assert bool((sketch.add(keys[:10], torch.zeros(10, dtype=torch.int64)) >= 2).all())  # halved, still not below
+
+
+def test_the_readme_example_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "DynamicEmbedding(capacity=" in b]
+    namespace: dict = {}
+    exec(block, namespace)
+    assert torch.equal(namespace["rows"], torch.zeros(3, 16))  # a first request: no row yet (admit_after=2)
+    assert namespace["users"].slot_stats.occupancy == 0 and isinstance(namespace["optimizer"], ls.SparseAdagrad)

@@ -126,7 +126,7 @@ def _stream(rank: int, world: int, cfg: dict) -> dict:
     table = ls.DynamicEmbedding(cfg["capacity"], cfg["dim"], seed=0)
     optimizer = ls.SparseAdagrad([table], lr=0.1)
     steps = -(-cfg["distinct"] // (world * cfg["batch"]))
-    early, start, most = None, time.perf_counter(), 0
+    early, start, most, marks = None, time.perf_counter(), 0, {}
     for step in range(steps):
         first = (step * world + rank) * cfg["batch"]
         ids = mix(torch.arange(min(first, cfg["distinct"]), min(first + cfg["batch"], cfg["distinct"])))
@@ -136,9 +136,11 @@ def _stream(rank: int, world: int, cfg: dict) -> dict:
         most = max(most, table.slots.occupancy)
         if step == steps // 10:
             early = peak_rss_mib()
+        if step + 1 in {steps * k // 4 for k in (1, 2, 3)}:
+            marks[f"{100 * (step + 1) // steps}%"] = peak_rss_mib()
     stats = table.slot_stats
     return {"steps": steps, "seconds": time.perf_counter() - start, "peak_rss_mib_at_10pct": early,
-            "peak_rss_mib_at_end": peak_rss_mib(), "occupancy": stats.occupancy, "most_occupancy": most,
+            "peak_rss_mib_at_end": peak_rss_mib(), "peak_rss_mib_by_progress": marks, "occupancy": stats.occupancy, "most_occupancy": most,
             "rank_capacity": table.slots.capacity, "admissions": stats.admissions, "evictions": stats.evictions,
             "rejections": stats.rejections}  # fmt: skip
 

@@ -203,7 +203,7 @@ class DynamicEmbedding(SparseEmbedding):
 
     def serve(self, route: Route) -> None:
         """Answer a round of this table's lookups made by other ranks (see ``serve_lookups``)."""
-        if route.headers.active_stages() != [0]:
+        if route.headers.active_stages() == [RESOLVE]:
             check_headers(self, route.headers)
             self.answer(route)
         else:

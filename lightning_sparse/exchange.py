@@ -30,7 +30,7 @@ import weakref
 from dataclasses import astuple, dataclass, field
 from functools import cached_property
 from itertools import accumulate
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,10 +38,12 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from lightning_sparse.faults import PeerFailure, collective
-from lightning_sparse.hashing import HashSharding
 from lightning_sparse.grouping import SortedKeys, coalesce, transpose_blocks
 from lightning_sparse.packing import common_unit, pack, to_device, unpack
 from lightning_sparse.sharding import JointSharding, RowSharding
+
+if TYPE_CHECKING:
+    from lightning_sparse.hashing import HashSharding
 
 __all__ = ["PeerFailure", "SortedKeys", "coalesce"]  # re-exported: a lost peer's error; the one sort
 

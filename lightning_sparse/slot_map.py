@@ -104,12 +104,8 @@ class SlotMap:
         self.deleted = 0
         self.insert(self.keys.index_select(0, slots), slots)
 
-    def state(self) -> dict[str, Tensor]:
-        """Per-slot tensors that rebuild the map: ``keys`` and ``used``."""
-        return {"keys": self.keys, "used": self.used()}
-
     def load(self, keys: Tensor, used: Tensor) -> None:
-        """Hold exactly the keys of ``used`` slots (the inverse of :meth:`state`)."""
+        """Hold exactly the keys of ``used`` slots (``keys`` and ``used``: one entry per slot)."""
         self.keys.copy_(keys)
         self.buckets.fill_(EMPTY)
         self.bucket_of.fill_(EMPTY)

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench.json"))
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="page whose results block is regenerated")
     parser.add_argument("--no-report", action="store_true")
-    parser.add_argument("--only", choices=["scale", "network", "dynamic"], help="measure this section again into the existing --out file")
+    parser.add_argument("--only", choices=["scale", "network", "dynamic", "gpu"],
+                        help="measure this section again into the existing --out file (gpu: every GPU measurement)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.only:
@@ -90,9 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:  # a second process with another allocator setting: nothing a smoke run needs
         print("single process (CPU, freed memory kept)...", flush=True)
         doc["single_process"].append(_single_process_keeping_memory(plan["single_process"]))
-    if args.device == "cuda":
-        print("single process (CUDA)...", flush=True)
-        doc["single_process"].append(single_process.run(**plan["single_process"], with_fbgemm=False, device="cuda"))
     print("2 ranks (gloo)...", flush=True)
     methods = plan["distributed"]["methods"]
     if not _importable("dgl"):
@@ -108,10 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     print("dynamic tables (hashed ids)...", flush=True)
     doc["dynamic"] = dynamic.run(**plan["dynamic"])
     if args.device == "cuda":
-        import gpu
-
         print("one GPU...", flush=True)
-        doc["gpu"] = gpu.run(**plan["gpu"])
+        _measure_gpu(doc, plan)
     else:
         doc["gpu"] = {"skipped": "not requested (--device cuda)" if torch.cuda.is_available() else "no CUDA device"}
     doc["wall_s"] = time.perf_counter() - start
@@ -132,7 +128,10 @@ def _rerun(section: str, plan: dict, out: Path, page: Path | None) -> int:
     """Measure one section again and put it into the existing results (noted in the report with its commit)."""
     doc = json.loads(out.read_text())
     print(f"{section} (again)...", flush=True)
-    doc[section] = {"scale": scale.run, "network": network.run, "dynamic": dynamic.run}[section](**plan[section])
+    if section == "gpu":
+        _measure_gpu(doc, plan)
+    else:
+        doc[section] = {"scale": scale.run, "network": network.run, "dynamic": dynamic.run}[section](**plan[section])
     code = _code()
     doc.setdefault("rerun", {})[section] = {"created": datetime.datetime.now().isoformat(timespec="seconds"),
                                             "commit": code["commit"] + (" with uncommitted changes" if code["uncommitted"] else "")}  # fmt: skip
@@ -143,6 +142,17 @@ def _rerun(section: str, plan: dict, out: Path, page: Path | None) -> int:
     if page is not None:
         report.write(doc, out, page)
     return 0
+
+
+def _measure_gpu(doc: dict, plan: dict) -> None:
+    """The GPU measurements, into ``doc``: the one-process step, the dynamic table's step and the update kernels."""
+    import gpu
+
+    cuda = single_process.run(**plan["single_process"], with_fbgemm=False, device="cuda")
+    doc["single_process"] = [s for s in doc.get("single_process", []) if s["device"] != "cuda"] + [cuda]
+    dyn = {**plan["dynamic"], "two_ranks": False, "distinct": 0, "device": "cuda"}
+    doc.setdefault("dynamic", {}).setdefault("step", {})["one process, GPU"] = dynamic.run(**dyn)["step"]["one process"]
+    doc["gpu"] = gpu.run(**plan["gpu"])
 
 
 # glibc gives freed buffers back to the system and page-faults new ones in; these keep them, as

@@ -73,10 +73,11 @@ class Stream:
 
 def _build(kind: str, cfg: dict, world: int):
     total_rows = cfg["pool"] + (cfg["warmup_steps"] + cfg["rounds"] * cfg["steps"] + 1) * world * cfg["batch"]
+    device = cfg.get("device", "cpu")
     if kind == "sparse":
-        return ls.SparseEmbedding(total_rows, cfg["dim"], sharding="mod", seed=0)
+        return ls.SparseEmbedding(total_rows, cfg["dim"], sharding="mod", seed=0, device=device)
     capacity = total_rows if kind == "dynamic_room" else cfg["pool"]
-    return ls.DynamicEmbedding(capacity, cfg["dim"], seed=0)
+    return ls.DynamicEmbedding(capacity, cfg["dim"], seed=0, device=device)
 
 
 def _time_steps(rank: int, world: int, cfg: dict) -> dict:
@@ -84,9 +85,11 @@ def _time_steps(rank: int, world: int, cfg: dict) -> dict:
     tables = {kind: _build(kind, cfg, world) for kind in kinds}
     optimizers = {kind: ls.SparseAdagrad([table], lr=0.1) for kind, table in tables.items()}
     streams = {kind: Stream(rank, world, cfg) for kind in kinds}
-    proj = torch.randn(cfg["dim"], generator=torch.Generator().manual_seed(0))
-    target = torch.randn(cfg["batch"], generator=torch.Generator().manual_seed(1))
-    pool = mix(torch.arange(cfg["pool"]) * 2 + 1)
+    device = torch.device(cfg.get("device", "cpu"))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    proj = torch.randn(cfg["dim"], generator=torch.Generator().manual_seed(0)).to(device)
+    target = torch.randn(cfg["batch"], generator=torch.Generator().manual_seed(1)).to(device)
+    pool = mix(torch.arange(cfg["pool"]) * 2 + 1).to(device)
     chunks = -(-cfg["pool"] // (world * 8192))  # the same number of lookups on every rank (they are collectives)
     for kind in kinds[1:]:  # the pool's ids hold rows before the clock starts (the full table: all its room)
         for chunk in pool.tensor_split(world)[rank].tensor_split(chunks):
@@ -96,7 +99,8 @@ def _time_steps(rank: int, world: int, cfg: dict) -> dict:
 
     def step(kind: str) -> float:
         rows, raw = streams[kind].next()
-        ids = rows if kind == "sparse" else raw
+        ids = (rows if kind == "sparse" else raw).to(device)
+        sync()
         if world > 1:
             dist.barrier()
         start = time.perf_counter()
@@ -104,6 +108,7 @@ def _time_steps(rank: int, world: int, cfg: dict) -> dict:
         loss.backward()
         optimizers[kind].step()
         optimizers[kind].zero_grad()
+        sync()
         seconds = torch.tensor([time.perf_counter() - start])
         if world > 1:
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slower rank ends the step
@@ -171,13 +176,16 @@ def _on_ranks(job: str, cfg: dict, world: int) -> list[dict]:
 
 def run(batch: int = 4096, dim: int = 64, pool: int = 200_000, steps: int = 10, rounds: int = 3, warmup_steps: int = 3,
         distinct: int = 10_000_000, capacity: int = 100_000, stream_batch: int = 8192, two_ranks: bool = True,
-        log=print) -> dict:  # fmt: skip
-    """``two_ranks=False`` measures the step in one process only; ``distinct=0`` skips the stream."""
-    cfg = dict(batch=batch, dim=dim, pool=pool, steps=steps, rounds=rounds, warmup_steps=warmup_steps)
+        device: str = "cpu", log=print) -> dict:  # fmt: skip
+    """``two_ranks=False`` measures the step in one process only; ``distinct=0`` skips the stream.
+
+    ``device="cuda"`` measures the one-process step on the GPU (the 2-rank step and the stream stay on CPU).
+    """
+    cfg = dict(batch=batch, dim=dim, pool=pool, steps=steps, rounds=rounds, warmup_steps=warmup_steps, device=device)
     torch.set_num_threads(1)
     step = {"one process": _time_steps(0, 1, cfg)}
     if two_ranks:
-        step["2 ranks"] = _on_ranks("step", cfg, 2)[0]
+        step["2 ranks"] = _on_ranks("step", {**cfg, "device": "cpu"}, 2)[0]
     for where, result in step.items():
         ms = result["ms"]
         result["ratio_room"], result["ratio_full"] = ms["dynamic_room"] / ms["sparse"], ms["dynamic_full"] / ms["sparse"]
@@ -202,9 +210,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--device", default="cpu", help="cuda: the one-process step on the GPU, and nothing else")
     args = parser.parse_args()
     quick = dict(batch=1024, pool=20_000, steps=3, rounds=2, warmup_steps=1, distinct=200_000, capacity=10_000)
-    doc = run(**(quick if args.quick else {}))
+    gpu_only = dict(two_ranks=False, distinct=0, device="cuda") if args.device == "cuda" else {}
+    doc = run(**(quick if args.quick else {}), **gpu_only)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     sys.exit(0)

@@ -6,10 +6,15 @@
 #     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh
 #
 # then `python benchmarks/report.py $OUT/bench.json` here renders the page from what came back.
+# Wheels in .whl/ (e.g. jsonargparse for LightningCLI, where the machine lacks it) are installed first.
 set -u
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PWD:/tmp/site
+fi
 nvidia-smi -L
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__, torch.cuda.get_device_name())"
 

@@ -91,6 +91,7 @@ class SlotTable:
         self.requests = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.sketch = CountSketch(sketch_width, device=device) if admit_after > 1 else None
         self.clock = 0
+        self.null_used = False  # since the last tick, a training lookup read the null slot (so it may get an update)
         self.stats = SlotStats()
         # Free slots as a stack: the next ones to take are at the end.
         self._free = torch.arange(capacity, 0, -1, dtype=torch.int64, device=device)
@@ -107,49 +108,71 @@ class SlotTable:
         if self.sketch is not None:
             self.sketch.counters = self.sketch.counters.to(device)
 
-    def resolve(self, keys: Tensor, requests: Tensor, *, once: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    def resolve(self, keys: Tensor, requests: Tensor | int, *, distinct: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Slots of ``keys`` (``NULL_SLOT`` where none); ``requests``: training requests each entry makes (0: read only).
 
-        Keys may repeat: each entry adds its requests (one per requesting rank), or, with
-        ``once``, the entries of a key count as one request (one rank's lookup). Returns (slots,
-        the slots newly given, the keys they were given to): the caller initializes those rows
-        and resets their optimizer state.
+        ``requests`` is a tensor (one count per entry) or one count for every entry. Keys may
+        repeat (the same key sent by several ranks): each entry adds its requests; ``distinct``
+        says they do not, which saves a sort. Returns (slots, the slots newly given, where in
+        ``keys`` their keys are): the caller initializes those rows and resets their optimizer
+        state.
         """
-        slots = self.map.find(keys)
-        found = slots >= 0
-        asked = requests > 0
-        used = torch.nonzero(found & asked).view(-1)
-        if len(used):
-            used_slots = slots.index_select(0, used)
-            self.last_used.index_fill_(0, used_slots, self.clock)
-            if once:  # repeats read the same count and write the same sum: one request per key
-                self.requests.index_put_((used_slots,), self.requests.index_select(0, used_slots) + 1)
-            else:
-                self.requests.index_add_(0, used_slots, requests.index_select(0, used))
-        wanting = torch.nonzero(~found & asked).view(-1)
+        found, stops = self.map.find_with_stops(keys)
+        rebuilds = self.map.rebuilds
+        slots = found.clamp(min=NULL_SLOT)  # the map's -1 (no row) -> the null slot
+        if isinstance(requests, int):  # the same for every entry: the null slot stands in for the misses
+            if not requests:
+                return slots, found.new_empty(0), found.new_empty(0)
+            self._count_use(slots, torch.full_like(slots, requests))
+            wanting = torch.nonzero(found < 0).view(-1)
+        else:
+            asked = requests > 0
+            used = torch.nonzero((found >= 0) & asked).view(-1)
+            self._count_use(slots.index_select(0, used), requests.index_select(0, used))
+            wanting = torch.nonzero((found < 0) & asked).view(-1)
         if not len(wanting):
-            return torch.where(found, slots, NULL_SLOT), slots.new_empty(0), keys.new_empty(0)
-        runs = SortedKeys(keys.index_select(0, wanting)).finish()  # the keys without a row, each once
-        new_keys = runs.unique
-        counts = torch.ones_like(new_keys)
-        if not once:  # requests per distinct key
-            counts = torch.zeros_like(new_keys).index_add_(0, runs.inverse(), requests.index_select(0, wanting))
+            return slots, found.new_empty(0), found.new_empty(0)
+        counts = requests if isinstance(requests, int) else requests.index_select(0, wanting)
+        runs = None
+        if distinct:
+            new_keys, new_index = keys.index_select(0, wanting), wanting
+        else:  # the keys without a row, each once, with the requests of all their entries
+            runs = SortedKeys(keys.index_select(0, wanting)).finish()
+            new_keys, new_index = runs.unique, wanting.index_select(0, runs.perm.index_select(0, runs.offsets))
+            if not isinstance(requests, int):
+                counts = torch.zeros_like(new_keys).index_add_(0, runs.inverse(), counts)
+        counts = torch.full_like(new_keys, counts) if isinstance(counts, int) else counts
+        chosen = None
         if self.sketch is not None:
-            admit = torch.nonzero(self.sketch.add(new_keys, counts) >= self.admit_after).view(-1)
-            new_keys, counts = new_keys.index_select(0, admit), counts.index_select(0, admit)
+            chosen = torch.nonzero(self.sketch.add(new_keys, counts) >= self.admit_after).view(-1)
+            new_keys, counts, new_index = (t.index_select(0, chosen) for t in (new_keys, counts, new_index))
         new_slots = self._take(len(new_keys))
         self.stats.rejections += len(new_keys) - len(new_slots)
-        new_keys, counts = new_keys[: len(new_slots)], counts[: len(new_slots)]
-        if len(new_slots):
-            self.map.insert(new_keys, new_slots)
-            self.last_used.index_fill_(0, new_slots, self.clock)
-            self.requests.index_copy_(0, new_slots, counts)
-            self.stats.admissions += len(new_slots)
-            self.stats.occupancy = self.occupancy
-            at = torch.searchsorted(new_keys, keys.index_select(0, wanting)).clamp(max=len(new_keys) - 1)
-            given = new_keys.index_select(0, at) == keys.index_select(0, wanting)
-            slots.index_copy_(0, wanting, torch.where(given, new_slots.index_select(0, at), -1))
-        return torch.where(slots >= 0, slots, NULL_SLOT), new_slots, new_keys
+        self.null_used |= len(new_slots) < len(wanting if runs is None else runs.unique)  # some training entry reads it
+        if not len(new_slots):
+            return slots, new_slots, new_index[:0]
+        new_keys, counts, new_index = new_keys[: len(new_slots)], counts[: len(new_slots)], new_index[: len(new_slots)]
+        self.map.insert(new_keys, new_slots, stops.index_select(0, new_index) if self.map.rebuilds == rebuilds else None)
+        self.last_used.index_fill_(0, new_slots, self.clock)
+        self.requests.index_copy_(0, new_slots, counts)
+        self.stats.admissions += len(new_slots)
+        self.stats.occupancy = self.occupancy
+        if runs is None:
+            slots.index_copy_(0, new_index, new_slots)
+        else:  # every entry of a new key gets its slot
+            given = new_slots  # the slot of each key of ``runs`` (NULL_SLOT: not admitted)
+            if len(new_slots) < len(runs.unique):
+                admitted = torch.arange(len(new_slots), device=slots.device) if chosen is None else chosen[: len(new_slots)]
+                given = torch.full_like(runs.unique, NULL_SLOT).index_copy_(0, admitted, new_slots)
+            slots.index_copy_(0, wanting, given.index_select(0, runs.inverse()))
+        return slots, new_slots, new_index
+
+    def _count_use(self, slots: Tensor, requests: Tensor) -> None:
+        """Stamp ``slots`` with the clock and add their requests; the null slot's counters stay zero."""
+        self.last_used.index_fill_(0, slots, self.clock)
+        self.requests.index_add_(0, slots, requests)
+        self.last_used[NULL_SLOT] = 0
+        self.requests[NULL_SLOT] = 0
 
     def _take(self, count: int) -> Tensor:
         """Up to ``count`` slots for new ids: free ones first, then evicted unpinned ones."""

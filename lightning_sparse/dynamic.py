@@ -1,17 +1,24 @@
 """DynamicEmbedding: a table addressed by arbitrary 64-bit ids, each given a row of its own while it fits.
 
-A lookup takes two steps, each a collective over the table's group:
+The table is a ``"range"``-sharded :class:`~lightning_sparse.embedding.SparseEmbedding` of
+``W * rows_per_rank`` rows: owner ``o``'s slot ``s`` is row ``o * rows_per_rank + s``, and the
+owner of an id hands out its slot. A lookup on 2 or more ranks is one round trip:
 
-1. **Ids to slots.** Each rank sends its distinct ids' keys (:func:`~lightning_sparse.hashing.mix`)
-   to their owners (the high bits of the key) with the lookup stage
-   (:func:`~lightning_sparse.exchange.ids_to_owners`, header checks included); each owner finds
-   or admits them in its :class:`~lightning_sparse.admission.SlotTable` and sends back each id's
-   slot (``rows_to_requesters`` with one int64 per id). An id without a row gets the owner's
-   null slot 0, which stays zero.
-2. **Rows.** The table is a ``"range"``-sharded :class:`~lightning_sparse.embedding.SparseEmbedding`
-   of ``W * rows_per_rank`` rows: owner ``o``'s slot ``s`` is row ``o * rows_per_rank + s``. The
-   lookup of those rows, their gradients and every sparse optimizer are the ones of a
-   ``SparseEmbedding``.
+1. **Keys to owners.** Each rank sorts its ids' keys (:func:`~lightning_sparse.hashing.mix`),
+   which groups them by owner (the high bits of the key), and sends the distinct ones with the
+   lookup stage (:func:`~lightning_sparse.exchange.ids_to_owners`, header checks included,
+   ``LookupHeader.stage = 2``).
+2. **Rows and slots back.** Each owner finds or admits the keys in its
+   :class:`~lightning_sparse.admission.SlotTable`, and sends back each key's row followed by its
+   slot (``rows_to_requesters``). An id without a row gets the owner's null slot 0, which stays
+   zero. The owner keeps the route with the slots in place of the keys, so the optimizer step
+   sends this lookup's gradients to their rows; the requester records its rows by row number,
+   so gradients of other lookups go to their owners as a ``SparseEmbedding``'s do.
+
+Every sparse optimizer works as for a ``SparseEmbedding``. A collection's dynamic tables turn
+ids into row numbers first (:meth:`DynamicEmbedding.rows_of`, a round per table, stage 1) and
+then join the collection's row round. With one rank there is no round: one sort of the keys
+gives the distinct ids, their slots, and the runs the backward adds up.
 
 A sparse optimizer that holds the table resets the optimizer state of every slot given to a new
 id, and after each step calls :meth:`DynamicEmbedding.after_step`, which moves the clock (slots
@@ -32,13 +39,15 @@ from torch import Tensor
 from lightning_sparse import init as row_init
 from lightning_sparse.admission import EVICTION, NULL_SLOT, SlotStats, SlotTable
 from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.exchange import Headers, Route, ids_to_owners, rows_to_requesters
+from lightning_sparse.exchange import OK, Headers, Route, ids_to_owners, rows_to_requesters
 from lightning_sparse.features import FeatureIds
 from lightning_sparse.grouping import SortedKeys
 from lightning_sparse.hashing import HashSharding, mix, unmix
-from lightning_sparse.lookup import check_headers, lookup, read_ids, serve_rows
+from lightning_sparse.lookup import check_headers, lookup_rows, read_ids, serve_rows
 
-RESOLVE = 1  # the ``LookupHeader.stage`` of a round that turns ids into slots
+# ``LookupHeader.stage`` of a round that turns ids into rows (a collection's dynamic tables), and of one
+# that sends ids to their owners and gets their rows back at once (a table's own lookup).
+RESOLVE, KEYED = 1, 2
 # Per-slot state in a state dict (one entry per row of the shard), and the clock (a 0-d tensor, the same on every rank).
 SLOT_STATE, CLOCK = ("slot_keys", "slot_used", "slot_last_used", "slot_requests"), "slot_clock"
 
@@ -161,20 +170,76 @@ class DynamicEmbedding(SparseEmbedding):
         """
         self.check_first_lookup()
         self.materialize()
-        rows = self.rows_of(ids)
-        return lookup(self, rows.view(ids.shape))
+        if self.world_size == 1:
+            return self._local_lookup(ids)
+        return self._keyed_lookup(ids)
+
+    def _local_lookup(self, ids: Any) -> Tensor:
+        """One rank: the slots of the distinct ids, then the rows (the record keeps the sort for backward)."""
+        slots, runs = self._local_slots(ids)
+        self.stats.ids_looked_up += len(runs.sorted)
+        record = self.pending.new_record(None, slots, runs.perm, runs.offsets) if torch.is_grad_enabled() else None
+        return lookup_rows(self, self._shard, slots.index_select(0, runs.inverse()), ids.shape, record)
+
+    def _local_slots(self, ids: Any) -> tuple[Tensor, SortedKeys]:
+        """One rank, the owner of every id: the slot of each distinct id (one sort of their keys), and the sort."""
+        flat, header, problem = read_ids(self, ids)
+        if problem is not None or header.error != OK:
+            check_headers(self, Headers.of(header), own_problem=problem)  # raises
+        runs = SortedKeys(mix(flat)).finish()
+        first = runs.perm.index_select(0, runs.offsets)  # where each distinct key first occurs
+        ids = flat.index_select(0, first)
+        return self._assign(runs.unique, int(torch.is_grad_enabled()), ids=ids, distinct=True), runs
+
+    def _keyed_lookup(self, ids: Any) -> Tensor:
+        """One round on 2 or more ranks: keys to their owners, which find or admit them and send back rows and slots."""
+        flat, header, problem = read_ids(self, ids)
+        runs = SortedKeys(mix(flat))
+        sharding = HashSharding(self.world_size)
+        fields = replace(header, stage=KEYED).fields(self.device)
+        check = partial(check_headers, self, own_problem=problem)
+        route = ids_to_owners(runs, sharding, fields, self.process_group, self.rank, self.stats, check)
+        runs.finish(sum(route.send_splits))
+        self.stats.ids_looked_up += flat.numel()
+        self.stats.unique_ids += len(runs.unique)
+        back = self._answer_rows(route)
+        rows, slots = back[:, : self.embedding_dim], back[:, self.embedding_dim :].flatten().clone().view(torch.int64)
+        if not torch.is_grad_enabled():
+            return rows.index_select(0, runs.inverse()).view(*ids.shape, self.embedding_dim)
+        # The record names rows as a "range" SparseEmbedding does (owner-major), so that gradients of
+        # lookups other than the last go to their owners as any table's do.
+        global_rows = sharding.owner_of_key(runs.unique) * self.rows_per_rank() + slots
+        record = self.pending.new_record(route, global_rows, runs.perm, runs.offsets)
+        return lookup_rows(self, rows, runs.inverse(), ids.shape, record)
+
+    def _answer_rows(self, route: Route) -> Tensor:
+        """The owner's side of a keyed round: slots for the keys received, then their rows and slots sent back. Collective.
+
+        ``route.received`` becomes the slots (local rows), so the gradients of this lookup come
+        back to them. Returns the rows this rank asked for, each followed by its slot (an int64
+        in the rows' dtype, bit for bit).
+        """
+        recording = torch.repeat_interleave(route.headers.column("record"), route.recv_counts).to(self.device)
+        route.received = self._assign(route.received, recording)
+        slot_columns = route.received.unsqueeze(1).view(self._shard.dtype)
+        with torch.no_grad():
+            rows = torch.cat([self._shard.index_select(0, route.received), slot_columns], dim=1)
+        back = rows_to_requesters(rows, route, self.process_group, self.world_size, self.rank, self.stats)
+        if route.records:
+            self.pending.route = route
+        return back
 
     def rows_of(self, ids: Any) -> Tensor:
         """Stage 1: the row of each id (flat int64), admitting ids on a training lookup. Collective.
 
         Bad input (not a tensor, not integers) raises on every rank, as for ``SparseEmbedding``.
         """
+        if self.world_size == 1:
+            slots, runs = self._local_slots(ids)
+            return slots.index_select(0, runs.inverse())
         flat, header, problem = read_ids(self, ids)
         header = replace(header, stage=RESOLVE)
         check = partial(check_headers, self, own_problem=problem)
-        if self.world_size == 1:  # the owner of every id: no sort, repeats count as one request
-            check(Headers.of(header))
-            return self._assign(mix(flat), torch.full_like(flat, int(torch.is_grad_enabled())), once=True)
         runs = SortedKeys(mix(flat))
         sharding = HashSharding(self.world_size)
         route = ids_to_owners(runs, sharding, header.fields(self.device), self.process_group, self.rank, self.stats, check)
@@ -192,20 +257,28 @@ class DynamicEmbedding(SparseEmbedding):
         return back.view(-1)
 
     @torch.no_grad()
-    def _assign(self, keys: Tensor, requests: Tensor, once: bool = False) -> Tensor:
-        """Slots of keys on this owner (see ``SlotTable.resolve``); new ids' rows start from ``init``, their optimizer state afresh."""
-        slots, new_slots, new_keys = self.slots.resolve(keys, requests, once=once)
+    def _assign(self, keys: Tensor, requests: Tensor | int, ids: Tensor | None = None, distinct: bool = False) -> Tensor:
+        """Slots of keys on this owner (see ``SlotTable.resolve``); new ids' rows start from ``init``, their optimizer state afresh.
+
+        ``ids``: the ids of ``keys`` where the caller has them (else they are unmixed from the keys).
+        """
+        slots, new_slots, new_index = self.slots.resolve(keys, requests, distinct=distinct)
         if len(new_slots):
-            self._shard.index_copy_(0, new_slots, self._init_rows(unmix(new_keys)))
+            new_ids = ids.index_select(0, new_index) if ids is not None else unmix(keys.index_select(0, new_index))
+            self._shard.index_copy_(0, new_slots, self._init_rows(new_ids))
             for optimizer in self._optimizers:
                 optimizer.reset_rows(self._shard, new_slots)
         return slots
 
     def serve(self, route: Route) -> None:
         """Answer a round of this table's lookups made by other ranks (see ``serve_lookups``)."""
-        if route.headers.active_stages() == [RESOLVE]:
+        stages = route.headers.active_stages()
+        if stages in ([RESOLVE], [KEYED]):
             check_headers(self, route.headers)
-            self.answer(route)
+            if stages == [RESOLVE]:
+                self.answer(route)
+            else:
+                self._answer_rows(route)
         else:
             serve_rows(self, route)
 
@@ -220,12 +293,14 @@ class DynamicEmbedding(SparseEmbedding):
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """Called by the sparse optimizer after each step: unpin, expire, and put the null row back to zero."""
+        """Called by the sparse optimizer after each step: unpin, expire, and put the null row back to zero if it was read."""
         self.slots.tick()
-        null = torch.tensor([NULL_SLOT], device=self.device)
-        self._shard.index_fill_(0, null, 0)
-        for optimizer in self._optimizers:
-            optimizer.reset_rows(self._shard, null)
+        if self.slots.null_used:  # only a lookup that read it can have given it a gradient
+            null = torch.tensor([NULL_SLOT], device=self.device)
+            self._shard.index_fill_(0, null, 0)
+            for optimizer in self._optimizers:
+                optimizer.reset_rows(self._shard, null)
+            self.slots.null_used = False
 
     @property
     def slot_stats(self) -> SlotStats:

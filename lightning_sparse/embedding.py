@@ -223,19 +223,24 @@ class SparseEmbedding(nn.Module):
         return self._init_rows(global_ids)
 
     def _init_rows(self, global_ids: Tensor) -> Tensor:
+        rows_per_chunk = max(1, _INIT_CHUNK_ELEMENTS // self.embedding_dim)
+        if len(global_ids) <= rows_per_chunk:  # one chunk (new rows of a DynamicEmbedding): no copy
+            return self._init_chunk(global_ids).to(device=self._shard.device, dtype=self._shard.dtype)
         shard = torch.empty(len(global_ids), self.embedding_dim, dtype=self._shard.dtype, device=self._shard.device)
-        with torch.no_grad():
-            rows_per_chunk = max(1, _INIT_CHUNK_ELEMENTS // self.embedding_dim)
-            for start in range(0, len(global_ids), rows_per_chunk):
-                chunk = global_ids[start : start + rows_per_chunk]
-                rows = self._init(chunk, self.embedding_dim, self.seed)
-                if tuple(rows.shape) != (len(chunk), self.embedding_dim):
-                    raise ValueError(
-                        f"init for {self.name} returned shape {tuple(rows.shape)} for {len(chunk)} ids. "
-                        f"HINT: init(global_ids, embedding_dim, seed) must return [len(global_ids), embedding_dim]."
-                    )
-                shard[start : start + len(chunk)] = rows
+        for start in range(0, len(global_ids), rows_per_chunk):
+            chunk = global_ids[start : start + rows_per_chunk]
+            shard[start : start + len(chunk)] = self._init_chunk(chunk)
         return shard
+
+    @torch.no_grad()
+    def _init_chunk(self, global_ids: Tensor) -> Tensor:
+        rows = self._init(global_ids, self.embedding_dim, self.seed)
+        if tuple(rows.shape) != (len(global_ids), self.embedding_dim):
+            raise ValueError(
+                f"init for {self.name} returned shape {tuple(rows.shape)} for {len(global_ids)} ids. "
+                f"HINT: init(global_ids, embedding_dim, seed) must return [len(global_ids), embedding_dim]."
+            )
+        return rows
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

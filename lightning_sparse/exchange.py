@@ -155,8 +155,9 @@ class LookupHeader:
     ``record`` says the rank records the lookup for a gradient (grad mode is on); ``most`` is
     the largest ``count`` the rank sends to anyone, which sizes the next round; ``part`` names
     the feature of a collection that an error is about (``-1``: none); ``stage`` tells a round
-    that looks up rows (0) from one that turns a dynamic table's ids into rows (1,
-    :mod:`lightning_sparse.dynamic`), so that a rank serving others knows which round it is in.
+    that looks up rows (0) from one that turns a dynamic table's ids into rows (1) and from one
+    that sends a dynamic table's ids and gets their rows back (2, :mod:`lightning_sparse.dynamic`),
+    so that a rank serving others knows which round it is in.
     """
 
     count: int = 0

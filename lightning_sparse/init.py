@@ -9,6 +9,11 @@ ranks started with ``start_method="spawn"``.
 
 The random initializers use a counter-based generator: each element is a hash of
 ``(seed, row, column)``, so row ``r`` gets the same values whichever rank computes it.
+:func:`normal` maps 24 bits of it through the inverse normal CDF in float32 (``erfinv``; values
+within about 5.4 standard deviations). A :class:`~lightning_sparse.dynamic.DynamicEmbedding`
+initializes rows as ids arrive, so this is on its training path and kept to a few tensor ops.
+(``normal`` used Box-Muller in float64 before the package's dynamic tables: the same seed now
+gives other values; tables saved earlier load as saved.)
 
 >>> ids = torch.tensor([5, 7])
 >>> torch.equal(normal(0.1)(ids, 4, seed=1)[1], normal(0.1)(torch.tensor([7]), 4, seed=1)[0])
@@ -58,21 +63,31 @@ def _int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def _uniform01(global_ids: Tensor, embedding_dim: int, seed: int, streams: tuple[int, ...]) -> Tensor:
-    """Float64 uniforms in (0, 1), ``[streams, rows, dim]``: a pure function of (seed, stream, row, column).
+def _hashes(global_ids: Tensor, columns: int, seed: int, blocks: int = 1) -> Tensor:
+    """int32 ``[blocks, rows, columns]`` of 32 random bits each: a pure function of (seed, row, block * columns + column).
 
-    Row ``r``'s key is the hash of the stream's key and the low 32 bits of ``r``, hashed again
-    with its high 32 bits; element ``(r, c)`` is the hash of the row's key and ``c``. All streams
-    are computed at once, in place on one int32 buffer (a row of a DynamicEmbedding is
-    initialized as its id arrives, so this is on the training path).
+    A row's key folds the 64-bit product of its id with an odd constant (plus the seed's salt)
+    to 32 bits; element ``(r, c)`` is the ``lowbias32`` hash of the row's key plus ``c`` times the
+    golden ratio. Few tensor ops, in int32 in place (a row of a DynamicEmbedding is initialized as
+    its id arrives, so this is on the training path).
     """
-    ids = global_ids.to(torch.int64).view(1, -1, 1)
-    keys = [_int32(_hash32((seed * 2 + stream) & _MASK32)) for stream in streams]
-    keys = torch.tensor(keys, dtype=torch.int32, device=ids.device).view(-1, 1, 1)
-    low, high = ids.to(torch.int32), (ids >> 32).to(torch.int32)  # the id's two 32-bit halves
-    row_keys = _hash32_(_hash32_(keys ^ low) ^ high)
-    cols = torch.arange(embedding_dim, dtype=torch.int32, device=ids.device).view(1, 1, -1)
-    return _hash32_(row_keys ^ cols).view(torch.uint32).to(torch.float64).add_(0.5).div_(2.0**32)
+    salt = _signed64(_hash32(seed & _MASK32) << 32 | _hash32((seed >> 32) & _MASK32 ^ 0x5BD1E995))
+    x = global_ids.to(torch.int64).view(-1, 1) * _signed64(0x9E3779B97F4A7C15) + salt
+    row_keys = (x ^ (x >> 32)).to(torch.int32)  # low ^ high 32 bits (the shift's sign copies fall outside them)
+    cols = torch.arange(blocks * columns, dtype=torch.int32, device=x.device).mul_(_int32(0x9E3779B9))
+    return _hash32_(row_keys + cols.view(blocks, 1, columns))
+
+
+def _signed64(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _uniform01(global_ids: Tensor, embedding_dim: int, seed: int) -> Tensor:
+    """Float64 uniforms in (0, 1), ``[rows, dim]``, from the 32 bits of :func:`_hashes`."""
+    bits = _hashes(global_ids, embedding_dim, seed)[0]
+    return bits.view(torch.uint32).to(torch.float64).add_(0.5).div_(2.0**32)
 
 
 def normal(std: float | None = None, mean: float = 0.0) -> RowInit:
@@ -81,10 +96,12 @@ def normal(std: float | None = None, mean: float = 0.0) -> RowInit:
 
 
 def _normal(global_ids: Tensor, embedding_dim: int, seed: int, *, std: float | None, mean: float) -> Tensor:
+    """The inverse normal CDF (``sqrt(2) * erfinv(2u - 1)``, in float32) of 24-bit uniforms ``u``: one pass per step."""
     scale = std if std is not None else 1.0 / math.sqrt(embedding_dim)
-    u1, u2 = _uniform01(global_ids, embedding_dim, seed, streams=(0, 1))
-    z = u1.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(2.0 * math.pi).cos_())  # Box-Muller
-    return z.mul_(scale).add_(mean).to(torch.float32)
+    bits = _hashes(global_ids, embedding_dim, seed)[0].bitwise_and_(0xFFFFFF)  # the low 24 bits: k in [0, 2**24)
+    z = bits.to(torch.float32).mul_(2.0**-23).add_(2.0**-24 - 1.0).erfinv_()  # 2u - 1 = (2k + 1) / 2**24 - 1, in (-1, 1)
+    z = z.mul_(math.sqrt(2.0) * scale)
+    return z.add_(mean) if mean else z
 
 
 def uniform(a: float = -0.1, b: float = 0.1) -> RowInit:
@@ -95,7 +112,7 @@ def uniform(a: float = -0.1, b: float = 0.1) -> RowInit:
 
 
 def _uniform(global_ids: Tensor, embedding_dim: int, seed: int, *, a: float, b: float) -> Tensor:
-    return (_uniform01(global_ids, embedding_dim, seed, streams=(0,))[0] * (b - a) + a).to(torch.float32)
+    return (_uniform01(global_ids, embedding_dim, seed) * (b - a) + a).to(torch.float32)
 
 
 def zeros() -> RowInit:

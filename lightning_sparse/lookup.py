@@ -123,7 +123,7 @@ def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
             header = replace(header, id_min=low, id_max=high)
         check(Headers.of(header))
         record = table.pending.new_record(None, flat) if recording else None
-        return _rows(table, shard, flat, ids.shape, record)
+        return lookup_rows(table, shard, flat, ids.shape, record)
 
     runs = SortedKeys(sharding.key(flat), sharding.key_bound)
     route = ids_to_owners(runs, sharding, header.fields(device, id_range), group, rank, stats, check)
@@ -135,10 +135,10 @@ def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
     if route.records:
         table.pending.route = route
     record = table.pending.new_record(route, runs.unique, runs.perm, runs.offsets) if recording else None
-    return _rows(table, rows, runs.inverse(), ids.shape, record)
+    return lookup_rows(table, rows, runs.inverse(), ids.shape, record)
 
 
-def _rows(table: "SparseEmbedding", source: Tensor, index: Tensor, shape: torch.Size, record: LookupRecord | None) -> Tensor:
+def lookup_rows(table: "SparseEmbedding", source: Tensor, index: Tensor, shape: torch.Size, record: LookupRecord | None) -> Tensor:
     """``source.index_select(0, index)`` shaped like the ids; differentiable through ``record`` if given."""
     if record is None:
         return source.index_select(0, index).view(*shape, table.embedding_dim)

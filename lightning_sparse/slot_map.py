@@ -2,9 +2,11 @@
 
 An open-addressing hash table with linear probing, in two tensors: ``buckets`` (``[M]``, the
 slot stored in each bucket, or ``EMPTY``/``DELETED``) and ``keys`` (``[slots]``, the key each
-slot holds). A batch of keys is looked up or inserted at once: every round moves all unsettled
-keys one bucket on, so the number of rounds is the longest probe sequence of the batch, not the
-batch size, and the same code runs on CPU and CUDA (one host read per round, to stop).
+slot holds). A batch of keys is looked up or inserted at once, in rounds: the first reads each
+key's home bucket, which settles most of them; each later round reads the next ``WINDOW``
+buckets of every unsettled key. So the rounds grow with the longest probe sequence of the batch
+divided by ``WINDOW``, not with the batch size, and the same code runs on CPU and CUDA (one host
+read per round, to stop).
 
 Keys are already mixed (:func:`lightning_sparse.hashing.mix`), so a key's home bucket is its
 low bits. ``M`` is a power of two at least twice the slots, so the table is at most half full
@@ -26,6 +28,7 @@ import torch
 from torch import Tensor
 
 EMPTY, DELETED = -1, -2
+WINDOW = 16  # buckets a straggling probe reads per round
 
 
 class SlotMap:
@@ -39,6 +42,7 @@ class SlotMap:
         self.keys = torch.zeros(num_slots, dtype=torch.int64, device=device)  # valid where the slot is in use
         self.bucket_of = torch.full((num_slots,), EMPTY, dtype=torch.int64, device=device)  # EMPTY: slot not in use
         self.deleted = 0  # DELETED marks made since the last rebuild (some may have been reused since)
+        self.rebuilds = 0
 
     @property
     def device(self) -> torch.device:
@@ -54,37 +58,70 @@ class SlotMap:
 
     def find(self, keys: Tensor) -> Tensor:
         """The slot of each key (keys may repeat), ``-1`` where the map does not hold it."""
-        found = torch.full_like(keys, -1)
-        pending, waiting, bucket = None, keys, keys & self.mask  # pending: positions in ``keys`` (None: all)
-        while len(waiting):
-            slot = self.buckets.index_select(0, bucket)
-            hit = (slot >= 0) & (self.keys.index_select(0, slot.clamp(min=0)) == waiting)
-            if pending is None:
-                found = torch.where(hit, slot, found)
-            else:
-                found.index_copy_(0, pending, torch.where(hit, slot, -1))
-            go_on = torch.nonzero(~hit & (slot != EMPTY)).view(-1)  # another key or a mark: probe the next bucket
-            pending = go_on if pending is None else pending.index_select(0, go_on)
-            waiting, bucket = waiting.index_select(0, go_on), (bucket.index_select(0, go_on) + 1) & self.mask
-        return found
+        return self.find_with_stops(keys)[0]
 
-    def insert(self, keys: Tensor, slots: Tensor) -> None:
-        """Put distinct ``keys``, none of them in the map, into free ``slots`` (one each)."""
-        placed = torch.empty_like(keys)  # the bucket each key ends in
-        pending, bucket = torch.arange(len(keys), device=keys.device), keys & self.mask
+    def find_with_stops(self, keys: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`find`, and for each key not held the ``EMPTY`` bucket where its probe stopped (where it may go in).
+
+        The first round probes each key's home bucket, which settles most keys; the rest probe
+        ``WINDOW`` buckets per round (one gather of ``[keys, WINDOW]``), so a long probe sequence
+        costs a few rounds, not one round per bucket. The stops hold for :meth:`insert` until
+        the next :meth:`rebuild` (``rebuilds`` counts them).
+        """
+        stops = keys & self.mask
+        slot = self.buckets.index_select(0, stops)
+        hit = (slot >= 0) & (self.keys.index_select(0, slot.clamp(min=0)) == keys)
+        found = torch.where(hit, slot, -1)
+        pending = torch.nonzero(~hit & (slot != EMPTY)).view(-1)  # another key or a mark: probe on
+        start = (stops.index_select(0, pending) + 1) & self.mask
         while len(pending):
-            candidates = torch.nonzero(self.buckets.index_select(0, bucket) < 0).view(-1)  # free buckets
+            waiting = keys.index_select(0, pending).unsqueeze(1)
+            slot = self._window(start)
+            hit = (slot >= 0) & (self.keys.index_select(0, slot.clamp(min=0).view(-1)).view_as(slot) == waiting)
+            first = (hit | (slot == EMPTY)).to(torch.uint8).argmax(dim=1, keepdim=True)  # where each probe stops
+            stopped = (slot.gather(1, first) == EMPTY) | hit.gather(1, first)
+            found.index_copy_(0, pending, torch.where(hit.gather(1, first), slot.gather(1, first), -1).view(-1))
+            stops.index_copy_(0, pending, (start + first.view(-1)) & self.mask)
+            go_on = torch.nonzero(~stopped.view(-1)).view(-1)  # no stop in the window: the next window
+            pending, start = pending.index_select(0, go_on), (start.index_select(0, go_on) + WINDOW) & self.mask
+        return found, stops
+
+    def insert(self, keys: Tensor, slots: Tensor, stops: Tensor | None = None) -> None:
+        """Put distinct ``keys``, none of them in the map, into free ``slots`` (one each).
+
+        Each round, every unplaced key picks the first free bucket (``EMPTY`` or ``DELETED``) in
+        the ``WINDOW`` buckets from where it stands (in the first round, its ``stops`` from
+        :meth:`find_with_stops` if given); several keys may pick one bucket: one write lands, the
+        key it came from keeps the bucket, and the others go on from there.
+        """
+        placed = torch.empty_like(keys)  # the bucket each key ends in
+        pending = torch.arange(len(keys), device=keys.device)
+        start, bucket, has_free = keys & self.mask, stops, None
+        while len(pending):
+            if bucket is None:
+                free = self._window(start) < 0
+                has_free = free.any(dim=1)
+                bucket = (start + free.to(torch.uint8).argmax(dim=1)) & self.mask
+                candidates = torch.nonzero(has_free).view(-1)
+            else:  # the stops: free buckets all
+                candidates = pending
             tried, their_slots = bucket.index_select(0, candidates), slots.index_select(0, pending.index_select(0, candidates))
-            # Several keys may try one free bucket in a round: one write lands, and the key it came from takes the bucket.
             self.buckets.index_copy_(0, tried, their_slots)
-            won = torch.zeros_like(bucket, dtype=torch.bool)
+            won = torch.zeros_like(pending, dtype=torch.bool)
             won.index_copy_(0, candidates, self.buckets.index_select(0, tried) == their_slots)
             taken = torch.nonzero(won).view(-1)
             placed.index_copy_(0, pending.index_select(0, taken), bucket.index_select(0, taken))
-            go_on = torch.nonzero(~won).view(-1)
-            pending, bucket = pending.index_select(0, go_on), (bucket.index_select(0, go_on) + 1) & self.mask
+            go_on = torch.nonzero(~won).view(-1)  # lost the bucket (go on from it) or none free (the next window)
+            step = 0 if has_free is None else torch.where(has_free, 0, WINDOW).index_select(0, go_on)
+            pending, start = pending.index_select(0, go_on), (bucket.index_select(0, go_on) + step) & self.mask
+            bucket = None
         self.bucket_of.index_copy_(0, slots, placed)
         self.keys.index_copy_(0, slots, keys)
+
+    def _window(self, start: Tensor) -> Tensor:
+        """``[len(start), WINDOW]``: the buckets from each start on (wrapping around)."""
+        positions = (start.unsqueeze(1) + torch.arange(WINDOW, device=start.device)) & self.mask
+        return self.buckets.index_select(0, positions.view(-1)).view(positions.shape)
 
     def remove(self, slots: Tensor) -> None:
         """Free ``slots`` (distinct, in use): their keys leave the map."""
@@ -102,6 +139,7 @@ class SlotMap:
         self.buckets.fill_(EMPTY)
         self.bucket_of.fill_(EMPTY)
         self.deleted = 0
+        self.rebuilds += 1
         self.insert(self.keys.index_select(0, slots), slots)
 
     def load(self, keys: Tensor, used: Tensor) -> None:
@@ -110,5 +148,6 @@ class SlotMap:
         self.buckets.fill_(EMPTY)
         self.bucket_of.fill_(EMPTY)
         self.deleted = 0
+        self.rebuilds += 1
         slots = torch.nonzero(used).view(-1)
         self.insert(keys.index_select(0, slots), slots)

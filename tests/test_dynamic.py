@@ -55,6 +55,23 @@ def test_slot_map_finds_inserts_and_removes_batches():
     assert torch.equal(slots.find(mix(torch.arange(-50, 0))), torch.full((50,), -1))
 
 
+def test_slot_map_probes_past_a_window_and_new_keys_that_share_a_stop_all_get_in():
+    slots = SlotMap(100)
+    clustered = torch.arange(1, 61) << 40  # one home bucket for all: probes run 60 buckets, past several windows
+    found, stops = slots.find_with_stops(clustered[:40])
+    assert bool((found == -1).all()) and bool((stops == stops[0]).all())  # all stop at the same empty bucket
+    slots.insert(clustered[:40], torch.arange(40), stops)
+    assert torch.equal(slots.find(clustered[:40]), torch.arange(40))
+    slots.remove(torch.arange(0, 40, 3))  # marks inside the run: probes walk over them, inserts reuse them
+    found, stops = slots.find_with_stops(clustered)
+    expected = torch.where((torch.arange(60) < 40) & (torch.arange(60) % 3 != 0), torch.arange(60), -1)
+    assert torch.equal(found, expected)
+    new = torch.nonzero(found < 0).view(-1)
+    slots.insert(clustered[new], 40 + torch.arange(len(new)), stops[new])
+    assert torch.equal(slots.find(clustered[new]), 40 + torch.arange(len(new)))
+    assert torch.equal(slots.find(clustered[expected >= 0]), expected[expected >= 0])
+
+
 def _table(capacity: int, **kwargs) -> SlotTable:
     options = dict(admit_after=1, eviction="lru", ttl=None, sketch_width=64, device=torch.device("cpu")) | kwargs
     return SlotTable(capacity + 1, capacity, **options)
@@ -159,16 +176,21 @@ def test_bad_ids_raise_with_a_hint():
 
 # ---------------------------------------------------------------------------- 1 to 3 ranks
 def _train_side_by_side(name: str, kwargs: dict, batches, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A SparseEmbedding fed row numbers and a DynamicEmbedding fed the raw ids of those rows, trained alike."""
+    """A SparseEmbedding fed row numbers and a DynamicEmbedding fed the raw ids of those rows, trained alike.
+
+    Every other step accumulates the gradients of two lookups, so gradients of a lookup other than the last one go too.
+    """
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     sparse = ls.SparseEmbedding(N, D, seed=SEED, device=device)
     dynamic = ls.DynamicEmbedding(4 * N, D, seed=SEED, init=RowOfRawId(RAW), device=device)  # room on every rank
     opts = [getattr(ls, name)([table], **kwargs) for table in (sparse, dynamic)]
-    for ids, target in batches:
+    for step, (ids, target) in enumerate(batches):
         mine = torch.tensor_split(torch.arange(len(ids)), world)[rank]
-        rows = ids[mine].to(device)
-        for table, opt, fed in ((sparse, opts[0], rows), (dynamic, opts[1], RAW.to(device)[rows])):
-            batch_loss(table(fed), target[mine].to(device)).mean().backward()
+        for table, opt in zip((sparse, dynamic), opts):
+            for part in mine.tensor_split(1 + step % 2):  # every other step: two lookups, then one optimizer step
+                rows = ids[part].to(device)
+                fed = rows if table is sparse else RAW.to(device)[rows]
+                batch_loss(table(fed), target[part].to(device)).mean().backward()
             opt.step()
             opt.zero_grad()
     ids, rows = dynamic.export()

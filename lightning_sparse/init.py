@@ -9,8 +9,8 @@ ranks started with ``start_method="spawn"``.
 
 The random initializers use a counter-based generator: each element is a hash of
 ``(seed, row, column)``, so row ``r`` gets the same values whichever rank computes it.
-:func:`normal` maps 24 bits of it through the inverse normal CDF in float32 (``erfinv``; values
-within about 5.4 standard deviations). A :class:`~lightning_sparse.dynamic.DynamicEmbedding`
+:func:`normal` maps 24 bits of it through the inverse normal CDF (``erfinv`` in float64, rounded
+to float32; values within about 5.4 standard deviations). A :class:`~lightning_sparse.dynamic.DynamicEmbedding`
 initializes rows as ids arrive, so this is on its training path and kept to a few tensor ops.
 (``normal`` used Box-Muller in float64 before the package's dynamic tables: the same seed now
 gives other values; tables saved earlier load as saved.)
@@ -96,12 +96,15 @@ def normal(std: float | None = None, mean: float = 0.0) -> RowInit:
 
 
 def _normal(global_ids: Tensor, embedding_dim: int, seed: int, *, std: float | None, mean: float) -> Tensor:
-    """The inverse normal CDF (``sqrt(2) * erfinv(2u - 1)``, in float32) of 24-bit uniforms ``u``: one pass per step."""
+    """The inverse normal CDF (``sqrt(2) * erfinv(2u - 1)``) of 24-bit uniforms ``u``: one pass per step.
+
+    In float64, rounded to float32 at the end, so that CPU and CUDA give the same values.
+    """
     scale = std if std is not None else 1.0 / math.sqrt(embedding_dim)
     bits = _hashes(global_ids, embedding_dim, seed)[0].bitwise_and_(0xFFFFFF)  # the low 24 bits: k in [0, 2**24)
-    z = bits.to(torch.float32).mul_(2.0**-23).add_(2.0**-24 - 1.0).erfinv_()  # 2u - 1 = (2k + 1) / 2**24 - 1, in (-1, 1)
+    z = bits.to(torch.float64).mul_(2.0**-23).add_(2.0**-24 - 1.0).erfinv_()  # 2u - 1 = (2k + 1) / 2**24 - 1, in (-1, 1)
     z = z.mul_(math.sqrt(2.0) * scale)
-    return z.add_(mean) if mean else z
+    return (z.add_(mean) if mean else z).to(torch.float32)
 
 
 def uniform(a: float = -0.1, b: float = 0.1) -> RowInit:

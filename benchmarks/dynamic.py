@@ -45,9 +45,10 @@ from lightning_sparse.hashing import mix  # noqa: E402
 NEW_FRACTION = 0.1
 
 
-def peak_rss_mib() -> float:
+def peak_rss_mib(field: str = "VmHWM") -> float:
+    """This process's peak resident memory (``VmHWM``), or its current one (``field="VmRSS"``)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -131,21 +132,28 @@ def _stream(rank: int, world: int, cfg: dict) -> dict:
     table = ls.DynamicEmbedding(cfg["capacity"], cfg["dim"], seed=0)
     optimizer = ls.SparseAdagrad([table], lr=0.1)
     steps = -(-cfg["distinct"] // (world * cfg["batch"]))
-    early, start, most, marks = None, time.perf_counter(), 0, {}
+    early, start, most, marks, current, jumps, peak = None, time.perf_counter(), 0, {}, {}, [], peak_rss_mib()
     for step in range(steps):
+        rebuilds = table.slots.map.rebuilds if table.slots is not None else 0
         first = (step * world + rank) * cfg["batch"]
         ids = mix(torch.arange(min(first, cfg["distinct"]), min(first + cfg["batch"], cfg["distinct"])))
         table(ids).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
         most = max(most, table.slots.occupancy)
+        if peak_rss_mib() > peak + 1 and len(jumps) < 30:  # where the peak rises, and whether the slot map was rebuilt then
+            jumps.append({"step": step, "peak_mib": peak_rss_mib(), "rebuilt": table.slots.map.rebuilds > rebuilds})
+        peak = peak_rss_mib()
         if step == steps // 10:
             early = peak_rss_mib()
+            current["10%"] = peak_rss_mib("VmRSS")
         if step + 1 in {steps * k // 4 for k in (1, 2, 3)}:
             marks[f"{100 * (step + 1) // steps}%"] = peak_rss_mib()
+            current[f"{100 * (step + 1) // steps}%"] = peak_rss_mib("VmRSS")
     stats = table.slot_stats
     return {"steps": steps, "seconds": time.perf_counter() - start, "peak_rss_mib_at_10pct": early,
-            "peak_rss_mib_at_end": peak_rss_mib(), "peak_rss_mib_by_progress": marks, "occupancy": stats.occupancy, "most_occupancy": most,
+            "peak_rss_mib_at_end": peak_rss_mib(), "peak_rss_mib_by_progress": marks,
+            "rss_mib_by_progress": {**current, "100%": peak_rss_mib("VmRSS")}, "map_rebuilds": table.slots.map.rebuilds, "peak_jumps": jumps, "occupancy": stats.occupancy, "most_occupancy": most,
             "rank_capacity": table.slots.capacity, "admissions": stats.admissions, "evictions": stats.evictions,
             "rejections": stats.rejections}  # fmt: skip
 

@@ -29,6 +29,7 @@ from torch import Tensor
 
 EMPTY, DELETED = -1, -2
 WINDOW = 16  # buckets a straggling probe reads per round
+CHUNK = 8192  # keys a rebuild inserts at once
 
 
 class SlotMap:
@@ -140,7 +141,7 @@ class SlotMap:
         self.bucket_of.fill_(EMPTY)
         self.deleted = 0
         self.rebuilds += 1
-        self.insert(self.keys.index_select(0, slots), slots)
+        self._insert_in_chunks(self.keys.index_select(0, slots), slots)
 
     def load(self, keys: Tensor, used: Tensor) -> None:
         """Hold exactly the keys of ``used`` slots (``keys`` and ``used``: one entry per slot)."""
@@ -150,4 +151,9 @@ class SlotMap:
         self.deleted = 0
         self.rebuilds += 1
         slots = torch.nonzero(used).view(-1)
-        self.insert(keys.index_select(0, slots), slots)
+        self._insert_in_chunks(keys.index_select(0, slots), slots)
+
+    def _insert_in_chunks(self, keys: Tensor, slots: Tensor) -> None:
+        """:meth:`insert` of a whole table's keys, ``CHUNK`` at a time: its ``[keys, WINDOW]`` temporaries stay small."""
+        for start in range(0, len(keys), CHUNK):
+            self.insert(keys[start : start + CHUNK], slots[start : start + CHUNK])

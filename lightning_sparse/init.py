@@ -9,10 +9,10 @@ ranks started with ``start_method="spawn"``.
 
 The random initializers use a counter-based generator: each element is a hash of
 ``(seed, row, column)``, so row ``r`` gets the same values whichever rank computes it.
-:func:`normal` maps 24 bits of it through the inverse normal CDF (``erfinv`` in float64, rounded
-to float32; values within about 5.4 standard deviations). A :class:`~lightning_sparse.dynamic.DynamicEmbedding`
+:func:`normal` turns pairs of 32-bit uniforms into pairs of normals (Box-Muller in float64,
+rounded to float32). A :class:`~lightning_sparse.dynamic.DynamicEmbedding`
 initializes rows as ids arrive, so this is on its training path and kept to a few tensor ops.
-(``normal`` used Box-Muller in float64 before the package's dynamic tables: the same seed now
+(``normal`` used two uniforms per value before the package's dynamic tables: the same seed now
 gives other values; tables saved earlier load as saved.)
 
 >>> ids = torch.tensor([5, 7])
@@ -96,14 +96,18 @@ def normal(std: float | None = None, mean: float = 0.0) -> RowInit:
 
 
 def _normal(global_ids: Tensor, embedding_dim: int, seed: int, *, std: float | None, mean: float) -> Tensor:
-    """The inverse normal CDF (``sqrt(2) * erfinv(2u - 1)``) of 24-bit uniforms ``u``: one pass per step.
+    """Box-Muller on 32-bit uniforms, both outputs of each pair: columns ``c`` and ``half + c`` share ``(u1, u2)``.
 
-    In float64, rounded to float32 at the end, so that CPU and CUDA give the same values.
+    In float64, rounded to float32 at the end: CPU and CUDA math libraries agree far below a
+    float32 ulp there (their float32 functions, and ``erfinv`` in float64, do not).
     """
     scale = std if std is not None else 1.0 / math.sqrt(embedding_dim)
-    bits = _hashes(global_ids, embedding_dim, seed)[0].bitwise_and_(0xFFFFFF)  # the low 24 bits: k in [0, 2**24)
-    z = bits.to(torch.float64).mul_(2.0**-23).add_(2.0**-24 - 1.0).erfinv_()  # 2u - 1 = (2k + 1) / 2**24 - 1, in (-1, 1)
-    z = z.mul_(math.sqrt(2.0) * scale)
+    half = -(-embedding_dim // 2)
+    u1, u2 = _hashes(global_ids, half, seed, blocks=2).to(torch.float64).add_(2.0**31 + 0.5).mul_(2.0**-32)  # in (0, 1)
+    radius = u1.log_().mul_(-2.0 * scale * scale).sqrt_()
+    angle = u2.mul_(2.0 * math.pi)
+    z = torch.cat([torch.cos(angle).mul_(radius), angle.sin_().mul_(radius)], dim=1)
+    z = z[:, :embedding_dim] if 2 * half != embedding_dim else z
     return (z.add_(mean) if mean else z).to(torch.float32)
 
 

@@ -54,7 +54,7 @@ FULL = {
                   workloads=["26 tables", "1 table"], batch=4096, rows_cap=20_000, steps=5, rounds=3),  # fmt: skip
     "network": dict(epochs=8, rounds=2),  # two stand-in hosts over slow, lossy links (root only)
     # DynamicEmbedding against SparseEmbedding: 10% new ids per step; 10^7 distinct ids through capacity 10^5.
-    "dynamic": dict(batch=4096, pool=200_000, steps=10, rounds=3, distinct=10_000_000, capacity=100_000),
+    "dynamic": dict(batch=4096, pool=200_000, steps=6, rounds=9, distinct=10_000_000, capacity=100_000),
 }
 QUICK = {
     "single_process": dict(rows=20_000, dim=64, batch=1024, rounds=2, steps_per_round=2, threads=2),

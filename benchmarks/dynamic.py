@@ -8,9 +8,10 @@ Two measurements, on CPU with one thread per process:
   the same batch as row numbers. ``mean((rows @ proj - target)^2)`` -> backward ->
   ``SparseAdagrad`` step -> ``zero_grad``. Two dynamic tables: ``room`` (capacity for every id
   of the run: admissions only) and ``full`` (capacity ``pool``: every new id evicts the least
-  recently used one). The methods take turns in ``rounds`` rounds of ``steps`` steps; the figure
-  is the median step (a step ends when the slower rank is done) and the ratio is against the
-  SparseEmbedding of the same run.
+  recently used one). The methods take turns in ``rounds`` rounds of ``steps`` steps (a step
+  ends when the slower rank is done). Each round gives each method its median step; the figure
+  is the median over rounds, and the ratio the median over rounds of the round's ratio to the
+  SparseEmbedding (the rounds pair the methods in time, which the machine's drift does not).
 * ``stream``: 2 ranks push ``distinct`` distinct ids (every id new, ``batch`` per rank and step)
   through a table of ``capacity`` ids with ``SparseAdagrad``. Reported per rank: peak resident
   memory (``VmHWM``) after a tenth of the stream and at the end, occupancy, admissions and
@@ -118,12 +119,15 @@ def _time_steps(rank: int, world: int, cfg: dict) -> dict:
     for kind in kinds:
         for _ in range(cfg["warmup_steps"]):
             step(kind)
-    times = {kind: [] for kind in kinds}
+    times = {kind: [] for kind in kinds}  # per round: the median step
     for _ in range(cfg["rounds"]):
         for kind in kinds:
-            times[kind] += [step(kind) for _ in range(cfg["steps"])]
+            times[kind].append(statistics.median(step(kind) for _ in range(cfg["steps"])))
     full = tables["dynamic_full"].slot_stats
-    return {"ms": {kind: statistics.median(t) * 1e3 for kind, t in times.items()},
+    # Rounds pair the methods in time: the ratio is the median over rounds of each round's ratio.
+    ratios = {kind: statistics.median(t / s for t, s in zip(times[kind], times["sparse"])) for kind in kinds[1:]}
+    return {"ms": {kind: statistics.median(t) * 1e3 for kind, t in times.items()}, "round_ratios": ratios,
+            "rounds_ms": {kind: [round(t * 1e3, 3) for t in ts] for kind, ts in times.items()},
             "full_evictions": full.evictions, "full_occupancy": full.occupancy}  # fmt: skip
 
 
@@ -196,7 +200,7 @@ def run(batch: int = 4096, dim: int = 64, pool: int = 200_000, steps: int = 10, 
         step["2 ranks"] = _on_ranks("step", {**cfg, "device": "cpu"}, 2)[0]
     for where, result in step.items():
         ms = result["ms"]
-        result["ratio_room"], result["ratio_full"] = ms["dynamic_room"] / ms["sparse"], ms["dynamic_full"] / ms["sparse"]
+        result["ratio_room"], result["ratio_full"] = result["round_ratios"]["dynamic_room"], result["round_ratios"]["dynamic_full"]
         log(f"  {where:<12} batch {batch}: SparseEmbedding {ms['sparse']:.2f} ms, dynamic {ms['dynamic_room']:.2f} ms "
             f"({result['ratio_room']:.2f}x), full and evicting {ms['dynamic_full']:.2f} ms ({result['ratio_full']:.2f}x)")  # fmt: skip
     out = {"config": {**cfg, "new_fraction": NEW_FRACTION, "optimizer": "SparseAdagrad(lr=0.1)"}, "step": step}

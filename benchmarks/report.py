@@ -216,8 +216,9 @@ def _dynamic_markdown(section: dict) -> list[str]:
     lines = ["", "### Dynamic tables (hashed ids)", "",
              f"`benchmarks/dynamic.py`: {cfg['batch']} ids per rank and step, {100 * cfg['new_fraction']:.0f}% of them never "
              f"seen before, the rest skewed over {cfg['pool']:,} ids that hold rows; dim {cfg['dim']}, {cfg['optimizer']}; "
-             f"median step over {cfg['rounds']} interleaved rounds of {cfg['steps']} steps. *room*: capacity for every id of "
-             "the run; *full*: capacity for the pool only, so each new id evicts the least recently used one.", "",
+             f"{cfg['rounds']} interleaved rounds of {cfg['steps']} steps: each method's median step over the rounds' medians, "
+             "and each ratio the median over the rounds of the round's ratio to the SparseEmbedding. *room*: capacity for "
+             "every id of the run; *full*: capacity for the pool only, so each new id evicts the least recently used one.", "",
              "| where | SparseEmbedding (ms) | DynamicEmbedding, room (ms) | ratio | DynamicEmbedding, full (ms) | ratio |",
              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for where, r in section["step"].items():
@@ -230,12 +231,15 @@ def _dynamic_markdown(section: dict) -> list[str]:
     c = stream["config"]
     lines += ["", f"A stream of {c['distinct']:,} distinct ids ({c['batch']:,} new ids per rank and step) through a table of "
               f"capacity {c['capacity']:,} on 2 ranks:", "",
-              "| rank | steps | seconds | peak RSS after 10% (MiB) | peak RSS at the end (MiB) | occupancy / room | admissions | evictions |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+              "| rank | steps | seconds | peak RSS after 10% (MiB) | peak RSS at the end (MiB) | RSS at 10% / 50% / end (MiB) "
+              "| occupancy / room | admissions | evictions |",
+              "|---:|---:|---:|---:|---:|---|---:|---:|---:|"]  # fmt: skip
     for rank, r in enumerate(stream["ranks"]):
+        now = r.get("rss_mib_by_progress", {})
+        current = " / ".join(f"{now[k]:.0f}" if k in now else "n/a" for k in ("10%", "49%" if "49%" in now else "50%", "100%"))
         lines.append(f"| {rank} | {r['steps']} | {r['seconds']:.0f} | {r['peak_rss_mib_at_10pct']:.0f} | "
-                     f"{r['peak_rss_mib_at_end']:.0f} | {r['occupancy']:,} / {r['rank_capacity']:,} | {r['admissions']:,} | "
-                     f"{r['evictions']:,} |")  # fmt: skip
+                     f"{r['peak_rss_mib_at_end']:.0f} | {current} | {r['occupancy']:,} / {r['rank_capacity']:,} | "
+                     f"{r['admissions']:,} | {r['evictions']:,} |")  # fmt: skip
     return lines
 
 

@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import collection  # noqa: E402
 import distributed  # noqa: E402
 import dynamic  # noqa: E402
+import half  # noqa: E402
 import network  # noqa: E402
 import report  # noqa: E402
 import scale  # noqa: E402
@@ -55,6 +56,8 @@ FULL = {
     "network": dict(epochs=8, rounds=2),  # two stand-in hosts over slow, lossy links (root only)
     # DynamicEmbedding against SparseEmbedding: 10% new ids per step; 10^7 distinct ids through capacity 10^5.
     "dynamic": dict(batch=4096, pool=200_000, steps=6, rounds=9, distinct=10_000_000, capacity=100_000),
+    # bf16 and fp16 tables (stochastic rounding) against float32: one table, one process.
+    "half": dict(rows=1_000_000, dim=64, batch=65536, steps=4, rounds=5),
 }
 QUICK = {
     "single_process": dict(rows=20_000, dim=64, batch=1024, rounds=2, steps_per_round=2, threads=2),
@@ -65,6 +68,7 @@ QUICK = {
     "scale": dict(worlds=[(8, None), (256, None), (256, 32)], workloads=["26 tables"], batch=128, rows_cap=1000, steps=2,
                   in_process=True),  # fmt: skip
     "dynamic": dict(batch=512, pool=5000, steps=2, rounds=1, warmup_steps=1, two_ranks=False, distinct=0),
+    "half": dict(rows=20_000, dim=64, batch=1024, steps=2, rounds=1),
 }
 
 
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench.json"))
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="page whose results block is regenerated")
     parser.add_argument("--no-report", action="store_true")
-    parser.add_argument("--only", choices=["scale", "network", "dynamic", "gpu"],
+    parser.add_argument("--only", choices=["scale", "network", "dynamic", "half", "gpu"],
                         help="measure this section again into the existing --out file (gpu: every GPU measurement)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         doc["network"] = network.run(**plan["network"])
     print("dynamic tables (hashed ids)...", flush=True)
     doc["dynamic"] = dynamic.run(**plan["dynamic"])
+    print("half-precision tables...", flush=True)
+    doc["half"] = half.run(**plan["half"])
     if args.device == "cuda":
         print("one GPU...", flush=True)
         _measure_gpu(doc, plan)
@@ -131,7 +137,8 @@ def _rerun(section: str, plan: dict, out: Path, page: Path | None) -> int:
     if section == "gpu":
         _measure_gpu(doc, plan)
     else:
-        doc[section] = {"scale": scale.run, "network": network.run, "dynamic": dynamic.run}[section](**plan[section])
+        runs = {"scale": scale.run, "network": network.run, "dynamic": dynamic.run, "half": half.run}
+        doc[section] = runs[section](**plan[section])
     code = _code()
     doc.setdefault("rerun", {})[section] = {"created": datetime.datetime.now().isoformat(timespec="seconds"),
                                             "commit": code["commit"] + (" with uncommitted changes" if code["uncommitted"] else "")}  # fmt: skip

@@ -155,6 +155,7 @@ def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
     lines += _scale_markdown(doc.get("scale", {}))
     lines += _network_markdown(doc.get("network", {}))
     lines += _dynamic_markdown(doc.get("dynamic", {}))
+    lines += _half_markdown(doc.get("half", {}))
     if not doc.get("quick"):
         lines += _scaling_model_markdown(doc)
     gpu = doc.get("gpu", {})
@@ -240,6 +241,22 @@ def _dynamic_markdown(section: dict) -> list[str]:
         lines.append(f"| {rank} | {r['steps']} | {r['seconds']:.0f} | {r['peak_rss_mib_at_10pct']:.0f} | "
                      f"{r['peak_rss_mib_at_end']:.0f} | {current} | {r['occupancy']:,} / {r['rank_capacity']:,} | "
                      f"{r['admissions']:,} | {r['evictions']:,} |")  # fmt: skip
+    return lines
+
+
+def _half_markdown(section: dict) -> list[str]:
+    if not section:
+        return []
+    cfg = section["config"]
+    lines = ["", "### Half-precision tables", "",
+             f"`benchmarks/half.py`: one table of {_rows(cfg['rows'])} x {cfg['dim']}, {cfg['batch']} skewed ids per step, "
+             f"{cfg['optimizer']}, {cfg['threads']} threads, one process; {cfg['rounds']} interleaved rounds of {cfg['steps']} "
+             "steps (medians; the ratio is the median of the rounds' ratios). Half tables keep float32 optimizer state and "
+             "write their updates back with stochastic rounding unless marked *nearest*.", "",
+             "| table | step (ms) | vs float32 | table | optimizer state |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for r in section["results"]:
+        lines.append(f"| {r['method']} | {r['ms']:.2f} | {r['ratio_to_float32']:.2f}x | {_bytes(r['table_bytes'])} | "
+                     f"{_bytes(r['state_bytes'])} |")  # fmt: skip
     return lines
 
 

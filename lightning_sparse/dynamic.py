@@ -205,7 +205,7 @@ class DynamicEmbedding(SparseEmbedding):
         back = self._answer_rows(route)
         rows, slots = back[:, : self.embedding_dim], back[:, self.embedding_dim :].flatten().clone().view(torch.int64)
         if not torch.is_grad_enabled():
-            return rows.index_select(0, runs.inverse()).view(*ids.shape, self.embedding_dim)
+            return lookup_rows(self, rows, runs.inverse(), ids.shape, None)
         # The record names rows as a "range" SparseEmbedding does (owner-major), so that gradients of
         # lookups other than the last go to their owners as any table's do.
         global_rows = sharding.owner_of_key(runs.unique) * self.rows_per_rank() + slots

@@ -20,6 +20,7 @@ from lightning_sparse.exchange import ExchangeStats, Route
 from lightning_sparse.faults import collective
 from lightning_sparse.lookup import lookup, serve_rows
 from lightning_sparse.pending import PendingGrads
+from lightning_sparse.rounding import HALF
 from lightning_sparse.sharding import SCHEMES, RowSharding
 
 # Elements initialized per chunk: the int64/float64 hash temporaries of a chunk stay in cache, and
@@ -37,7 +38,13 @@ class SparseEmbedding(nn.Module):
             default ``lightning_sparse.init.normal()`` (std ``1/sqrt(embedding_dim)``).
         seed: initial values depend only on ``(seed, global row id)``, so the same seed gives the
             same logical table on any number of ranks and under both sharding schemes.
-        dtype: of the shard.
+        dtype: of the shard. ``torch.bfloat16`` and ``torch.float16`` halve the table's memory:
+            the optimizer state stays float32, updates are computed in float32 and written back
+            with stochastic rounding (:mod:`lightning_sparse.rounding`).
+        stochastic_rounding: for a half-precision table, ``False`` writes updates back rounded
+            to nearest instead (small steps are then lost); default ``True``.
+        output_dtype: the dtype lookups return (default: the table's), e.g. ``torch.float32``
+            from a bf16 table; the gradient flows back in it.
         device: of the shard.
         process_group: the ranks that share the table; default: the default group at the time
             the shard materializes, or a plain local table when none is initialized. The table
@@ -70,6 +77,8 @@ class SparseEmbedding(nn.Module):
         init: row_init.RowInit | None = None,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
+        stochastic_rounding: bool | None = None,
+        output_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         process_group: dist.ProcessGroup | None = None,
         replica_group: dist.ProcessGroup | None = None,
@@ -84,6 +93,13 @@ class SparseEmbedding(nn.Module):
             raise ValueError(f"Invalid sharding: {sharding!r}. HINT: use one of {SCHEMES}.")
         if not dtype.is_floating_point:
             raise ValueError(f"Invalid dtype: {dtype}. HINT: a table holds floating-point rows, e.g. torch.float32.")
+        if stochastic_rounding not in (None, True, False) or (stochastic_rounding and dtype not in HALF):
+            raise ValueError(f"Invalid stochastic_rounding={stochastic_rounding!r} for dtype {dtype}. HINT: it applies to "
+                             f"torch.bfloat16 and torch.float16 tables (True or False).")  # fmt: skip
+        if output_dtype is not None and not output_dtype.is_floating_point:
+            raise ValueError(f"Invalid output_dtype: {output_dtype}. HINT: a floating dtype, e.g. torch.float32, or None.")
+        self.stochastic_rounding = stochastic_rounding  # None: on for half tables (also after .to(torch.bfloat16))
+        self.output_dtype = output_dtype
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.sharding_scheme = sharding

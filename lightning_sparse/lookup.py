@@ -65,14 +65,14 @@ class _Lookup(torch.autograd.Function):
     """The autograd node of a lookup: forward gathers rows, backward hands their gradient to the record."""
 
     @staticmethod
-    def forward(ctx: Any, token: Tensor, source: Tensor, index: Tensor, record: LookupRecord) -> Tensor:
+    def forward(ctx: Any, token: Tensor, source: Tensor, index: Tensor, record: LookupRecord, dtype: torch.dtype) -> Tensor:
         ctx.record = record
-        return source.index_select(0, index)
+        return source.index_select(0, index).to(dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[None, None, None, None]:
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[None, None, None, None, None]:
         ctx.record.add_grad(grad_output)
-        return None, None, None, None
+        return None, None, None, None, None
 
 
 def read_ids(table: "SparseEmbedding", ids: Any) -> tuple[Tensor, LookupHeader, str | None]:
@@ -139,11 +139,12 @@ def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
 
 
 def lookup_rows(table: "SparseEmbedding", source: Tensor, index: Tensor, shape: torch.Size, record: LookupRecord | None) -> Tensor:
-    """``source.index_select(0, index)`` shaped like the ids; differentiable through ``record`` if given."""
+    """``source.index_select(0, index)`` shaped like the ids, in the table's ``output_dtype``; differentiable through ``record`` if given."""
+    dtype = table.output_dtype or source.dtype
     if record is None:
-        return source.index_select(0, index).view(*shape, table.embedding_dim)
+        return source.index_select(0, index).to(dtype).view(*shape, table.embedding_dim)
     token = torch.empty(0, device=source.device, requires_grad=True)
-    return _Lookup.apply(token, source, index, record).view(*shape, table.embedding_dim)
+    return _Lookup.apply(token, source, index, record, dtype).view(*shape, table.embedding_dim)
 
 
 def serve_lookups(tables: list["SparseEmbedding"]) -> int:

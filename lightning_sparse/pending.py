@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_sparse.exchange import Route
 from lightning_sparse.grouping import SortedKeys
+from lightning_sparse.rounding import HALF
 
 
 class LookupRecord:
@@ -51,7 +52,12 @@ class LookupRecord:
         self._listed = False  # in ``pending.received``: its gradient has not been taken or zeroed
 
     def add_grad(self, grad_output: Tensor) -> None:
-        """Called by the lookup's backward with the gradient of its ``[ids, dim]`` output (``[keys, dim]`` for a collection)."""
+        """Called by the lookup's backward with the gradient of its ``[ids, dim]`` output (``[keys, dim]`` for a collection).
+
+        A half-precision gradient is summed in float32 (the update's dtype for half tables).
+        """
+        if grad_output.dtype in HALF:
+            grad_output = grad_output.float()
         if self.occurrences is not None:
             rows = grad_output
         else:

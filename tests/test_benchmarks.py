@@ -47,10 +47,14 @@ def test_quick_benchmark_writes_results_and_report(tmp_path):
     assert two_d["collectives"] == 5 and two_d["all_to_all_peers"] == 3 * 31 and two_d["peer_messages"] == 3 * 31 + 2 * 7
     dynamic = doc["dynamic"]["step"]["one process"]
     assert set(dynamic["ms"]) == {"sparse", "dynamic_room", "dynamic_full"} and dynamic["full_evictions"] > 0
+    half = {r["method"]: r for r in doc["half"]["results"]}
+    assert set(half) == {"float32", "bfloat16", "bfloat16, nearest", "float16"}
+    assert half["bfloat16"]["table_bytes"] * 2 == half["float32"]["table_bytes"] == half["bfloat16"]["state_bytes"]
     assert doc["targets"] and all({"name", "target", "measured", "met"} <= set(t) for t in doc["targets"])
     text = page.read_text()
     assert "### Targets" in text and "quick" in text and "![benchmarks-single.png]" in text
     assert "### Scale: one rank of W (simulator)" in text and "### Dynamic tables (hashed ids)" in text
+    assert "### Half-precision tables" in text
     assert (tmp_path / "benchmarks-single.png").stat().st_size > 0
     assert text.startswith((ROOT / "docs" / "benchmarks.md").read_text().split("<!-- results:begin -->")[0])
 

@@ -117,9 +117,12 @@ class KGE(LightningModule):
         lr: float = 0.1,
         init_std: float = 0.1,
         sharding: str = "mod",
+        table_dtype: str = "float32",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        if table_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"Invalid table_dtype {table_dtype!r}. HINT: float32, or bfloat16 / float16 for half the memory.")
         if model not in MODELS:
             raise ValueError(f"Invalid model {model!r}. HINT: use one of {MODELS}.")
         if training not in ("1vsall", "negatives") or (model == "rotate" and training == "1vsall"):
@@ -127,12 +130,14 @@ class KGE(LightningModule):
         if model != "distmult" and dim % 2:
             raise ValueError(f"{model} splits rows into real and imaginary halves: dim must be even, got {dim}.")
         init = ls.init.normal(init_std)
-        self.entities = ls.SparseEmbedding(num_entities, dim, init=init, seed=1, sharding=sharding)
+        # Half tables keep float32 optimizer state and round updates stochastically; lookups return float32.
+        tables = {"dtype": getattr(torch, table_dtype), "output_dtype": torch.float32, "sharding": sharding}
+        self.entities = ls.SparseEmbedding(num_entities, dim, init=init, seed=1, **tables)
         if model == "rotate":  # one phase per complex coordinate, in units of pi: uniform over the circle
             relation_dim, relation_init = dim // 2, ls.init.uniform(-1.0, 1.0)
         else:
             relation_dim, relation_init = dim, init
-        self.relations = ls.SparseEmbedding(num_relations, relation_dim, init=relation_init, seed=2, sharding=sharding)
+        self.relations = ls.SparseEmbedding(num_relations, relation_dim, init=relation_init, seed=2, **tables)
         self.metrics = torch.nn.ModuleDict({
             f"{split}_{name}": MeanMetric() for split in ("val", "test") for name in ("mrr", "hits1", "hits3", "hits10")
         })  # fmt: skip

@@ -10,6 +10,7 @@ from torch import Tensor
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.optim import functional as F
 from lightning_sparse.optim.base import SparseOptimizer
+from lightning_sparse.rounding import RowWriter, compute_dtype
 
 
 def _check(lr: float, weight_decay: float, initial_accumulator_value: float, eps: float) -> None:
@@ -58,12 +59,13 @@ class SparseAdagrad(SparseOptimizer):
     def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
         return {
             "step": torch.zeros((), dtype=torch.int64),
-            "sum": torch.full_like(table.shard, group["initial_accumulator_value"]),
+            "sum": torch.full_like(table.shard, group["initial_accumulator_value"], dtype=compute_dtype(table.dtype)),
         }
 
-    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> None:
+    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
+               write: RowWriter | None = None) -> None:  # fmt: skip
         clr = group["lr"] / (1 + (int(state["step"]) - 1) * group["lr_decay"])
-        F.adagrad_(shard, state["sum"], rows, grad, clr=clr, weight_decay=group["weight_decay"], eps=group["eps"])
+        F.adagrad_(shard, state["sum"], rows, grad, clr=clr, weight_decay=group["weight_decay"], eps=group["eps"], write=write)
 
 
 class SparseRowWiseAdagrad(SparseOptimizer):
@@ -100,8 +102,11 @@ class SparseRowWiseAdagrad(SparseOptimizer):
             raise ValueError(f"Row-wise Adagrad needs a 2-D table, got shape {tuple(table.shard.shape)} for {table.name}.")
         return {
             "step": torch.zeros((), dtype=torch.int64),
-            "sum": torch.full((table.shard.shape[0],), group["initial_accumulator_value"], dtype=table.dtype, device=table.device),
+            "sum": torch.full((table.shard.shape[0],), group["initial_accumulator_value"], dtype=compute_dtype(table.dtype),
+                              device=table.device),
         }
 
-    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> None:
-        F.rowwise_adagrad_(shard, state["sum"], rows, grad, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"])
+    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
+               write: RowWriter | None = None) -> None:  # fmt: skip
+        F.rowwise_adagrad_(shard, state["sum"], rows, grad, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                           write=write)

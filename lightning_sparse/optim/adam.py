@@ -10,6 +10,7 @@ from torch import Tensor
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.optim import functional as F
 from lightning_sparse.optim.base import SparseOptimizer
+from lightning_sparse.rounding import RowWriter, compute_dtype
 
 BIAS_CORRECTIONS = ("row", "global")
 
@@ -62,12 +63,14 @@ class SparseAdam(SparseOptimizer):
 
     def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
         shard = table.shard
-        state = {"step": torch.zeros((), dtype=torch.int64), "exp_avg": torch.zeros_like(shard), "exp_avg_sq": torch.zeros_like(shard)}
+        state = {"step": torch.zeros((), dtype=torch.int64), "exp_avg": torch.zeros_like(shard, dtype=compute_dtype(shard.dtype)),
+                 "exp_avg_sq": torch.zeros_like(shard, dtype=compute_dtype(shard.dtype))}
         if group["bias_correction"] == "row":
             state["row_step"] = torch.zeros(shard.shape[0], dtype=torch.int64, device=shard.device)
         return state
 
-    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> None:
+    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
+               write: RowWriter | None = None) -> None:  # fmt: skip
         if group["bias_correction"] == "row":
             step = state["row_step"].index_select(0, rows).add_(1)
             state["row_step"].index_copy_(0, rows, step)
@@ -77,5 +80,5 @@ class SparseAdam(SparseOptimizer):
         F.adam_(
             shard, state["exp_avg"], state["exp_avg_sq"], rows, grad, step=step,
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-            decoupled_weight_decay=group["decoupled_weight_decay"],
+            decoupled_weight_decay=group["decoupled_weight_decay"], write=write,
         )  # fmt: skip

@@ -35,6 +35,7 @@ from lightning_sparse.exchange import ExchangeStats, IncomingGrads, OutgoingGrad
 from lightning_sparse.grouping import SortedKeys, coalesce
 from lightning_sparse.pending import LookupRecord
 from lightning_sparse.replicas import OwnedGrads, grads_over_replicas
+from lightning_sparse.rounding import HALF, compute_dtype, writer_for
 
 DUPLICATE_GRADS = ("sum", "mean")
 
@@ -145,7 +146,8 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
                 if "step" in state:
                     state["step"] += 1
                 if len(rows):
-                    self.update(p, rows, grad, state, group)
+                    write = writer_for(self._tables[p], int(state.get("step", 0)))  # a half table's rows: rounded
+                    self.update(p, rows, grad, state, group, **({"write": write} if write is not None else {}))
             for _, p in entries:
                 table = self._tables[p]
                 if isinstance(table, DynamicEmbedding):
@@ -210,15 +212,16 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch casts every state tensor but "step" to the parameter's dtype; per-row integer
-        # counters (Adam's row_step) must stay exact, so they are put back as saved.
+        # counters (Adam's row_step) must stay exact, and a half table's state float32, so
+        # they are put back as saved.
+        params = [p for group in self.param_groups for p in group["params"]]
         counters = {
-            (index, key): value
+            (index, key): value if not value.is_floating_point() else value.to(compute_dtype(params[index].dtype))
             for index, entry in state_dict["state"].items()
             for key, value in entry.items()
-            if isinstance(value, Tensor) and value.dim() > 0 and not value.is_floating_point()
+            if isinstance(value, Tensor) and value.dim() > 0 and (not value.is_floating_point() or params[index].dtype in HALF)
         }
         super().load_state_dict(state_dict)
-        params = [p for group in self.param_groups for p in group["params"]]
         for (index, key), value in counters.items():
             self.state[params[index]][key] = value.to(params[index].device)
         for p, table in self._tables.items():
@@ -270,7 +273,7 @@ def _coalesced(table: SparseEmbedding, grads: IncomingGrads, width: int, wire: t
 
 def _scaled(table: SparseEmbedding, duplicate_grads: str, grads: OwnedGrads) -> tuple[Tensor, Tensor]:
     """(local rows, gradient in the table's dtype): the sum over all ranks divided by their number, or by the occurrences."""
-    rows, values = grads.rows, grads.values.to(table.dtype)
+    rows, values = grads.rows, grads.values.to(compute_dtype(table.dtype))
     if not len(rows):
         return rows, values[:, : table.embedding_dim]
     if duplicate_grads == "mean":
@@ -288,9 +291,9 @@ def _values(record: LookupRecord, mean: bool) -> Tensor:
 
 def _wire_dtype(dtypes: list[torch.dtype], mean: bool) -> torch.dtype:
     """One dtype for all tables' gradients on the wire; at least float32 when occurrence counts ride along."""
-    wire = torch.float32 if mean else dtypes[0]
+    wire = torch.float32 if mean else compute_dtype(dtypes[0])
     for dtype in dtypes:
-        wire = torch.promote_types(wire, dtype)
+        wire = torch.promote_types(wire, compute_dtype(dtype))
     return wire
 
 

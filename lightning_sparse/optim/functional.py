@@ -6,6 +6,8 @@ change and applies it in one pass over the table: ``shard.index_add_(0, rows, de
 read-modify-write of just those rows. Only weight decay needs the rows' current values: then
 they are gathered (``index_select``), updated in place and written back (``index_copy_``).
 State rows are gathered, updated in place and written back. Hyperparameters are keyword-only.
+A half-precision table (:mod:`lightning_sparse.rounding`) comes with float32 state, its rows are
+computed on in float32, and ``write`` puts them back (with stochastic rounding).
 The arithmetic follows torch.optim where an equivalent exists (``SGD``, ``Adagrad`` and
 ``SparseAdam`` applied to sparse gradients).
 """
@@ -15,50 +17,64 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_sparse.rounding import RowWriter, compute_dtype
 
-def _apply(param: Tensor, rows: Tensor, delta: Tensor, values: Tensor | None = None) -> None:
-    """``param[rows] += delta``: one read-modify-write pass, or a write if ``values`` (the rows' current values) were gathered."""
-    if values is None:
+
+def _apply(param: Tensor, rows: Tensor, delta: Tensor, values: Tensor | None = None, write: RowWriter | None = None) -> None:
+    """``param[rows] += delta``: one read-modify-write pass, or a write if ``values`` (the rows' current values) were gathered.
+
+    With ``write`` (a half table), the new rows are computed in float32 and handed to it.
+    """
+    if write is not None:
+        write(rows, (values if values is not None else _gather(param, rows)).add_(delta))
+    elif values is None:
         param.index_add_(0, rows, delta)
     else:
         param.index_copy_(0, rows, values.add_(delta))
 
 
-def sgd_(param: Tensor, rows: Tensor, grad: Tensor, *, lr: float, weight_decay: float) -> None:
+def _gather(param: Tensor, rows: Tensor, wanted: bool = True) -> Tensor | None:
+    """The rows' current values in the update's dtype (float32 for a half table), if ``wanted``."""
+    return param.index_select(0, rows).to(compute_dtype(param.dtype)) if wanted else None
+
+
+def sgd_(param: Tensor, rows: Tensor, grad: Tensor, *, lr: float, weight_decay: float, write: RowWriter | None = None) -> None:
     """``row -= lr * (grad + weight_decay * row)``."""
-    values = param.index_select(0, rows) if weight_decay else None
+    values = _gather(param, rows, bool(weight_decay))
     if values is not None:
         grad.add_(values, alpha=weight_decay)
-    _apply(param, rows, grad.mul_(-lr), values)
+    _apply(param, rows, grad.mul_(-lr), values, write)
 
 
 def adagrad_(
-    param: Tensor, state_sum: Tensor, rows: Tensor, grad: Tensor, *, clr: float, weight_decay: float, eps: float
-) -> None:
+    param: Tensor, state_sum: Tensor, rows: Tensor, grad: Tensor, *, clr: float, weight_decay: float, eps: float,
+    write: RowWriter | None = None,
+) -> None:  # fmt: skip
     """torch.optim.Adagrad: ``sum += g^2; row -= clr * g / (sqrt(sum) + eps)``."""
-    values = param.index_select(0, rows) if weight_decay else None
+    values = _gather(param, rows, bool(weight_decay))
     if values is not None:
         grad.add_(values, alpha=weight_decay)
     sums = state_sum.index_select(0, rows).addcmul_(grad, grad)
     state_sum.index_copy_(0, rows, sums)
-    _apply(param, rows, grad.div_(sums.sqrt_().add_(eps)).mul_(-clr), values)
+    _apply(param, rows, grad.div_(sums.sqrt_().add_(eps)).mul_(-clr), values, write)
 
 
 def rowwise_adagrad_(
-    param: Tensor, state_sum: Tensor, rows: Tensor, grad: Tensor, *, lr: float, weight_decay: float, eps: float
-) -> None:
+    param: Tensor, state_sum: Tensor, rows: Tensor, grad: Tensor, *, lr: float, weight_decay: float, eps: float,
+    write: RowWriter | None = None,
+) -> None:  # fmt: skip
     """One accumulator per row: ``sum += mean_j(g_j^2); row -= lr * g / (sqrt(sum) + eps)``.
 
     FBGEMM's EXACT_ROWWISE_ADAGRAD and PyTorch-BigGraph's RowAdagrad. ``state_sum`` is ``[rows]``.
     """
-    values = param.index_select(0, rows) if weight_decay else None
+    values = _gather(param, rows, bool(weight_decay))
     if values is not None:
         grad.add_(values, alpha=weight_decay)
     sums = state_sum.index_select(0, rows)
     sums.add_(torch.linalg.vector_norm(grad, dim=1).square_().div_(grad.shape[1]))
     state_sum.index_copy_(0, rows, sums)
     scale = sums.sqrt_().add_(eps).reciprocal_().mul_(-lr)
-    _apply(param, rows, grad.mul_(scale.unsqueeze(1)), values)
+    _apply(param, rows, grad.mul_(scale.unsqueeze(1)), values, write)
 
 
 def adam_(
@@ -75,6 +91,7 @@ def adam_(
     eps: float,
     weight_decay: float,
     decoupled_weight_decay: bool,
+    write: RowWriter | None = None,
 ) -> None:
     """Lazy Adam on the touched rows.
 
@@ -84,7 +101,7 @@ def adam_(
     ``weight_decay`` is L2 added to the gradient, or with ``decoupled_weight_decay`` AdamW's
     ``row *= 1 - lr * weight_decay``.
     """
-    values = param.index_select(0, rows) if weight_decay else None
+    values = _gather(param, rows, bool(weight_decay))
     if values is not None and decoupled_weight_decay:
         values.mul_(1 - lr * weight_decay)
     elif values is not None:
@@ -100,4 +117,4 @@ def adam_(
     else:
         step_size = lr * (1 - beta2**step) ** 0.5 / (1 - beta1**step)
         delta = m.div_(v.sqrt_().add_(eps)).mul_(-step_size)
-    _apply(param, rows, delta, values)
+    _apply(param, rows, delta, values, write)

@@ -10,6 +10,7 @@ from torch import Tensor
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.optim import functional as F
 from lightning_sparse.optim.base import SparseOptimizer
+from lightning_sparse.rounding import RowWriter
 
 
 class SparseSGD(SparseOptimizer):
@@ -37,5 +38,6 @@ class SparseSGD(SparseOptimizer):
     def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
         return {"step": torch.zeros((), dtype=torch.int64)}
 
-    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> None:
-        F.sgd_(shard, rows, grad, lr=group["lr"], weight_decay=group["weight_decay"])
+    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
+               write: RowWriter | None = None) -> None:  # fmt: skip
+        F.sgd_(shard, rows, grad, lr=group["lr"], weight_decay=group["weight_decay"], write=write)

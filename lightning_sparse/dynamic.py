@@ -30,7 +30,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -187,20 +187,16 @@ class DynamicEmbedding(SparseEmbedding):
         if problem is not None or header.error != OK:
             check_headers(self, Headers.of(header), own_problem=problem)  # raises
         runs = SortedKeys(mix(flat)).finish()
-        first = runs.perm.index_select(0, runs.offsets)  # where each distinct key first occurs
-        ids = flat.index_select(0, first)
-        return self._assign(runs.unique, int(torch.is_grad_enabled()), ids=ids, distinct=True), runs
+
+        def ids_of(index: Tensor) -> Tensor:  # the ids of the distinct keys at ``index`` (only new ones are asked for)
+            return flat.index_select(0, runs.perm.index_select(0, runs.offsets.index_select(0, index)))
+
+        return self._assign(runs.unique, int(torch.is_grad_enabled()), ids_of=ids_of, distinct=True), runs
 
     def _keyed_lookup(self, ids: Any) -> Tensor:
         """One round on 2 or more ranks: keys to their owners, which find or admit them and send back rows and slots."""
-        flat, header, problem = read_ids(self, ids)
-        runs = SortedKeys(mix(flat))
-        sharding = HashSharding(self.world_size)
-        fields = replace(header, stage=KEYED).fields(self.device)
-        check = partial(check_headers, self, own_problem=problem)
-        route = ids_to_owners(runs, sharding, fields, self.process_group, self.rank, self.stats, check)
-        runs.finish(sum(route.send_splits))
-        self.stats.ids_looked_up += flat.numel()
+        runs, sharding, route = self._keys_to_owners(ids, KEYED)
+        self.stats.ids_looked_up += len(runs.sorted)
         self.stats.unique_ids += len(runs.unique)
         back = self._answer_rows(route)
         rows, slots = back[:, : self.embedding_dim], back[:, self.embedding_dim :].flatten().clone().view(torch.int64)
@@ -219,8 +215,7 @@ class DynamicEmbedding(SparseEmbedding):
         back to them. Returns the rows this rank asked for, each followed by its slot (an int64
         in the rows' dtype, bit for bit).
         """
-        recording = torch.repeat_interleave(route.headers.column("record"), route.recv_counts).to(self.device)
-        route.received = self._assign(route.received, recording)
+        route.received = self._resolve_received(route)
         slot_columns = route.received.unsqueeze(1).view(self._shard.dtype)
         with torch.no_grad():
             rows = torch.cat([self._shard.index_select(0, route.received), slot_columns], dim=1)
@@ -237,34 +232,46 @@ class DynamicEmbedding(SparseEmbedding):
         if self.world_size == 1:
             slots, runs = self._local_slots(ids)
             return slots.index_select(0, runs.inverse())
-        flat, header, problem = read_ids(self, ids)
-        header = replace(header, stage=RESOLVE)
-        check = partial(check_headers, self, own_problem=problem)
-        runs = SortedKeys(mix(flat))
-        sharding = HashSharding(self.world_size)
-        route = ids_to_owners(runs, sharding, header.fields(self.device), self.process_group, self.rank, self.stats, check)
-        runs.finish(sum(route.send_splits))
+        runs, sharding, route = self._keys_to_owners(ids, RESOLVE)
         slots = self.answer(route)
         rows = sharding.owner_of_key(runs.unique) * self.rows_per_rank() + slots
         return rows.index_select(0, runs.inverse())
 
+    def _keys_to_owners(self, ids: Any, stage: int) -> tuple[SortedKeys, HashSharding, Route]:
+        """The requester's side of a round: this rank's distinct keys, sorted by owner, sent with its header. Collective.
+
+        Bad input (not a tensor, not integers) raises on every rank, as for ``SparseEmbedding``.
+        """
+        flat, header, problem = read_ids(self, ids)
+        runs, sharding = SortedKeys(mix(flat)), HashSharding(self.world_size)
+        fields = replace(header, stage=stage).fields(self.device)
+        check = partial(check_headers, self, own_problem=problem)
+        route = ids_to_owners(runs, sharding, fields, self.process_group, self.rank, self.stats, check)
+        runs.finish(sum(route.send_splits))
+        return runs, sharding, route
+
     def answer(self, route: Route) -> Tensor:
         """Stage 1 on the owner: give the ids that ranks sent their slots and send them back; returns this rank's own. Collective."""
-        # Each requester sent its distinct keys: a key that came from k training ranks is k requests.
-        recording = torch.repeat_interleave(route.headers.column("record"), route.recv_counts).to(self.device)
-        slots = self._assign(route.received, recording)
+        slots = self._resolve_received(route)
         back = rows_to_requesters(slots.unsqueeze(1), route, self.process_group, self.world_size, self.rank, self.stats)
         return back.view(-1)
 
+    def _resolve_received(self, route: Route) -> Tensor:
+        """The owner's slots for the keys of a round (see :meth:`_assign`); local, no collective."""
+        # Each requester sent its distinct keys: a key that came from k training ranks is k requests.
+        recording = torch.repeat_interleave(route.headers.column("record"), route.recv_counts).to(self.device)
+        return self._assign(route.received, recording)
+
     @torch.no_grad()
-    def _assign(self, keys: Tensor, requests: Tensor | int, ids: Tensor | None = None, distinct: bool = False) -> Tensor:
+    def _assign(self, keys: Tensor, requests: Tensor | int, ids_of: Callable[[Tensor], Tensor] | None = None,
+                distinct: bool = False) -> Tensor:  # fmt: skip
         """Slots of keys on this owner (see ``SlotTable.resolve``); new ids' rows start from ``init``, their optimizer state afresh.
 
-        ``ids``: the ids of ``keys`` where the caller has them (else they are unmixed from the keys).
+        ``ids_of(index)``: the ids of ``keys[index]``, where the caller has them (else they are unmixed from the keys).
         """
         slots, new_slots, new_index = self.slots.resolve(keys, requests, distinct=distinct)
         if len(new_slots):
-            new_ids = ids.index_select(0, new_index) if ids is not None else unmix(keys.index_select(0, new_index))
+            new_ids = ids_of(new_index) if ids_of is not None else unmix(keys.index_select(0, new_index))
             self._shard.index_copy_(0, new_slots, self._init_rows(new_ids))
             for optimizer in self._optimizers:
                 optimizer.reset_rows(self._shard, new_slots)

@@ -1,6 +1,6 @@
 """lightning-sparse: row-sharded embedding tables and sparse optimizers for PyTorch (Lightning).
 
-Importing the package registers ``Trainer(strategy="sparse_ddp")`` and an exit handler that
+Importing the package registers ``Trainer(strategy="sparse_ddp")`` and ``Fabric(strategy="sparse_ddp")`` and an exit handler that
 releases the process groups before the interpreter finalizes (``lightning_sparse.exits``).
 """
 
@@ -9,6 +9,7 @@ from lightning_sparse.callbacks import SparseStatsMonitor
 from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.dynamic import DynamicEmbedding
 from lightning_sparse.embedding import SparseEmbedding, full_state_dict
+from lightning_sparse.fabric import FabricSparseDDPStrategy  # registers Fabric(strategy="sparse_ddp")
 from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.faults import PeerFailure
 from lightning_sparse.features import JaggedIds
@@ -24,6 +25,7 @@ exits.install()
 
 __all__ = [
     "DynamicEmbedding",
+    "FabricSparseDDPStrategy",
     "JaggedIds",
     "PeerFailure",
     "RowSharding",

@@ -53,6 +53,7 @@ from lightning_sparse.lost_peers import LostPeerHooks
 from lightning_sparse.exchange import ExchangeStats
 from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.optim.base import SparseOptimizer
+from lightning_sparse.placement import place_tables
 from lightning_sparse.replicas import sharding_groups
 
 log = logging.getLogger(__name__)
@@ -129,22 +130,7 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, DDPStrategy):
     @override
     def model_to_device(self) -> None:
         super().model_to_device()
-        shard_group, replica_group = self._table_groups()
-        self._tables = []
-        for index, (name, table) in enumerate(
-            (name, m) for name, m in self.lightning_module.named_modules() if isinstance(m, SparseEmbedding)
-        ):
-            table.adopt(name, index)
-            table.materialize(shard_group, replica_group)
-            self._tables.append(table)
-        self._collections = []
-        for index, (name, collection) in enumerate(
-            ((name, m) for name, m in self.lightning_module.named_modules() if isinstance(m, SparseEmbeddingCollection)),
-            start=len(self._tables),
-        ):
-            collection.adopt(name, index)
-            collection.materialize()
-            self._collections.append(collection)
+        self._tables, self._collections = place_tables(self.lightning_module, *self._table_groups())
         if isinstance(self.precision_plugin, SparseMixedPrecision):
             self.precision_plugin.tables = self._tables
         log.debug("%s: sharded %d tables over %d ranks: %s", type(self).__name__, len(self._tables), self.world_size,

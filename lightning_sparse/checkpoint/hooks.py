@@ -17,12 +17,11 @@ from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse import checkpoint
-from lightning_sparse.optim.base import SparseOptimizer
+from lightning_sparse.checkpoint import lightning_format
 
 log = logging.getLogger("lightning_sparse.strategy")
 
@@ -52,11 +51,9 @@ class SparseCheckpointHooks:
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if isinstance(inner, SparseOptimizer):  # per-row state is written by save_checkpoint, one tensor at a time
-            return checkpoint.dense_optimizer_state(inner)
         if isinstance(inner, _MockOptimizer):
             return {}
-        return get_optimizer_state_dict(self.lightning_module, inner)
+        return lightning_format.optimizer_state(self.lightning_module, inner)
 
     @override
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -64,21 +61,7 @@ class SparseCheckpointHooks:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options: it writes with DCP.")
         path = Path(self.broadcast(filepath))
-        dense, rest = checkpoint.split_tensors({"state_dict": checkpoint_dict.pop("state_dict", {})})
-        dense = dense or {}
-        optimizer_states = checkpoint_dict.pop("optimizer_states", None)
-        meta = {**checkpoint_dict, "state_dict_rest": (rest or {}).get("state_dict", {})}
-        sparse: dict[int, SparseOptimizer] = {}
-        if optimizer_states is not None:
-            meta["optimizer_states_rest"] = []
-            for index, state in enumerate(optimizer_states):
-                state_tensors, state_rest = checkpoint.split_tensors(state)
-                dense[f"optimizer_{index}"] = state_tensors or {}
-                meta["optimizer_states_rest"].append(state_rest or {})
-            sparse = {i: opt for i, opt in enumerate(self.optimizers) if isinstance(opt, SparseOptimizer)}
-        meta["sparse_tables"] = {t.name: [t.num_embeddings, t.embedding_dim] for t in self._tables}
-        log.debug("%s: saving %s (%d tables, %d sparse optimizers)", type(self).__name__, path, len(self._tables), len(sparse))
-        checkpoint.save(path, self.lightning_module, sparse, dense, meta)
+        lightning_format.write(path, self.lightning_module, self.optimizers, checkpoint_dict)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -110,6 +93,11 @@ class SparseCheckpointHooks:
                 )
             for index, (optimizer, rest) in enumerate(zip(self.optimizers, rests)):
                 self._load_optimizer(path, index, optimizer, rest)
+        if "fabric" in meta:  # written by Fabric: weights and optimizers restored; loops and schedulers start afresh
+            import lightning
+
+            meta.setdefault("pytorch-lightning_version", lightning.__version__)
+            meta.setdefault("lr_schedulers", [config.scheduler.state_dict() for config in self.lr_scheduler_configs])
         return meta
 
     def _weights_only_checkpoint(self, state_dict: dict[str, Tensor]) -> dict[str, Any]:
@@ -124,13 +112,8 @@ class SparseCheckpointHooks:
         }
 
     def _load_optimizer(self, path: Path, index: int, optimizer: Optimizer, rest: dict[str, Any]) -> None:
-        if isinstance(optimizer, SparseOptimizer):
-            checkpoint.load_sparse_optimizer(path, index, optimizer, rest["param_groups"])
-        elif not isinstance(optimizer, _MockOptimizer):
-            state = get_optimizer_state_dict(self.lightning_module, optimizer)
-            checkpoint.load_tensors(path, {f"optimizer_{index}": {"state": state["state"]}}, f"the state of {type(optimizer).__name__}")
-            state["param_groups"] = rest["param_groups"]
-            set_optimizer_state_dict(self.lightning_module, optimizer, state)
+        if not isinstance(optimizer, _MockOptimizer):
+            lightning_format.read_optimizer(path, index, self.lightning_module, optimizer, rest)
 
     @override
     def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:

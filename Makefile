@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
 export OMP_NUM_THREADS ?= 1
 export DGLBACKEND ?= pytorch
 
-.PHONY: setup demo demo-plain dlrm graphs test docs bench clean
+.PHONY: setup demo demo-plain dlrm graphs lint test docs bench clean
 
 setup: $(STAMP)
 
@@ -36,7 +36,12 @@ dlrm: $(STAMP)
 graphs: $(STAMP)
 	cd examples/dgl && ../../$(PY) sage.py fit --config sage.yaml && ../../$(PY) deepwalk.py fit --config deepwalk.yaml
 
-test: $(STAMP)
+# ruff's rules and line length are in pyproject.toml; `ruff format .` fixes what format --check finds.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest
 
 # The documentation site (MkDocs, strict: any warning fails) into site/; `mkdocs serve` to browse it.

@@ -32,8 +32,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DGLBACKEND", "pytorch")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
 import collection  # noqa: E402
 import distributed  # noqa: E402
 import dynamic  # noqa: E402
@@ -42,6 +40,7 @@ import network  # noqa: E402
 import report  # noqa: E402
 import scale  # noqa: E402
 import single_process  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,8 +50,14 @@ FULL = {
     "gpu": dict(rows=4_000_000, dim=64, batch=262_144),
     "collection": dict(max_rows=1_000_000, batch=2048, rounds=5, steps_per_round=3),
     # (W, None): 1-D over W ranks; (W, G): 2-D, sharded over groups of G ranks, replicated W / G times.
-    "scale": dict(worlds=[(8, None), (64, None), (512, None), (1024, None), (4096, None), (1024, 128), (4096, 512)],
-                  workloads=["26 tables", "1 table"], batch=4096, rows_cap=20_000, steps=5, rounds=3),  # fmt: skip
+    "scale": dict(
+        worlds=[(8, None), (64, None), (512, None), (1024, None), (4096, None), (1024, 128), (4096, 512)],
+        workloads=["26 tables", "1 table"],
+        batch=4096,
+        rows_cap=20_000,
+        steps=5,
+        rounds=3,
+    ),  # fmt: skip
     "network": dict(epochs=8, rounds=2),  # two stand-in hosts over slow, lossy links (root only)
     # DynamicEmbedding against SparseEmbedding: 10% new ids per step; 10^7 distinct ids through capacity 10^5.
     "dynamic": dict(batch=4096, pool=200_000, steps=6, rounds=9, distinct=10_000_000, capacity=100_000),
@@ -61,12 +66,20 @@ FULL = {
 }
 QUICK = {
     "single_process": dict(rows=20_000, dim=64, batch=1024, rounds=2, steps_per_round=2, threads=2),
-    "distributed": dict(rows_list=[20_000], batches=[256], methods=["ours", "sparse_ddp", "sparse_grad_ddp"],
-                        budget_s=0.5, min_steps=3, max_steps=10, warmup=2),  # fmt: skip
+    "distributed": dict(
+        rows_list=[20_000],
+        batches=[256],
+        methods=["ours", "sparse_ddp", "sparse_grad_ddp"],
+        budget_s=0.5,
+        min_steps=3,
+        max_steps=10,
+        warmup=2,
+    ),  # fmt: skip
     "gpu": dict(rows=100_000, dim=64, batch=4096),
     "collection": dict(max_rows=20_000, batch=256, rounds=2, steps_per_round=2),
-    "scale": dict(worlds=[(8, None), (256, None), (256, 32)], workloads=["26 tables"], batch=128, rows_cap=1000, steps=2,
-                  in_process=True),  # fmt: skip
+    "scale": dict(
+        worlds=[(8, None), (256, None), (256, 32)], workloads=["26 tables"], batch=128, rows_cap=1000, steps=2, in_process=True
+    ),  # fmt: skip
     "dynamic": dict(batch=512, pool=5000, steps=2, rounds=1, warmup_steps=1, two_ranks=False, distinct=0),
     "half": dict(rows=20_000, dim=64, batch=1024, steps=2, rounds=1),
 }
@@ -79,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench.json"))
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="page whose results block is regenerated")
     parser.add_argument("--no-report", action="store_true")
-    parser.add_argument("--only", choices=["scale", "network", "dynamic", "half", "gpu"],
-                        help="measure this section again into the existing --out file (gpu: every GPU measurement)")
+    parser.add_argument(
+        "--only",
+        choices=["scale", "network", "dynamic", "half", "gpu"],
+        help="measure this section again into the existing --out file (gpu: every GPU measurement)",
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.only:

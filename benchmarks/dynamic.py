@@ -200,7 +200,10 @@ def run(batch: int = 4096, dim: int = 64, pool: int = 200_000, steps: int = 10, 
         step["2 ranks"] = _on_ranks("step", {**cfg, "device": "cpu"}, 2)[0]
     for where, result in step.items():
         ms = result["ms"]
-        result["ratio_room"], result["ratio_full"] = result["round_ratios"]["dynamic_room"], result["round_ratios"]["dynamic_full"]
+        result["ratio_room"], result["ratio_full"] = (
+            result["round_ratios"]["dynamic_room"],
+            result["round_ratios"]["dynamic_full"],
+        )
         log(f"  {where:<12} batch {batch}: SparseEmbedding {ms['sparse']:.2f} ms, dynamic {ms['dynamic_room']:.2f} ms "
             f"({result['ratio_room']:.2f}x), full and evicting {ms['dynamic_full']:.2f} ms ({result['ratio_full']:.2f}x)")  # fmt: skip
     out = {"config": {**cfg, "new_fraction": NEW_FRACTION, "optimizer": "SparseAdagrad(lr=0.1)"}, "step": step}

@@ -10,10 +10,9 @@ a buffer of the same size (read + write), the best a memory-bound kernel can do.
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-
 from single_process import STATE_BYTES, make_ids
 
 
@@ -55,10 +54,10 @@ def run(rows: int, dim: int, batch: int, repeat: int = 20) -> dict:
             kernel(grad.clone())
         copies = [grad.clone() for _ in range(repeat)]
         it = iter(copies)
-        ms = _cuda_ms(lambda: kernel(next(it)), repeat)
+        ms = _cuda_ms(lambda kernel=kernel, it=it: kernel(next(it)), repeat)
         src = torch.empty(moved // 2 // 4 + 1, device=device)
         dst = torch.empty_like(src)
-        copy_ms = _cuda_ms(lambda: dst.copy_(src), repeat)
+        copy_ms = _cuda_ms(lambda dst=dst, src=src: dst.copy_(src), repeat)
         results.append({"family": family, "rows": len(touched), "bytes": moved, "update_ms": ms,
                         "update_gbps": moved / ms / 1e6, "copy_gbps": 2 * src.numel() * 4 / copy_ms / 1e6})  # fmt: skip
         results[-1]["fraction_of_copy"] = results[-1]["update_gbps"] / results[-1]["copy_gbps"]

@@ -63,7 +63,7 @@ def run(rows: int = 1_000_000, dim: int = 64, batch: int = 65_536, steps: int = 
         for name in METHODS:
             times[name].append(statistics.median(step(name) for _ in range(steps)))
     results = []
-    for name, (dtype, _) in METHODS.items():
+    for name in METHODS:
         ratio = statistics.median(t / f for t, f in zip(times[name], times["float32"]))
         table_bytes = tables[name].shard.numel() * tables[name].shard.element_size()
         state_bytes = sum(v.numel() * v.element_size() for v in optimizers[name].state[tables[name].shard].values() if v.dim())

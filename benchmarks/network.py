@@ -39,11 +39,28 @@ def step_times(wire: tuple[float, float] | None, epochs: int, directory: Path) -
     times = directory / "times.json"
     with Hosts(2, wire=wire) as hosts:
         procs = [
-            hosts.popen(host, [sys.executable, "-W", "ignore", str(ROOT / "tests" / "scripts" / "fit_collection.py"),
-                               str(directory / "state.pt"), "--num-nodes", "2", "--timeout", "60", "--epochs", str(epochs),
-                               "--times", str(times)],
-                        env=hosts.lightning_env(host, OMP_NUM_THREADS="1"),
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            hosts.popen(
+                host,
+                [
+                    sys.executable,
+                    "-W",
+                    "ignore",
+                    str(ROOT / "tests" / "scripts" / "fit_collection.py"),
+                    str(directory / "state.pt"),
+                    "--num-nodes",
+                    "2",
+                    "--timeout",
+                    "60",
+                    "--epochs",
+                    str(epochs),
+                    "--times",
+                    str(times),
+                ],
+                env=hosts.lightning_env(host, OMP_NUM_THREADS="1"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
             for host in range(2)
         ]
         outputs = [proc.communicate(timeout=600)[0] for proc in procs]

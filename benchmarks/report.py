@@ -21,10 +21,10 @@ SHORT_FAMILY = {"sgd": "SGD", "adagrad": "Adagrad", "rowwise_adagrad": "row-wise
                 "adam_global": "Adam\n(global)"}  # fmt: skip
 METHOD_LABEL = {
     "ours": "lightning_sparse (plain loop)",
-    "sparse_ddp": "lightning_sparse in `Trainer(strategy=\"sparse_ddp\")`",
+    "sparse_ddp": 'lightning_sparse in `Trainer(strategy="sparse_ddp")`',
     "dgl": "DGL `NodeEmbedding` + `dgl.optim.SparseAdagrad`",
     "sparse_grad_ddp": "`nn.Embedding(sparse=True)` in DDP",
-    "lightning_ddp": "`nn.Embedding` in `Trainer(strategy=\"ddp\")` (dense)",
+    "lightning_ddp": '`nn.Embedding` in `Trainer(strategy="ddp")` (dense)',
 }
 STYLE = {"ours": ("tab:red", "o"), "sparse_ddp": ("tab:orange", "v"), "dgl": ("tab:purple", "D"),
          "sparse_grad_ddp": ("tab:green", "^"), "lightning_ddp": ("tab:blue", "s")}  # fmt: skip
@@ -45,7 +45,15 @@ def targets(doc: dict) -> list[dict]:
 
     def add(name: str, target: str, value: float | None, met: bool | None, unit: str = "x") -> None:
         measured = "not measured" if value is None else f"{value:.2f}{unit}"
-        out.append({"name": name, "target": target, "measured": measured, "value": value, "met": bool(met) if value is not None else False})
+        out.append(
+            {
+                "name": name,
+                "target": target,
+                "measured": measured,
+                "value": value,
+                "met": bool(met) if value is not None else False,
+            }
+        )
 
     s = _single(doc)
     torch_adam = s.get(("torch/adam_global", "step"))
@@ -59,7 +67,9 @@ def targets(doc: dict) -> list[dict]:
     for family in ("rowwise_adagrad", "sgd"):
         ours, theirs = s.get((f"ours/{family}", "step")), s.get((f"fbgemm/{family}", "step"))
         ratio = theirs / ours if ours and theirs else None
-        add(f"1 process: {FAMILY_LABEL[family]} vs FBGEMM CPU TBE, fwd+bwd+step", "no slower (>= 1x)", ratio, ratio and ratio >= 1)
+        add(
+            f"1 process: {FAMILY_LABEL[family]} vs FBGEMM CPU TBE, fwd+bwd+step", "no slower (>= 1x)", ratio, ratio and ratio >= 1
+        )
     for family in FAMILIES:
         ours, floor = s.get((f"ours/{family}", "update")), s.get((f"floor/gather_scatter/{family}", "floor_gather_scatter"))
         ratio = ours / floor if ours and floor else None
@@ -88,8 +98,13 @@ def targets(doc: dict) -> list[dict]:
     if "collection" in d and "separate" in d:
         ratio = d["separate"]["step_ms_median"] / d["collection"]["step_ms_median"]
         add("2 ranks, 26 tables: collection vs 26 separate tables, fwd+bwd+step", "faster (> 1x)", ratio, ratio > 1)
-        add("2 ranks, 26 tables: all-to-alls per step, collection", "3 (independent of the tables)",
-            d["collection"]["all_to_all_per_step"], d["collection"]["all_to_all_per_step"] <= 3, unit="")
+        add(
+            "2 ranks, 26 tables: all-to-alls per step, collection",
+            "3 (independent of the tables)",
+            d["collection"]["all_to_all_per_step"],
+            d["collection"]["all_to_all_per_step"] <= 3,
+            unit="",
+        )
     s1 = coll.get("single_process", {}).get("methods", {})
     if "collection" in s1 and "fbgemm" in s1:
         ratio = s1["fbgemm"]["step_ms_median"] / s1["collection"]["step_ms_median"]
@@ -110,8 +125,13 @@ def targets(doc: dict) -> list[dict]:
             "peak RSS growth per rank after the first tenth of the stream", "flat (< 5 MiB)", growth, growth < 5, unit=" MiB")  # fmt: skip
     gpu = doc.get("gpu", {})
     for r in gpu.get("results", []):
-        add(f"1 GPU: {FAMILY_LABEL[r['family']]} update bandwidth / device copy", ">= 50%", 100 * r["fraction_of_copy"],
-            r["fraction_of_copy"] >= 0.5, unit="%")
+        add(
+            f"1 GPU: {FAMILY_LABEL[r['family']]} update bandwidth / device copy",
+            ">= 50%",
+            100 * r["fraction_of_copy"],
+            r["fraction_of_copy"] >= 0.5,
+            unit="%",
+        )
     if "skipped" in gpu:
         add("1 GPU: update bandwidth / device copy", ">= 50%", None, None)
     return out
@@ -138,8 +158,11 @@ def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
         f"in the one-process section, 1 per rank with 2 ranks. Allocator: "
         f"{', '.join(f'{k}={val}' for k, val in doc['allocator'].items())}. Whole run: {doc['wall_s']:.0f} s"
         f"{' (**--quick smoke run: small sizes, not for conclusions**)' if doc['quick'] else ''}."
-        + "".join(f" The {name} section was measured again on {again['created']} at commit `{again['commit']}` "
-                  f"(`bench.py --only {name}`)." for name, again in doc.get("rerun", {}).items()),
+        + "".join(
+            f" The {name} section was measured again on {again['created']} at commit `{again['commit']}` "
+            f"(`bench.py --only {name}`)."
+            for name, again in doc.get("rerun", {}).items()
+        ),
         "",
         "### Targets",
         "",
@@ -147,7 +170,9 @@ def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
         "|---|---|---:|---|",
     ]
     for t in doc["targets"]:
-        lines.append(f"| {t['name']} | {t['goal'] if 'goal' in t else t['target']} | {t['measured']} | {'met' if t['met'] else '**missed**'} |")
+        lines.append(
+            f"| {t['name']} | {t['goal'] if 'goal' in t else t['target']} | {t['measured']} | {'met' if t['met'] else '**missed**'} |"
+        )
     for section in doc.get("single_process", []):
         lines += _single_markdown(section)
     lines += _distributed_markdown(doc.get("distributed", {}))
@@ -387,7 +412,13 @@ def plots(doc: dict, folder: Path, stem: str) -> list[str]:
                                                       (torch_name, "tab:gray", "torch nn.Embedding(sparse=True)"),
                                                       (f"fbgemm/{family}", "tab:blue", "FBGEMM CPU TBE"))):  # fmt: skip
                 if (name, "step") in r:
-                    ax_step.bar(i + (j - 1) * width, r[(name, "step")], width, color=color, label=label if i == 0 or (j == 2 and family == "sgd") else None)
+                    ax_step.bar(
+                        i + (j - 1) * width,
+                        r[(name, "step")],
+                        width,
+                        color=color,
+                        label=label if i == 0 or (j == 2 and family == "sgd") else None,
+                    )
             for j, (name, kind, color, label) in enumerate(((f"ours/{family}", "update", "tab:red", "lightning_sparse step"),
                                                             (f"floor/gather_scatter/{family}", "floor_gather_scatter", "tab:olive", "gather + scatter floor"),
                                                             (f"floor/copy/{family}", "floor_copy", "tab:cyan", "sequential copy floor"))):  # fmt: skip
@@ -416,7 +447,15 @@ def plots(doc: dict, folder: Path, stem: str) -> list[str]:
                 color, marker = STYLE[method]
                 med = [r["step_ms_median"] for r in mine]
                 err = [[m - r["step_ms_p25"] for m, r in zip(med, mine)], [r["step_ms_p75"] - m for m, r in zip(med, mine)]]
-                ax.errorbar([r["rows"] for r in mine], med, yerr=err, color=color, marker=marker, capsize=3, label=METHOD_LABEL[method].replace("`", ""))
+                ax.errorbar(
+                    [r["rows"] for r in mine],
+                    med,
+                    yerr=err,
+                    color=color,
+                    marker=marker,
+                    capsize=3,
+                    label=METHOD_LABEL[method].replace("`", ""),
+                )
             ax.set(xscale="log", yscale="log", xlabel="table rows", ylabel="median step (ms), bars p25-p75",
                    title=f"2 gloo ranks, {batch} ids per rank per step")  # fmt: skip
             ax.grid(True, which="both", alpha=0.3)

@@ -77,9 +77,10 @@ def measure(world_size: int, workload: str, batch: int, rows_cap: int, steps: in
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(HERE))
-    import lightning_sparse as ls
     from collection import CRITEO, DIM, LR, MULTI_HOT
     from mirror import init_mirror, mirror_groups
+
+    import lightning_sparse as ls
 
     torch.set_num_threads(1)
     group = init_mirror(RANK, world_size)
@@ -218,8 +219,11 @@ def table(section: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worlds", default="8,64,512,1024,4096,1024/128,4096/512",
-                        help="world sizes W (1-D) or W/G (2-D sharding over groups of G ranks)")
+    parser.add_argument(
+        "--worlds",
+        default="8,64,512,1024,4096,1024/128,4096/512",
+        help="world sizes W (1-D) or W/G (2-D sharding over groups of G ranks)",
+    )
     parser.add_argument("--workloads", default="26 tables,1 table")
     parser.add_argument("--batch", type=int, default=4096, help="samples per rank per step")
     parser.add_argument("--rows-cap", type=int, default=20_000, help="most rows per table per rank")

@@ -41,7 +41,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from collection import CRITEO
+from collection import CRITEO  # noqa: E402
 
 DIM, SAMPLES, GPUS_PER_HOST = 128, 65_536, 8
 ROW_BYTES, STATE_BYTES, ID_BYTES = 4 * DIM, 4, 8
@@ -103,8 +103,10 @@ def table(rows: list[dict]) -> str:
     def fmt(value: float | None, spec: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
-    header = ("| W | G | shard + state / rank | sent / rank / step | of which replica round | messages / step | "
-              "replica buffer | wire ms | host ms | predicted step ms | TorchRec 2-D sync / step |")
+    header = (
+        "| W | G | shard + state / rank | sent / rank / step | of which replica round | messages / step | "
+        "replica buffer | wire ms | host ms | predicted step ms | TorchRec 2-D sync / step |"
+    )
     lines = [header, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['world_size']} | {r['group_size']} | {r['shard_gib']:.2f} GiB | {r['sent_mib']:.0f} MiB | "

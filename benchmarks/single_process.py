@@ -28,8 +28,8 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -70,7 +70,11 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor, proj: torch.Tensor) -> torc
     return ((out @ proj) - target).pow(2).mean()
 
 
-_SYNC: Callable[[], None] = lambda: None  # torch.cuda.synchronize when timing on a GPU
+def _no_sync() -> None:
+    pass
+
+
+_SYNC: Callable[[], None] = _no_sync  # torch.cuda.synchronize when timing on a GPU
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -98,6 +102,7 @@ def build_methods(rows: int, dim: int, batches: list[torch.Tensor], with_fbgemm:
                 loss_fn(emb(batches[i]), targets[i], proj).backward()
                 opt.step()
                 opt.zero_grad()
+
             return _timed(go)
 
         def update(i, emb=emb, opt=opt):
@@ -108,10 +113,12 @@ def build_methods(rows: int, dim: int, batches: list[torch.Tensor], with_fbgemm:
 
         methods += [Method(f"ours/{family}", family, "step", step), Method(f"ours/{family}", family, "update", update)]
         if family == "sgd":
+
             def lookup(i, emb=emb):
                 seconds = _timed(lambda: loss_fn(emb(batches[i]), targets[i], proj).backward())
                 emb.zero_grad()
                 return seconds
+
             methods.append(Method("ours/lookup", "lookup", "lookup", lookup))
 
     for family, make in TORCH.items():
@@ -124,6 +131,7 @@ def build_methods(rows: int, dim: int, batches: list[torch.Tensor], with_fbgemm:
                 loss_fn(emb(batches[i]), targets[i], proj).backward()
                 opt.step()
                 opt.zero_grad()
+
             return _timed(go)
 
         def update(i, emb=emb, opt=opt):
@@ -134,10 +142,12 @@ def build_methods(rows: int, dim: int, batches: list[torch.Tensor], with_fbgemm:
 
         methods += [Method(f"torch/{family}", family, "step", step), Method(f"torch/{family}", family, "update", update)]
         if family == "sgd":
+
             def lookup(i, emb=emb):
                 seconds = _timed(lambda: loss_fn(emb(batches[i]), targets[i], proj).backward())
                 emb.weight.grad = None
                 return seconds
+
             methods.append(Method("torch/lookup", "lookup", "lookup", lookup))
 
     if with_fbgemm:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from typing_extensions import override
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import BinaryAUROC
+from typing_extensions import override
 
 import lightning_sparse as ls  # registers strategy="sparse_ddp"
 

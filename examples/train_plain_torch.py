@@ -9,7 +9,6 @@ table is a dense parameter trained through DistributedDataParallel. Run::
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from datetime import timedelta
 
@@ -19,9 +18,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from wn18rr import data_dir, load_split
 
 import lightning_sparse as ls
-from wn18rr import data_dir, load_split
 
 
 class DistMult(nn.Module):

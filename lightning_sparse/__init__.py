@@ -10,9 +10,9 @@ from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.dynamic import DynamicEmbedding
 from lightning_sparse.embedding import SparseEmbedding, full_state_dict
 from lightning_sparse.fabric import FabricSparseDDPStrategy  # registers Fabric(strategy="sparse_ddp")
-from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.faults import PeerFailure
 from lightning_sparse.features import JaggedIds
+from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseRowWiseAdagrad, SparseSGD
 from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.replicas import sharding_groups

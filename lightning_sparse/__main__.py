@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         kind = "table" if key.removesuffix(".weight") in tables else "dense"
         print(f"{kind:5}  {key:40} {str(list(shape)):>20}  {str(dtype).removeprefix('torch.'):8} {nbytes / 2**20:10.2f} MiB")
         total += nbytes
-    print(f"wrote {args.out}: {len(summary)} tensors ({sum(1 for k, *_ in summary if k.removesuffix('.weight') in tables)} tables), {total / 2**20:.2f} MiB")
+    print(
+        f"wrote {args.out}: {len(summary)} tensors ({sum(1 for k, *_ in summary if k.removesuffix('.weight') in tables)} tables), {total / 2**20:.2f} MiB"
+    )
     return 0
 
 

@@ -6,7 +6,8 @@ the lookup itself is in :mod:`lightning_sparse.collection_lookup`.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -149,7 +150,7 @@ class SparseEmbeddingCollection(nn.Module):
             wire = torch.promote_types(wire, table.dtype)
         return wire
 
-    def materialize(self) -> "SparseEmbeddingCollection":
+    def materialize(self) -> SparseEmbeddingCollection:
         """Materialize every table; they must share their process group and device."""
         tables = self.table_list
         for table in tables:

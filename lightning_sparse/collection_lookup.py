@@ -22,13 +22,15 @@ The path of :mod:`lightning_sparse.lookup`, for all features of a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.profiler import record_function
 
+from lightning_sparse.dynamic import rows_of_features
 from lightning_sparse.exchange import (
     BAD_DTYPE,
     BAD_INPUT,
@@ -44,14 +46,37 @@ from lightning_sparse.exchange import (
     ids_to_owners,
     parts_received,
 )
-from lightning_sparse.dynamic import rows_of_features
 from lightning_sparse.features import FeatureIds, Problem, read_features
 from lightning_sparse.grouping import SortedKeys, transpose_blocks, transposed_places
+from lightning_sparse.lookup import ID_DEVICES, ID_SOURCE_DTYPES, ID_SOURCE_TYPES, ShardedTable, check_one_unit, code_name
 from lightning_sparse.packing import common_unit, pack, unpack
-from lightning_sparse.lookup import _DEVICES, _DTYPES, _TYPES, _name, check_one_unit
 
 if TYPE_CHECKING:
-    from lightning_sparse.collection import SparseEmbeddingCollection
+    from lightning_sparse.exchange import ExchangeStats
+    from lightning_sparse.sharding import JointSharding
+
+
+class CollectionView(Protocol):
+    """What a collection lookup reads of a collection (:class:`~lightning_sparse.SparseEmbeddingCollection`
+    is one): its tables, their joint sharding and its features. This module needs nothing else of it.
+    """
+
+    name: str
+    unit_index: int
+    stats: ExchangeStats
+    feature_names: list[str]
+    feature_parts: list[int]
+    feature_pooling: list[str]
+
+    @property
+    def table_list(self) -> list[ShardedTable]: ...
+    @property
+    def joint_sharding(self) -> JointSharding: ...
+    @property
+    def wire_dtype(self) -> torch.dtype: ...
+    @property
+    def rank(self) -> int: ...
+    def describe_feature(self, index: int) -> str: ...
 
 
 class _DistinctRows(torch.autograd.Function):
@@ -105,7 +130,7 @@ def _pool(rows: Tensor, position: Tensor, offsets: Tensor, mode: str, weights: T
     return _Pool.apply(rows, position, offsets, mode, weights)
 
 
-def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[str, Any] | Any) -> dict[str, Tensor]:
+def lookup_features(collection: CollectionView, features: Mapping[str, Any] | Any) -> dict[str, Tensor]:
     """Every given feature's rows or pooled bags, all tables in one round. Collective (see the collection's ``forward``)."""
     tables, joint = collection.table_list, collection.joint_sharding
     first = tables[0]
@@ -142,7 +167,10 @@ def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[s
         rows = _rows_from_owners(collection, route, mine, theirs, table_routes)
     else:
         with torch.no_grad():  # one owner: a joint local id less the table's offset is the row
-            rows = [table.shard.index_select(0, keys - joint.offsets[part]) for part, (table, keys) in enumerate(zip(tables, distinct))]
+            rows = [
+                table.shard.index_select(0, keys - joint.offsets[part])
+                for part, (table, keys) in enumerate(zip(tables, distinct))
+            ]
 
     used = {f.part for f in read}
     occurrences = mine.split(runs.counts()) if recording else None
@@ -173,7 +201,7 @@ def lookup_features(collection: "SparseEmbeddingCollection", features: Mapping[s
     return out
 
 
-def serve_collection(collection: "SparseEmbeddingCollection", route: Route) -> None:
+def serve_collection(collection: CollectionView, route: Route) -> None:
     """Answer the other ranks' lookup round of ``collection`` on a rank with no lookups of its own."""
     joint = collection.joint_sharding
     check_collection_headers(collection, route.headers, Problem())
@@ -242,7 +270,7 @@ def _table_routes(route: Route, joint: Any, theirs: _TableMajor) -> list[Route]:
 
 
 def _rows_from_owners(
-    collection: "SparseEmbeddingCollection", route: Route, mine: _TableMajor, theirs: _TableMajor, table_routes: list[Route]
+    collection: CollectionView, route: Route, mine: _TableMajor, theirs: _TableMajor, table_routes: list[Route]
 ) -> list[Tensor]:
     """Stage 2 for all tables: owners gather every table's rows and send them in one buffer; returns each table's rows.
 
@@ -255,15 +283,19 @@ def _rows_from_owners(
     unit = common_unit(widths)
     one_width = len(set(widths)) == 1
     with record_function("lightning_sparse.rows_to_requesters"), torch.no_grad():
-        gathered = [table.shard.index_select(0, table_route.received).to(wire) for table, table_route in zip(tables, table_routes)]
-        send, send_sizes = pack(gathered, route.recv_parts.t(), route.device_parts[1].t(), unit, theirs.gather if one_width else None)
+        gathered = [
+            table.shard.index_select(0, table_route.received).to(wire) for table, table_route in zip(tables, table_routes)
+        ]
+        send, send_sizes = pack(
+            gathered, route.recv_parts.t(), route.device_parts[1].t(), unit, theirs.gather if one_width else None
+        )
         recv_sizes = (mine.counts * torch.tensor(widths)).sum(1).tolist()
         back = exchange_values(send, send_sizes, recv_sizes, first.process_group, joint.world_size, first.rank, collection.stats)
         rows = unpack(back, mine.counts.t(), mine.device_counts.t(), widths, unit, mine.gather if one_width else None)
     return [piece.to(table.dtype) for piece, table in zip(rows, tables)]
 
 
-def check_collection_headers(collection: "SparseEmbeddingCollection", headers: Headers, problem: Problem) -> None:
+def check_collection_headers(collection: CollectionView, headers: Headers, problem: Problem) -> None:
     """Raise, on every rank alike, if any rank's header shows bad input or another lookup unit in this round.
 
     The lowest rank with an error code is reported.
@@ -276,15 +308,15 @@ def check_collection_headers(collection: "SparseEmbeddingCollection", headers: H
         where = "this rank" if own else f"rank {rank}"
         feature = collection.describe_feature(h.part)
         if h.error == NOT_A_TENSOR:
-            kind = problem.words if own and problem.words else _name(h.detail, _TYPES, "another type")
+            kind = problem.words if own and problem.words else code_name(h.detail, ID_SOURCE_TYPES, "another type")
             raise TypeError(f"{feature} got ids of type {kind} on {where}; ids must be a torch.Tensor of integers or "
                             f"JaggedIds. HINT: wrap them in torch.tensor(...).")  # fmt: skip
         if h.error == BAD_DTYPE:
-            raise TypeError(f"{feature} got ids of dtype {_name(h.dtype, _DTYPES)} on {where}; ids must be integers. "
+            raise TypeError(f"{feature} got ids of dtype {code_name(h.dtype, ID_SOURCE_DTYPES)} on {where}; ids must be integers. "
                             f"HINT: convert them with ids.long().")  # fmt: skip
         if h.error == UNREADABLE:
             detail = f": {problem.words}" if own and problem.words else ""
-            raise RuntimeError(f"{feature} could not read the ids on {where} (a {_name(h.detail, _DEVICES)} tensor{detail}). "
+            raise RuntimeError(f"{feature} could not read the ids on {where} (a {code_name(h.detail, ID_DEVICES)} tensor{detail}). "
                                f"HINT: pass ids that hold data, on the CPU or on the tables' device.")  # fmt: skip
         if h.error == OUT_OF_RANGE:
             table = collection.table_list[collection.feature_parts[h.part]]
@@ -296,6 +328,8 @@ def check_collection_headers(collection: "SparseEmbeddingCollection", headers: H
                              f"never decrease, and end at len(values). HINT: build them with JaggedIds(values, "
                              f"lengths=...).")  # fmt: skip
         if h.error == BAD_INPUT:
-            words = problem.words if own and problem.words else f"HINT: the error raised on rank {rank} names the problem and its fix"
+            words = (
+                problem.words if own and problem.words else f"HINT: the error raised on rank {rank} names the problem and its fix"
+            )
             raise ValueError(f"{feature} got input it cannot use on {where}: {words}")
         raise RuntimeError(f"{collection.name}: rank {rank} reported error code {h.error}.")

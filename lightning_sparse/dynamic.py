@@ -28,9 +28,10 @@ used since the last step are pinned until then), frees expired slots and zeroes 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -121,7 +122,7 @@ class DynamicEmbedding(SparseEmbedding):
 
     def materialize(
         self, process_group: dist.ProcessGroup | None = None, replica_group: dist.ProcessGroup | None = None
-    ) -> "DynamicEmbedding":
+    ) -> DynamicEmbedding:
         """Allocate this rank's slots and rows (local, no collective). See :meth:`SparseEmbedding.materialize`."""
         if replica_group is not None:
             raise ValueError(f"{self.name}: a DynamicEmbedding is sharded over one group. HINT: use 1-D sharding "
@@ -147,7 +148,7 @@ class DynamicEmbedding(SparseEmbedding):
         # Rows get their values when an id is admitted; the null row stays zero.
         return torch.zeros(len(global_ids), self.embedding_dim, dtype=self._shard.dtype, device=self._shard.device)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> "DynamicEmbedding":
+    def _apply(self, fn: Any, recurse: bool = True) -> DynamicEmbedding:
         super()._apply(fn, recurse)
         if self.slots is not None and self.slots.map.device != self.device:  # the slots follow the rows
             self.slots.to(self.device)
@@ -355,7 +356,7 @@ class DynamicEmbedding(SparseEmbedding):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         """Accepts this rank's ``shard`` and slots (same placement), or ``ids`` with their rows as ``weight`` (any placement)."""
-        ours = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
+        ours = {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
         if "ids" in ours or "weight" in ours:
             if "ids" not in ours or "weight" not in ours:
                 error_msgs.append(f"{self.name}: a full state of a DynamicEmbedding holds {prefix}ids and {prefix}weight "

@@ -9,7 +9,8 @@ leaves for the optimizer in ``lightning_sparse/pending.py``; the optimizer step 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from lightning_sparse.sharding import SCHEMES, RowSharding
 # Elements initialized per chunk: the int64/float64 hash temporaries of a chunk stay in cache, and
 # building a shard never holds more than a chunk of them.
 _INIT_CHUNK_ELEMENTS = 1 << 16
+
 
 class SparseEmbedding(nn.Module):
     """An embedding table whose rows are sharded over the ranks of a process group.
@@ -66,7 +68,7 @@ class SparseEmbedding(nn.Module):
 
     # Called with the table on its first lookup; the strategy adds its check here, so that this
     # module knows nothing of Lightning.
-    first_lookup_checks: ClassVar[list[Callable[["SparseEmbedding"], None]]] = []
+    first_lookup_checks: ClassVar[list[Callable[[SparseEmbedding], None]]] = []
 
     def __init__(
         self,
@@ -147,11 +149,14 @@ class SparseEmbedding(nn.Module):
         else:
             group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         if group is None and self._world_size > 1:
-            raise RuntimeError(
-                f"The process group {self.name} is sharded over ({self._world_size} ranks) has been destroyed. "
-                f"HINT: use the table before destroy_process_group(), or save a checkpoint and load it into a new module."
-            )
+            raise self._group_destroyed()
         return group
+
+    def _group_destroyed(self) -> RuntimeError:
+        return RuntimeError(
+            f"The process group {self.name} is sharded over ({self._world_size} ranks) has been destroyed. "
+            f"HINT: use the table before destroy_process_group(), or save a checkpoint and load it into a new module."
+        )
 
     @property
     def replicas(self) -> int:
@@ -193,7 +198,7 @@ class SparseEmbedding(nn.Module):
 
     def materialize(
         self, process_group: dist.ProcessGroup | None = None, replica_group: dist.ProcessGroup | None = None
-    ) -> "SparseEmbedding":
+    ) -> SparseEmbedding:
         """Allocate and initialize this rank's shard. Local only: no collective.
 
         Groups given here replace those given to the constructor (the strategy places tables
@@ -207,7 +212,7 @@ class SparseEmbedding(nn.Module):
         requested = process_group or (self._requested_group() if self._requested_group is not None else None)
         gone = self._requested_group is not None and requested is None
         if self._materialized and self._world_size > 1 and (gone or not (dist.is_available() and dist.is_initialized())):
-            self.process_group  # raises: the group this table is sharded over was destroyed
+            raise self._group_destroyed()
         if dist.is_available() and dist.is_initialized():
             group = requested or dist.group.WORLD
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -263,7 +268,7 @@ class SparseEmbedding(nn.Module):
         """Re-draw this rank's rows from ``init`` and ``seed``."""
         self._shard.copy_(self._init_rows(self.sharding.global_ids(self._rank, device=self.device)))
 
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "SparseEmbedding":
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> SparseEmbedding:
         # Keep the shard's identity (optimizers hold it) while following .to()/.cuda()/.half().
         self._shard.data = fn(self._shard)
         return super()._apply(fn, recurse)

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass, field
 from functools import cached_property
 from itertools import accumulate
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,7 @@ class ExchangeStats:
     unique_ids: int = 0
     collectives: int = 0
 
-    def add(self, other: "ExchangeStats") -> None:
+    def add(self, other: ExchangeStats) -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -199,7 +200,7 @@ class Headers:
         self.table = table
 
     @classmethod
-    def of(cls, header: LookupHeader) -> "Headers":
+    def of(cls, header: LookupHeader) -> Headers:
         """One rank's header as the headers of a one-rank round."""
         return cls(torch.tensor([astuple(header)], dtype=torch.int64))
 
@@ -268,7 +269,7 @@ class Route:
 # Id slots per destination in the next lookup round of each process group. Every rank derives it
 # from the same headers (the largest count of the last round, plus a margin), so all ranks agree
 # without a word; a lookup on any table of the group, or a rank serving others, uses it.
-_SLOTS: "weakref.WeakKeyDictionary[ProcessGroup, int]" = weakref.WeakKeyDictionary()
+_SLOTS: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
 _SLOT_MARGIN, _SLOT_ALIGN = 1.25, 16
 
 
@@ -332,7 +333,9 @@ def ids_to_owners(
         if check is not None:
             check(headers)
         recv_splits = headers.table[:, 0].tolist()
-        received = _segments(recv.view(-1), torch.arange(world_size) * (width + slots) + width, headers.table[:, 0].clamp(max=slots))
+        received = _segments(
+            recv.view(-1), torch.arange(world_size) * (width + slots) + width, headers.table[:, 0].clamp(max=slots)
+        )
         if most > slots:  # overflow: the ids beyond the slots, in a second round
             received = _overflow(runs, sharding, send_splits, recv_splits, slots, received, group, rank, stats)
             if parts:  # the slots held only some ids: count them all (a second host read, with the second round)
@@ -394,7 +397,9 @@ def parts_received(received: Tensor, recv_splits: Sequence[int], sharding: Joint
     return counts.scatter_add_(0, where, torch.ones_like(where)).view(world_size, parts)
 
 
-def _pack(runs: SortedKeys, owner: Tensor, local: Tensor, below: Tensor, slots: int, world_size: int, device: torch.device) -> Tensor:
+def _pack(
+    runs: SortedKeys, owner: Tensor, local: Tensor, below: Tensor, slots: int, world_size: int, device: torch.device
+) -> Tensor:
     """The send buffer of stage 1: per destination a header (filled by the caller) and ``slots`` ids.
 
     ``owner`` and ``local`` are the owner and local id of each sorted key. Built without a host
@@ -470,7 +475,7 @@ class OutgoingGrads:
     grouped by owner, ``counts[j]`` of them for rank ``j``; ``None`` if there are none.
     """
 
-    route: "Route | None"
+    route: Route | None
     routed: Tensor | None
     width: int
     others: tuple[Tensor, Tensor, Tensor] | None = None  # (local ids, values, counts per owner)

@@ -31,9 +31,10 @@ until the sparse optimizer's ``step()``.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
@@ -139,7 +140,9 @@ class FabricSparseDDPStrategy(DDPStrategy):
         lightning_format.write(Path(self.broadcast(path)), module, list(optimizers.values()), contents)
 
     @override
-    def load_checkpoint(self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Restore ``state`` in place from a sharded checkpoint written by Fabric or the Trainer; return the rest. Collective.
 
         Optimizers are matched by their key in ``state`` when Fabric wrote the checkpoint, else by
@@ -157,11 +160,10 @@ class FabricSparseDDPStrategy(DDPStrategy):
         checkpoint.verify(path)
         meta = checkpoint.load_meta(path, weights_only=True if weights_only is None else weights_only)
         key, module = _the_module(state, "load")
-        checkpoint.load_module(path, module, strict=strict)
+        checkpoint.load_module(path, module, strict=strict, meta=meta)
         optimizers = _ordered_optimizers(state)
-        rests = meta.get("optimizer_states_rest") or []
-        for index, (name, optimizer) in zip(_saved_indices(meta, optimizers, path), optimizers.items()):
-            lightning_format.read_optimizer(path, index, module, optimizer, rests[index])
+        for index, optimizer in zip(_saved_indices(meta, optimizers, path), optimizers.values()):
+            lightning_format.read_optimizer(path, index, module, optimizer, meta)
         remainder = {k: v for k, v in meta.items() if k not in lightning_format.RESERVED}
         for name, obj in state.items():
             if name == key or name in optimizers:
@@ -283,7 +285,7 @@ def _refuse_foreign_fabric_strategy(table: SparseEmbedding) -> None:
             if not isinstance(owner._strategy, FabricSparseDDPStrategy):
                 raise RuntimeError(
                     f"{table.name} is used under Fabric's {type(owner._strategy).__name__}, which does not shard, step or "
-                    f"save SparseEmbeddings. HINT: pass strategy=\"sparse_ddp\" to Fabric (import lightning_sparse first)."
+                    f'save SparseEmbeddings. HINT: pass strategy="sparse_ddp" to Fabric (import lightning_sparse first).'
                 )
             return
         frame = frame.f_back

@@ -26,10 +26,11 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from itertools import count
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as dist
 
@@ -64,10 +65,18 @@ class PeerFailure(RuntimeError):
 
 def is_peer_failure(err: BaseException) -> bool:
     """Whether ``err`` is torch's report of a lost peer (as opposed to a bug or bad input)."""
-    lost = tuple(getattr(dist, name) for name in ("DistBackendError", "DistNetworkError", "DistStoreError") if hasattr(dist, name))
+    lost = tuple(
+        getattr(dist, name) for name in ("DistBackendError", "DistNetworkError", "DistStoreError") if hasattr(dist, name)
+    )
     if isinstance(err, lost):
         return True
     return type(err) is RuntimeError and any(message in str(err) for message in _LOST_PEER_MESSAGES)
+
+
+def caused_by_lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a lost peer, or (for DCP's ``CheckpointException``) a rank failed inside it for one."""
+    causes = [err, *getattr(err, "failures", {}).values()] if type(err).__name__ == "CheckpointException" else [err]
+    return any(isinstance(c, PeerFailure) or (isinstance(c, BaseException) and is_peer_failure(c)) for c in causes)
 
 
 @contextmanager
@@ -125,8 +134,10 @@ def roll_call(wait_s: float = ROLL_CALL_S) -> str:
     finally:
         store.set_timeout(old_timeout)  # local to the client: no network call, cannot block
     if not missing:
-        return (" Every rank answered a roll call on the job's store afterwards: none is dead or cut off; the collective "
-                "timed out (a link too slow for the timeout, or ranks in different collectives).")
+        return (
+            " Every rank answered a roll call on the job's store afterwards: none is dead or cut off; the collective "
+            "timed out (a link too slow for the timeout, or ranks in different collectives)."
+        )
     names = ", ".join(f"rank {r}" + (f" (node {r // _ranks_per_node})" if _ranks_per_node else "") for r in missing)
     return f" Did not answer a roll call on the job's store within {wait_s:g} s (dead, hung, or cut off from it): {names}."
 

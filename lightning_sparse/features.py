@@ -19,8 +19,9 @@ are made on the device and ride in the header too, with no host read.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor

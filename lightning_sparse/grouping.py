@@ -15,6 +15,7 @@ from torch import Tensor
 
 _INT32_LIMIT = 2**31 - 1
 
+
 class SortedKeys:
     """One stable sort of keys, and the runs of equal keys it forms.
 
@@ -67,7 +68,7 @@ class SortedKeys:
         counts = torch.zeros(num_blocks + 1, dtype=torch.int64, device=blocks.device)  # + 1: a bin for the uncounted
         return counts.index_add_(0, torch.where(counted, blocks, num_blocks), counted.to(torch.int64))[:-1]
 
-    def finish(self, num_unique: int | None = None) -> "SortedKeys":
+    def finish(self, num_unique: int | None = None) -> SortedKeys:
         """Materialize ``unique`` and ``offsets`` (where each run starts in sorted order)."""
         if num_unique is not None and self.is_first.is_cuda:  # no host read for the output size
             self.offsets = torch.nonzero_static(self.is_first, size=num_unique).view(-1)

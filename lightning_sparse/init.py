@@ -63,7 +63,7 @@ def _int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def _hashes(global_ids: Tensor, columns: int, seed: int, blocks: int = 1) -> Tensor:
+def hashes(global_ids: Tensor, columns: int, seed: int, blocks: int = 1) -> Tensor:
     """int32 ``[blocks, rows, columns]`` of 32 random bits each: a pure function of (seed, row, block * columns + column).
 
     A row's key folds the 64-bit product of its id with an odd constant (plus the seed's salt)
@@ -85,8 +85,8 @@ def _signed64(value: int) -> int:
 
 
 def _uniform01(global_ids: Tensor, embedding_dim: int, seed: int) -> Tensor:
-    """Float64 uniforms in (0, 1), ``[rows, dim]``, from the 32 bits of :func:`_hashes`."""
-    bits = _hashes(global_ids, embedding_dim, seed)[0]
+    """Float64 uniforms in (0, 1), ``[rows, dim]``, from the 32 bits of :func:`hashes`."""
+    bits = hashes(global_ids, embedding_dim, seed)[0]
     return bits.view(torch.uint32).to(torch.float64).add_(0.5).div_(2.0**32)
 
 
@@ -103,7 +103,7 @@ def _normal(global_ids: Tensor, embedding_dim: int, seed: int, *, std: float | N
     """
     scale = std if std is not None else 1.0 / math.sqrt(embedding_dim)
     half = -(-embedding_dim // 2)
-    u1, u2 = _hashes(global_ids, half, seed, blocks=2).to(torch.float64).add_(2.0**31 + 0.5).mul_(2.0**-32)  # in (0, 1)
+    u1, u2 = hashes(global_ids, half, seed, blocks=2).to(torch.float64).add_(2.0**31 + 0.5).mul_(2.0**-32)  # in (0, 1)
     radius = u1.log_().mul_(-2.0 * scale * scale).sqrt_()
     angle = u2.mul_(2.0 * math.pi)
     z = torch.cat([torch.cos(angle).mul_(radius), angle.sin_().mul_(radius)], dim=1)
@@ -145,9 +145,7 @@ def from_tensor(table: Tensor) -> RowInit:
 
 def _from_tensor(global_ids: Tensor, embedding_dim: int, seed: int, *, table: Tensor) -> Tensor:
     if table.shape[1] != embedding_dim:
-        raise ValueError(
-            f"Pretrained table has dim {table.shape[1]} but the SparseEmbedding has embedding_dim={embedding_dim}."
-        )
+        raise ValueError(f"Pretrained table has dim {table.shape[1]} but the SparseEmbedding has embedding_dim={embedding_dim}.")
     return table[global_ids.to(table.device)]
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -42,22 +42,60 @@ from lightning_sparse.exchange import (
 from lightning_sparse.pending import LookupRecord
 
 if TYPE_CHECKING:
-    from lightning_sparse.embedding import SparseEmbedding
+    import torch.distributed as dist
+
+    from lightning_sparse.exchange import ExchangeStats
+    from lightning_sparse.pending import PendingGrads
+    from lightning_sparse.sharding import RowSharding
+
+
+class ShardedTable(Protocol):
+    """What a lookup reads of a table (:class:`~lightning_sparse.SparseEmbedding` is one): its shard,
+    where its rows live, and where its gradients and stats go. This module needs nothing else of it.
+    """
+
+    name: str
+    table_index: int
+    num_embeddings: int
+    embedding_dim: int
+    output_dtype: torch.dtype | None
+    pending: PendingGrads
+    stats: ExchangeStats
+
+    @property
+    def shard(self) -> Tensor: ...
+    @property
+    def sharding(self) -> RowSharding: ...
+    @property
+    def process_group(self) -> dist.ProcessGroup | None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+
+
+class LookupUnit(Protocol):
+    """A table or a collection, as :func:`serve_lookups` answers its rounds."""
+
+    def serve(self, route: Route) -> None: ...
+
 
 ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64)
 # Dtypes, types and devices are named across ranks by their position here (a header carries integers only).
-_DTYPES = (
+ID_SOURCE_DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128, torch.bool, *ID_DTYPES,
 )  # fmt: skip
-_TYPES = ("list", "tuple", "ndarray", "int", "NoneType")
-_DEVICES = ("cpu", "cuda", "meta")
+ID_SOURCE_TYPES = ("list", "tuple", "ndarray", "int", "NoneType")
+ID_DEVICES = ("cpu", "cuda", "meta")
 
 
 def _code(name: Any, names: tuple[Any, ...]) -> int:
     return names.index(name) if name in names else -1
 
 
-def _name(code: int, names: tuple[Any, ...], unknown: str = "another kind") -> str:
+def code_name(code: int, names: tuple[Any, ...], unknown: str = "another kind") -> str:
     return str(names[code]) if 0 <= code < len(names) else unknown
 
 
@@ -75,7 +113,7 @@ class _Lookup(torch.autograd.Function):
         return None, None, None, None, None
 
 
-def read_ids(table: "SparseEmbedding", ids: Any) -> tuple[Tensor, LookupHeader, str | None]:
+def read_ids(table: ShardedTable, ids: Any) -> tuple[Tensor, LookupHeader, str | None]:
     """Flat int64 ids on the table's device, this rank's header, and its own words for a problem.
 
     Nothing here raises: whatever is wrong with the input (not a tensor, not integers, a tensor
@@ -94,8 +132,8 @@ def flat_ids(ids: Any, device: torch.device) -> tuple[Tensor, dict[str, int], st
     """
     empty = torch.empty(0, dtype=torch.int64, device=device)
     if not isinstance(ids, Tensor):
-        return empty, {"error": NOT_A_TENSOR, "detail": _code(type(ids).__name__, _TYPES)}, type(ids).__name__
-    verdict = {"dtype": _code(ids.dtype, _DTYPES)}
+        return empty, {"error": NOT_A_TENSOR, "detail": _code(type(ids).__name__, ID_SOURCE_TYPES)}, type(ids).__name__
+    verdict = {"dtype": _code(ids.dtype, ID_SOURCE_DTYPES)}
     if ids.dtype not in ID_DTYPES:
         return empty, {**verdict, "error": BAD_DTYPE}, None
     try:
@@ -104,10 +142,14 @@ def flat_ids(ids: Any, device: torch.device) -> tuple[Tensor, dict[str, int], st
             flat = flat.view(torch.int64)
         return flat.to(device=device, dtype=torch.int64), verdict, None
     except Exception as err:  # e.g. a meta tensor, or a device that cannot be read from here
-        return empty, {**verdict, "error": UNREADABLE, "detail": _code(ids.device.type, _DEVICES)}, f"{type(err).__name__}: {err}"
+        return (
+            empty,
+            {**verdict, "error": UNREADABLE, "detail": _code(ids.device.type, ID_DEVICES)},
+            f"{type(err).__name__}: {err}",
+        )
 
 
-def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
+def lookup(table: ShardedTable, ids: Tensor) -> Tensor:
     """Rows of ``table`` for ``ids`` -> ``[*ids.shape, embedding_dim]``. Collective (see ``SparseEmbedding.forward``)."""
     shard, sharding, device = table.shard, table.sharding, table.device
     group, world_size, rank, stats = table.process_group, table.world_size, table.rank, table.stats
@@ -138,7 +180,7 @@ def lookup(table: "SparseEmbedding", ids: Tensor) -> Tensor:
     return lookup_rows(table, rows, runs.inverse(), ids.shape, record)
 
 
-def lookup_rows(table: "SparseEmbedding", source: Tensor, index: Tensor, shape: torch.Size, record: LookupRecord | None) -> Tensor:
+def lookup_rows(table: ShardedTable, source: Tensor, index: Tensor, shape: torch.Size, record: LookupRecord | None) -> Tensor:
     """``source.index_select(0, index)`` shaped like the ids, in the table's ``output_dtype``; differentiable through ``record`` if given."""
     dtype = table.output_dtype or source.dtype
     if record is None:
@@ -147,21 +189,22 @@ def lookup_rows(table: "SparseEmbedding", source: Tensor, index: Tensor, shape: 
     return _Lookup.apply(token, source, index, record, dtype).view(*shape, table.embedding_dim)
 
 
-def serve_lookups(tables: list["SparseEmbedding"]) -> int:
+def serve_lookups(tables: list[LookupUnit]) -> int:
     """Answer the other ranks' lookups until every rank of the group has called this.
 
     A Join for lookups: a rank that has run out of batches (uneven validation, test or predict
     loaders) calls this and keeps serving the rows it owns to ranks that still have batches,
     taking part in each of their lookup rounds with no ids of its own. Returns, with the number
-    of rounds served, once every rank is serving. ``tables`` are the lookup units: tables, then
-    any collections; ``tables[i]`` must have ``table_index == i`` (a collection ``unit_index == i``)
-    on every rank (the strategy sets them).
+    of rounds served, once every rank is serving. ``tables`` are the lookup units: tables (at
+    least one: a collection's tables are among them), then any collections; ``tables[i]`` must
+    have ``table_index == i`` (a collection ``unit_index == i``) on every rank (the strategy sets them).
 
     Collective: every rank of the group must call it once it has no lookups left to make.
     """
-    if not tables or tables[0].world_size == 1:
+    first: ShardedTable | None = tables[0] if tables else None  # type: ignore[assignment]  # a table: tables come first
+    if first is None or first.world_size == 1:
         return 0
-    first, rounds = tables[0], 0
+    rounds = 0
     group, rank = first.process_group, first.rank
     nothing = SortedKeys(torch.empty(0, dtype=torch.int64, device=first.device))
     idle = LookupHeader(active=0).fields(first.device)
@@ -174,7 +217,7 @@ def serve_lookups(tables: list["SparseEmbedding"]) -> int:
         rounds += 1
 
 
-def serve_rows(table: "SparseEmbedding", route: Route) -> None:
+def serve_rows(table: ShardedTable, route: Route) -> None:
     """Stage 2 on a rank that looks up nothing in this round: send the rows the others asked for."""
     check_headers(table, route.headers)
     with torch.no_grad():
@@ -195,7 +238,7 @@ def check_one_unit(headers: Headers, name: str) -> None:
         )
 
 
-def check_headers(table: "SparseEmbedding", headers: Headers, own_problem: str | None = None) -> None:
+def check_headers(table: ShardedTable, headers: Headers, own_problem: str | None = None) -> None:
     """Raise, on every rank alike, if any rank's header shows bad input or a different table.
 
     ``own_problem``: this rank's own account of its bad input, added to the message on this rank.
@@ -207,21 +250,21 @@ def check_headers(table: "SparseEmbedding", headers: Headers, own_problem: str |
         h = headers[rank]
         where = "this rank" if rank == table.rank else f"rank {rank}"
         if h.error == NOT_A_TENSOR:
-            kind = own_problem if rank == table.rank and own_problem else _name(h.detail, _TYPES, "another type")
+            kind = own_problem if rank == table.rank and own_problem else code_name(h.detail, ID_SOURCE_TYPES, "another type")
             raise TypeError(
                 f"{table.name} got ids of type {kind} on {where}; ids must be a torch.Tensor of integers. "
                 f"HINT: wrap them in torch.tensor(...)."
             )
         if h.error == BAD_DTYPE:
             raise TypeError(
-                f"{table.name} got ids of dtype {_name(h.dtype, _DTYPES)} on {where}; ids must be integers "
+                f"{table.name} got ids of dtype {code_name(h.dtype, ID_SOURCE_DTYPES)} on {where}; ids must be integers "
                 f"(int64, int32, ... or unsigned). HINT: convert them with ids.long()."
             )
         if h.error == UNREADABLE:
             detail = f": {own_problem}" if rank == table.rank and own_problem else ""
             raise RuntimeError(
-                f"{table.name} could not read the ids on {where} (a {_name(h.detail, _DEVICES)} tensor of dtype "
-                f"{_name(h.dtype, _DTYPES)}{detail}). HINT: pass ids that hold data, on the CPU or on the table's "
+                f"{table.name} could not read the ids on {where} (a {code_name(h.detail, ID_DEVICES)} tensor of dtype "
+                f"{code_name(h.dtype, ID_SOURCE_DTYPES)}{detail}). HINT: pass ids that hold data, on the CPU or on the table's "
                 f"device ({table.device})."
             )
         raise RuntimeError(f"{table.name}: rank {rank} reported error code {h.error}.")
@@ -229,7 +272,7 @@ def check_headers(table: "SparseEmbedding", headers: Headers, own_problem: str |
     if rank is not None:
         h = headers[rank]
         where = "this rank" if rank == table.rank else f"rank {rank}"
-        if h.id_min < 0 and _name(h.dtype, _DTYPES) == "torch.uint64":
+        if h.id_min < 0 and code_name(h.dtype, ID_SOURCE_DTYPES) == "torch.uint64":
             raise IndexError(
                 f"{table.name} got an id of 2**63 or more (dtype torch.uint64) on {where}; valid ids are "
                 f"0..{table.num_embeddings - 1}. HINT: remap ids into range or enlarge the table."

@@ -24,7 +24,14 @@ from typing import Any
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_sparse.faults import PeerFailure, collective, is_peer_failure, rendezvous_failure, restart_hazard, set_ranks_per_node
+from lightning_sparse.faults import (
+    PeerFailure,
+    collective,
+    is_peer_failure,
+    rendezvous_failure,
+    restart_hazard,
+    set_ranks_per_node,
+)
 
 log = logging.getLogger("lightning_sparse.strategy")
 

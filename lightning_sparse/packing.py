@@ -40,7 +40,9 @@ def to_device(counts: Tensor, device: torch.device) -> Tensor:
 FEW_BLOCKS = 128
 
 
-def pack(rows: list[Tensor], counts: Tensor, device_counts: Tensor, unit: int, places: Tensor | None = None) -> tuple[Tensor, list[int]]:
+def pack(
+    rows: list[Tensor], counts: Tensor, device_counts: Tensor, unit: int, places: Tensor | None = None
+) -> tuple[Tensor, list[int]]:
     """One flat buffer by destination, then table; and the number of values for each destination.
 
     ``rows[t]`` holds table ``t``'s rows ``[n_t, w_t]``, by destination: ``counts[t, d]`` rows for
@@ -68,7 +70,9 @@ def pack(rows: list[Tensor], counts: Tensor, device_counts: Tensor, unit: int, p
     return out.view(-1), sizes_per_destination
 
 
-def unpack(flat: Tensor, counts: Tensor, device_counts: Tensor, widths: list[int], unit: int, gather: Tensor | None = None) -> list[Tensor]:
+def unpack(
+    flat: Tensor, counts: Tensor, device_counts: Tensor, widths: list[int], unit: int, gather: Tensor | None = None
+) -> list[Tensor]:
     """The inverse of :func:`pack` on the receiving side: per table ``[rows, w_t]``, by source.
 
     ``flat`` holds, by source, then table, ``counts[t, s]`` rows of width ``widths[t]`` for each

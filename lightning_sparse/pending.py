@@ -37,7 +37,7 @@ class LookupRecord:
 
     def __init__(
         self,
-        pending: "PendingGrads",
+        pending: PendingGrads,
         route: Route | None,
         keys: Tensor,
         perm: Tensor | None,

@@ -13,7 +13,8 @@ or drops their gradients if the step was skipped (``skipped``).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ class SparseMixedPrecision(MixedPrecision):
         self._inv_scale: Tensor | None = None  # 1 / the loss scale of the pending sparse gradients
 
     @classmethod
-    def replacing(cls, plugin: MixedPrecision) -> "SparseMixedPrecision":
+    def replacing(cls, plugin: MixedPrecision) -> SparseMixedPrecision:
         """This plugin with the settings (and the GradScaler) of Lightning's ``plugin``."""
         return cls(plugin.precision, plugin.device, plugin.scaler)
 

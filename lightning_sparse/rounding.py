@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-from lightning_sparse.init import _hashes
+from lightning_sparse.init import hashes
 
 if TYPE_CHECKING:
-    from lightning_sparse.embedding import SparseEmbedding
+    from lightning_sparse.sharding import RowSharding
 
 HALF = (torch.float16, torch.bfloat16)
 _SALT = 0x5851F42D4C957F2D  # keeps rounding draws apart from the init's (same hash, other seeds)
@@ -65,16 +65,30 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
 def rounding_noise(global_rows: Tensor, columns: int, seed: int, step: int) -> Tensor:
     """``[rows, columns]`` int32 uniform in ``[0, 2**16)``: a pure function of (seed, step, global row, column).
 
-    Each 32-bit hash (:func:`lightning_sparse.init._hashes`) gives two columns, its low and high
+    Each 32-bit hash (:func:`lightning_sparse.init.hashes`) gives two columns, its low and high
     16 bits, so half as many are computed.
     """
     stream = ((seed & 0xFFFFFFFF) << 32 | (step & 0xFFFFFFFF)) ^ _SALT
-    bits = _hashes(global_rows, -(-columns // 2), stream)[0]
+    bits = hashes(global_rows, -(-columns // 2), stream)[0]
     noise = torch.cat([bits & 0xFFFF, (bits >> 16) & 0xFFFF], dim=1)
     return noise[:, :columns] if noise.shape[1] != columns else noise
 
 
-def writer_for(table: "SparseEmbedding", step: int) -> RowWriter | None:
+class RoundedTable(Protocol):
+    """What :func:`writer_for` reads of a table (:class:`~lightning_sparse.SparseEmbedding` is one)."""
+
+    seed: int
+    stochastic_rounding: bool | None
+
+    @property
+    def shard(self) -> Tensor: ...
+    @property
+    def sharding(self) -> RowSharding: ...
+    @property
+    def rank(self) -> int: ...
+
+
+def writer_for(table: RoundedTable, step: int) -> RowWriter | None:
     """How an optimizer step writes ``table``'s new rows: ``None`` (in place, in the table's dtype) unless it is half.
 
     A half table's rows are rounded stochastically with the draws of its ``step``-th update, or to

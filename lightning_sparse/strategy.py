@@ -21,14 +21,15 @@ Narrow overrides, each calling ``super()``:
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import gc
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import (
     LightningOptimizer,
@@ -40,20 +41,19 @@ from lightning.pytorch.core.optimizer import (
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse.checkpoint.hooks import SparseCheckpointHooks
 from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.embedding import SparseEmbedding
+from lightning_sparse.exchange import ExchangeStats
 from lightning_sparse.launcher import SparseMultiProcessingLauncher
 from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.lost_peers import LostPeerHooks
-from lightning_sparse.exchange import ExchangeStats
-from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.placement import place_tables
+from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.replicas import sharding_groups
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,9 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, DDPStrategy):
     def __init__(self, *args: Any, sharding_group_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if sharding_group_size is not None and (not isinstance(sharding_group_size, int) or sharding_group_size < 1):
-            raise ValueError(f"Invalid sharding_group_size: {sharding_group_size!r}. HINT: pass a positive divisor of the world size.")
+            raise ValueError(
+                f"Invalid sharding_group_size: {sharding_group_size!r}. HINT: pass a positive divisor of the world size."
+            )
         self._sharding_group_size = sharding_group_size
         self._sharding_groups: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None
         self._tables: list[SparseEmbedding] = []
@@ -328,7 +330,7 @@ def _refuse_foreign_strategy(table: SparseEmbedding) -> None:
             if not isinstance(owner, SparseDDPStrategy):
                 raise RuntimeError(
                     f"{table.name} is used under Lightning's {type(owner).__name__}, which does not shard or step "
-                    f"SparseEmbeddings. HINT: pass strategy=\"sparse_ddp\" to the Trainer (import lightning_sparse first)."
+                    f'SparseEmbeddings. HINT: pass strategy="sparse_ddp" to the Trainer (import lightning_sparse first).'
                 )
             return
         frame = frame.f_back

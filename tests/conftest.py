@@ -5,7 +5,6 @@ os.environ.setdefault("DGLBACKEND", "pytorch")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
 from rank_pool import RankPool  # noqa: E402
 
 # Start-up hooks for the child processes of some tests (the exit stress script, the hung-rank test), never for this one.

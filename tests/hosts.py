@@ -84,7 +84,7 @@ class Hosts:
     def address(self, host: int) -> str:
         return f"{self.subnet}.{host + 1}"
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         try:
             self._build()
         except BaseException:
@@ -194,7 +194,9 @@ class Hosts:
                 self._wire_process.wait(timeout=10)
         deadline = time.monotonic() + 10
         for name in [*self.names, self.switch]:
-            while _ip("netns", "del", name, check=False).returncode != 0 and name in _list().split() and time.monotonic() < deadline:
+            while (
+                _ip("netns", "del", name, check=False).returncode != 0 and name in _list().split() and time.monotonic() < deadline
+            ):
                 time.sleep(0.1)
 
 

@@ -30,7 +30,15 @@ class RowWiseAdagradReference:
 class RowAdamReference:
     """DGL-style lazy Adam: per-row step counts and bias correction."""
 
-    def __init__(self, weight: nn.Parameter, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = False) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        lr: float,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled: bool = False,
+    ) -> None:
         self.weight, self.lr, self.eps, self.wd, self.decoupled = weight, lr, eps, weight_decay, decoupled
         self.b1, self.b2 = betas
         self.m = torch.zeros_like(weight)

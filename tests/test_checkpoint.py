@@ -9,18 +9,18 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+import hosts
 import lightning.pytorch as pl
+import lightning_models as lm
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
+from rank_pool import COLLECTIVE_TIMEOUT_S, RankError, RankPool, table_groups
 
-import hosts
-import lightning_models as lm
 import lightning_sparse as ls
 from lightning_sparse import checkpoint
 from lightning_sparse.__main__ import main as export_main
-from rank_pool import COLLECTIVE_TIMEOUT_S, RankError, RankPool, table_groups
 
 MODULE = dict(sparse="mixed", dense="Adam", dense_lr=0.01, scheduler=False)
 
@@ -125,7 +125,9 @@ def _checkpoint_options(directory: str) -> dict:
     trainer.fit(module)
     final = lm.state(module)
     resumed = lm.TwoTower(**MODULE)
-    lm.trainer(2, max_epochs=2, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=directory)]).fit(resumed, ckpt_path="last")
+    lm.trainer(2, max_epochs=2, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=directory)]).fit(
+        resumed, ckpt_path="last"
+    )
     fresh = lm.TwoTower(**MODULE)
     tester = lm.trainer(2)
     tester.validate(fresh, fresh.val_dataloader(), ckpt_path=str(Path(directory) / "last.ckpt"), verbose=False)
@@ -133,7 +135,9 @@ def _checkpoint_options(directory: str) -> dict:
     tested = lm.TwoTower(**MODULE)
     tester.test(tested, tested.val_dataloader(), ckpt_path=str(Path(directory) / "last.ckpt"), verbose=False)
     validated_tested = lm.state(tested)
-    predictions = tester.predict(fresh, torch.utils.data.DataLoader(lm.dataset(8), batch_size=4), ckpt_path=str(Path(directory) / "last.ckpt"))
+    predictions = tester.predict(
+        fresh, torch.utils.data.DataLoader(lm.dataset(8), batch_size=4), ckpt_path=str(Path(directory) / "last.ckpt")
+    )
     return {"final": final, "resumed": lm.state(resumed), "validated": validated, "tested": validated_tested,
             "predicted": len(predictions),
             "files": sorted(p.name for p in Path(directory).iterdir() if not p.name.startswith("."))}  # fmt: skip
@@ -186,7 +190,11 @@ def _use_exported(path: str, world_size: int) -> dict:
     module = lm.TwoTower(**MODULE)
     index = torch.arange(8)
     data = lm.dataset(8)
-    tester.predict(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.tensors[0], data.tensors[1], index), batch_size=4), ckpt_path=path)
+    tester.predict(
+        module,
+        torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.tensors[0], data.tensors[1], index), batch_size=4),
+        ckpt_path=path,
+    )
     results["predict"] = lm.state(module)
     # fit from the exported weights (weights only) = fit of a module that loaded them itself
     fitted, reference = lm.TwoTower(**MODULE), lm.TwoTower(**MODULE)
@@ -276,7 +284,10 @@ def _flip(path: Path, count: int = 64) -> None:
 
 @pytest.mark.parametrize(
     "key, holds",
-    [("state_dict.users.weight", "rows {rows} of table users"), ("optimizer_1.state.0.exp_avg", "rows {rows} of optimizer state 'exp_avg' of table users")],
+    [
+        ("state_dict.users.weight", "rows {rows} of table users"),
+        ("optimizer_1.state.0.exp_avg", "rows {rows} of optimizer state 'exp_avg' of table users"),
+    ],
     ids=["table", "optimizer-state"],
 )
 def test_flipped_bytes_are_caught_on_load_and_export(rank_pools, tmp_path, key, holds):
@@ -316,13 +327,11 @@ class KillAt(pl.Callback):
             return
         if not self.during_save:
             os.kill(os.getpid(), signal.SIGKILL)
-        real_save = dcp.save
 
         def save_then_die(*args, **kwargs):  # the other rank is writing its chunks: die half-way
             os.kill(os.getpid(), signal.SIGKILL)
 
-        checkpoint.dcp.save = save_then_die
-        del real_save
+        dcp.save = save_then_die  # torch.distributed.checkpoint.save, as the checkpoint writer calls it
 
 
 def _fit_until(directory: str, max_epochs: int, kill: tuple[int, int, bool] | None, ckpt_path: str | None) -> dict:
@@ -349,7 +358,9 @@ def test_killed_rank_stops_the_others_and_resume_matches_uninterrupted_run(rank_
     crashed = RankPool(2)
     try:
         # 6 steps an epoch; rank 1 dies in epoch 1 at step 9, or while writing the step-12 checkpoint.
-        results = crashed.run_raw(_fit_until, str(tmp_path / "run"), 2, (1, 12 if during_save else 9, during_save), None, timeout=120)
+        results = crashed.run_raw(
+            _fit_until, str(tmp_path / "run"), 2, (1, 12 if during_save else 9, during_save), None, timeout=120
+        )
     finally:
         crashed.close()
     survivor = results[0]
@@ -359,7 +370,10 @@ def test_killed_rank_stops_the_others_and_resume_matches_uninterrupted_run(rank_
     last = tmp_path / "run" / "last.ckpt"
     assert checkpoint.is_sharded(last)  # intact and complete: the epoch-0 checkpoint
     assert checkpoint.load_meta(last)["global_step"] == 6
-    assert sorted(p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith(".")) == ["epoch=0-step=6.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith(".")) == [
+        "epoch=0-step=6.ckpt",
+        "last.ckpt",
+    ]
     resumed = rank_pools(2).run(_fit_until, str(tmp_path / "run"), 2, None, "last")
     for got in resumed:
         for key, value in straight.items():
@@ -418,3 +432,72 @@ def test_saving_and_loading_with_adam_state_stays_below_two_extra_shards(rank_po
     for saving, loading, shard in rank_pools(3).run(_peak_while_saving_and_loading, str(tmp_path)):
         assert saving < 2 * shard, f"saving took {saving / 2**20:.0f} MiB over a {shard / 2**20:.0f} MiB shard"
         assert loading < 2 * shard, f"loading took {loading / 2**20:.0f} MiB over a {shard / 2**20:.0f} MiB shard"
+
+
+# ---------------------------------------------------------------- meta.pt once, with the caller's weights_only
+class _Opaque:
+    """Not loadable with weights_only=True (a user's callback state, say)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_meta_is_read_once_per_load_with_the_callers_weights_only(tmp_path, monkeypatch):
+    module = torch.nn.ModuleDict({"a": ls.SparseEmbedding(7, 3, seed=1), "b": ls.SparseEmbedding(5, 2, seed=2)})
+    optimizer = ls.SparseAdam(list(module.values()), lr=0.1)
+    module["a"](torch.tensor([1, 2])).sum().backward()
+    optimizer.step()
+    path = tmp_path / "ckpt"
+    counters, _ = checkpoint.split_tensors(checkpoint.dense_optimizer_state(optimizer))
+    checkpoint.save(path, module, {0: optimizer}, {"optimizer_0": counters}, {"callback": _Opaque(3)})
+    weights = {name: table.full_weight() for name, table in module.items()}
+    state = optimizer.full_state_dict()
+
+    reads = []
+    real_load = torch.load
+
+    def counting_load(f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and Path(f).name == checkpoint.METADATA_FILE:
+            reads.append(kwargs.get("weights_only"))
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    fresh = torch.nn.ModuleDict({"a": ls.SparseEmbedding(7, 3, seed=8), "b": ls.SparseEmbedding(5, 2, seed=9)})
+    fresh_optimizer = ls.SparseAdam(list(fresh.values()), lr=0.1)
+    meta = checkpoint.load_meta(path, weights_only=False)
+    checkpoint.load_module(path, fresh, meta=meta)
+    checkpoint.load_sparse_optimizer(path, 0, fresh_optimizer, optimizer.state_dict()["param_groups"], meta)
+    assert reads == [False], reads
+    assert meta["callback"].value == 3
+    for name, table in fresh.items():
+        torch.testing.assert_close(table.full_weight(), weights[name], rtol=0, atol=0)
+    for index, entry in fresh_optimizer.full_state_dict()["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(value, state["state"][index][key], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="cannot be read"):  # the default stays weights_only=True
+        checkpoint.load_module(path, fresh)
+
+
+def test_export_of_a_path_that_is_not_a_sharded_checkpoint_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "plain.pt").write_bytes(b"not a checkpoint")
+    for target in (tmp_path / "plain.pt", tmp_path / "missing"):
+        with pytest.raises(SystemExit) as exit_info:
+            export_main(["export", str(target), str(tmp_path / "out.pt")])
+        assert exit_info.value.code == 2
+        assert f"{target} is not a sharded checkpoint (no .metadata inside)" in capsys.readouterr().err
+
+
+def test_saves_of_other_names_in_one_folder_never_touch_each_other(tmp_path):
+    """Two jobs saving into one folder: one's save in progress survives the other's finished save."""
+    from lightning_sparse.checkpoint.files import new_data_directory
+
+    module = torch.nn.ModuleDict({"a": ls.SparseEmbedding(7, 3, seed=1)})
+    in_progress = new_data_directory(tmp_path / "other-job.ckpt")  # another job's save, not linked yet
+    (in_progress / "rows").mkdir()
+    killed = new_data_directory(tmp_path / "mine.ckpt")  # a killed save of this name: this name's next save removes it
+    checkpoint.save(tmp_path / "mine.ckpt", module)
+    checkpoint.save(tmp_path / "mine.ckpt", module)  # replaces the first save, which goes too
+    assert in_progress.is_dir() and (in_progress / "rows").is_dir()
+    assert not killed.exists()
+    data = sorted(p.name for p in tmp_path.glob(checkpoint.DATA_PREFIX + "*"))
+    assert data == sorted([in_progress.name, os.readlink(tmp_path / "mine.ckpt")])

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import lightning_sparse as ls
 from rank_pool import DEVICES, LAYOUTS, assert_replicas_identical, table_groups
 from references import make_reference
+
+import lightning_sparse as ls
 
 STEPS, GLOBAL_BATCH = 3, 7
 # name: (rows, dim, dtype, seed); the sharding scheme is a test parameter.
@@ -310,7 +310,7 @@ def test_input_that_is_not_a_dict_raises_on_every_rank(rank_pools):
 def test_bad_input_raises_the_same_error_on_every_rank(rank_pools, world_size, case):
     bad, error, message = BAD_FEATURES[case]
     bad_rank = world_size - 1
-    for rank, ((kind, text, seconds), shapes) in enumerate(rank_pools(world_size).run(_bad_collection_lookup, bad_rank, bad)):
+    for _rank, ((kind, text, seconds), shapes) in enumerate(rank_pools(world_size).run(_bad_collection_lookup, bad_rank, bad)):
         assert kind == error, text
         assert message in text and "HINT" in text or "cannot use" in text, text
         assert seconds < 10

@@ -15,8 +15,8 @@ pytest.importorskip("dgl")
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "dgl"
 sys.path.insert(0, str(EXAMPLE))
-import graphs
-from processes import assert_clean_exit
+import graphs  # noqa: E402
+from processes import assert_clean_exit  # noqa: E402
 
 
 def test_planted_communities_are_reproducible_and_planted():

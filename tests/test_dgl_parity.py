@@ -21,9 +21,9 @@ import torch.distributed as dist  # noqa: E402
 dgl = pytest.importorskip("dgl")
 
 from dgl.nn.pytorch import sparse_emb as dgl_sparse_emb  # noqa: E402
+from references import batch_loss  # noqa: E402
 
 import lightning_sparse as ls  # noqa: E402
-from references import batch_loss  # noqa: E402
 
 N, D, STEPS, BATCH, BAG = 19, 4, 4, 4, 3
 SEED = 7

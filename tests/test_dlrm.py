@@ -16,9 +16,9 @@ sys.path.insert(0, str(EXAMPLE))
 
 import data as dlrm_data  # noqa: E402
 import model as dlrm_model  # noqa: E402
-from processes import assert_clean_exit
+from processes import assert_clean_exit  # noqa: E402
 
-import lightning_sparse as ls
+import lightning_sparse as ls  # noqa: E402
 
 
 def write_tsv(path: Path, lines: int, seed: int = 0) -> None:

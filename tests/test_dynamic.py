@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rank_pool import DEVICES
+from references import batch_loss
+from test_optim_parity import CASES, SEED, D, N, make_batches
 
 import lightning_sparse as ls
 from lightning_sparse.admission import SlotTable
 from lightning_sparse.hashing import HashSharding, mix, unmix
 from lightning_sparse.slot_map import SlotMap
-from rank_pool import DEVICES
-from references import batch_loss
-from test_optim_parity import CASES, GLOBAL_BATCH, SEED, D, N, make_batches
 
 # Row r of the reference table answers to this 64-bit id (spread over the whole int64 range).
 RAW = mix(torch.arange(N) * 7919 + 12345)

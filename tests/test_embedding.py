@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rank_pool import DEVICES
 
 import lightning_sparse as ls
-from rank_pool import DEVICES
 
 
 def _rank() -> tuple[int, int]:
@@ -184,7 +184,11 @@ def _healthy_lookup(device="cpu"):
         ([1, 2], "TypeError", "got ids of type list on {where}; ids must be a torch.Tensor"),
         (np.array([1, 2]), "TypeError", "got ids of type ndarray on {where}; ids must be a torch.Tensor"),
         ("meta", "RuntimeError", "could not read the ids on {where} (a meta tensor of dtype torch.int64"),
-        (torch.tensor([3, 2**63 + 5], dtype=torch.uint64), "IndexError", "got an id of 2**63 or more (dtype torch.uint64) on {where}"),
+        (
+            torch.tensor([3, 2**63 + 5], dtype=torch.uint64),
+            "IndexError",
+            "got an id of 2**63 or more (dtype torch.uint64) on {where}",
+        ),
     ],
     ids=["too-large", "negative", "float", "bool", "list", "ndarray", "meta", "uint64-too-large"],
 )

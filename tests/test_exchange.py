@@ -9,12 +9,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rank_pool import DEVICES
 from torch.overrides import TorchFunctionMode
 
 import lightning_sparse as ls
 from lightning_sparse.grouping import SortedKeys, coalesce, transpose_blocks, transposed_places
 from lightning_sparse.sharding import JointSharding, RowSharding
-from rank_pool import DEVICES
 
 HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "equal", "cpu"}
 CREATIONS = {"tensor", "zeros", "ones", "empty", "full", "arange"}
@@ -28,7 +28,7 @@ class HostReads(TorchFunctionMode):
     is every result of an operation on host tensors only; reading those costs no sync.
     """
 
-    def __init__(self, ignore: list[torch.Tensor] = (), follows: "HostReads | None" = None) -> None:
+    def __init__(self, ignore: list[torch.Tensor] = (), follows: HostReads | None = None) -> None:
         """``follows``: the mode of an earlier phase, whose host tensors (e.g. a route's splits) stay host tensors."""
         super().__init__()
         self.calls: list[str] = []
@@ -69,7 +69,9 @@ def test_sorted_keys_dedup_group_and_segment_sum(values, use_bound):
     below = runs.counts_below(boundaries).tolist()
     assert below == [int((unique < b).sum()) for b in boundaries.tolist()]
     blocks = runs.sorted.to(torch.int64) // 10  # block 5 (the key 50) is outside the 5 counted blocks
-    assert runs.counts_in_blocks(blocks, 5).tolist() == [int(((unique >= 10 * b) & (unique < 10 * b + 10)).sum()) for b in range(5)]
+    assert runs.counts_in_blocks(blocks, 5).tolist() == [
+        int(((unique >= 10 * b) & (unique < 10 * b + 10)).sum()) for b in range(5)
+    ]
     ids, sums = coalesce(keys, values_2d)
     assert ids.tolist() == unique.tolist()
     torch.testing.assert_close(sums, expected)
@@ -134,13 +136,13 @@ def _count_per_stage(accumulate: bool, device: str = "cpu"):
 @pytest.mark.parametrize("device", DEVICES)
 def test_collectives_and_host_reads_per_stage(rank_pools, device):
     # One lookup: headers with ids, then rows; the step sends the gradients back along the lookup's route.
-    for lookup_collectives, step_collectives, forward_reads, backward_reads, step_reads, sent in rank_pools(2, device).run(
+    for lookup_collectives, step_collectives, forward_reads, backward_reads, step_reads, _sent in rank_pools(2, device).run(
         _count_per_stage, False, device
     ):
         assert (lookup_collectives, step_collectives) == (2, 1)
         assert (forward_reads, backward_reads, step_reads) == (1, 0, 1)
     # Two lookups before a step: the first lookup's gradients take the general round (header + values).
-    for lookup_collectives, step_collectives, forward_reads, backward_reads, step_reads, sent in rank_pools(2, device).run(
+    for lookup_collectives, step_collectives, forward_reads, _backward_reads, step_reads, _sent in rank_pools(2, device).run(
         _count_per_stage, True, device
     ):
         assert (lookup_collectives, step_collectives) == (4, 3)

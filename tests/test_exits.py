@@ -121,7 +121,9 @@ def test_every_exit_shape_exits_cleanly_with_the_race_widened():
     plan = PLAIN_TORCH * 2 + ["fit-spawn", "torchrun-fit"]
     results = stress(len(plan), plan, widen=True, parallel=2)
     failed = [r for r in results if not r.clean]
-    assert not failed, report(results) + "\n" + "\n".join(f"--- {r.shape}: exit code {r.returncode}\n{r.tail[-1500:]}" for r in failed[:2])
+    assert not failed, (
+        report(results) + "\n" + "\n".join(f"--- {r.shape}: exit code {r.returncode}\n{r.tail[-1500:]}" for r in failed[:2])
+    )
 
 
 def _running(pid: int) -> bool:

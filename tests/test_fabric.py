@@ -10,16 +10,16 @@ from pathlib import Path
 
 import lightning as L
 import lightning.pytorch as pl
+import lightning_models as lm
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
-
-import lightning_models as lm
-import lightning_sparse as ls
 from processes import assert_clean_exit
 from rank_pool import RankError
 from references import make_reference
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+import lightning_sparse as ls
 
 OPTIMIZERS = {
     "sgd": ("SparseSGD", dict(lr=0.5)),
@@ -102,8 +102,12 @@ def test_fabric_loop_matches_plain_torch_reference_for_every_optimizer(rank_pool
     batches = lm.global_batches(world_size, batch_size=4, epochs=EPOCHS)
     for case, (sparse, sparse_kwargs) in OPTIMIZERS.items():
         kwargs = dict(dense_lr=DENSE_LR, accumulate=ACCUMULATE, clip_norm=CLIP)
-        expected = lm.reference(batches, lambda params, **kw: _PerTable(sparse, params, **kw), sparse_kwargs, **kwargs)
-        initial = lm.reference([], lambda params, **kw: _PerTable(sparse, params, **kw), sparse_kwargs, **kwargs)
+
+        def make(params, sparse=sparse, **kw):
+            return _PerTable(sparse, params, **kw)
+
+        expected = lm.reference(batches, make, sparse_kwargs, **kwargs)
+        initial = lm.reference([], make, sparse_kwargs, **kwargs)
         assert not torch.equal(expected["users"], initial["users"]), case
         for got in results:
             for key, value in expected.items():
@@ -149,12 +153,14 @@ def _fabric_load(path: str, world_size: int) -> tuple[dict, dict]:
 
 def test_fabric_checkpoint_resumes_exactly_and_reshards(rank_pools, tmp_path):
     path = str(tmp_path / "fabric.ckpt")
-    for saved, straight, resumed in rank_pools(2).run(_fabric_save_and_resume, path):
+    results = rank_pools(2).run(_fabric_save_and_resume, path)
+    for _, straight, resumed in results:
         for key, value in straight.items():
             torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
     stored = ls.checkpoint.stored_tensors(path)  # the Trainer's layout: dense optimizer 0, sparse optimizer 1
     assert stored["state_dict.users.weight"].shape == (lm.USERS, lm.DIM)
     assert stored["optimizer_1.state.0.row_step"].shape == (lm.USERS,)
+    saved = results[0][0]  # the state at the save, as rank 0 gathered it
     for got, remainder in rank_pools(3).run(_fabric_load, path, 3):
         assert remainder == {"epoch": 1}
         for key, value in saved.items():
@@ -248,7 +254,18 @@ def test_fabric_registry_holds_sparse_ddp():
 
 # ---------------------------------------------------------------- the example
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fabric_recommender.py"
-SMALL = ["--num-users", "3000", "--num-items", "800", "--train-interactions", "6000", "--batch-size", "256", "--sparse-lr", "0.05"]
+SMALL = [
+    "--num-users",
+    "3000",
+    "--num-items",
+    "800",
+    "--train-interactions",
+    "6000",
+    "--batch-size",
+    "256",
+    "--sparse-lr",
+    "0.05",
+]
 
 
 def _example(tmp_path: Path, *args: str) -> str:

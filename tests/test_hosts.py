@@ -14,13 +14,13 @@ import sys
 import time
 from pathlib import Path
 
+import lightning_models as lm
 import pytest
 import torch
-
-import lightning_models as lm
 from hosts import Hosts, skip_reason, wire_skip_reason
-from lightning_sparse import checkpoint
 from processes import ABORT_MARK, assert_clean_exit
+
+from lightning_sparse import checkpoint
 
 pytestmark = [
     pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason())),
@@ -91,10 +91,23 @@ def test_recommender_on_two_hosts_through_lightning_env_over_a_slow_lossy_link_e
     wire = SLOW_LOSSY_LINK if wire_skip_reason() is None else None
     with Hosts(2, wire=wire) as hosts:
         spread = [
-            hosts.popen(host, [*RECOMMENDER, "--trainer.num_nodes", "2", "--trainer.devices", "1",
-                               "--trainer.default_root_dir", str(tmp_path / "two")],  # one checkpoint directory, as on a shared file system
-                        env=hosts.lightning_env(host, **_env()),
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)  # fmt: skip
+            hosts.popen(
+                host,
+                [
+                    *RECOMMENDER,
+                    "--trainer.num_nodes",
+                    "2",
+                    "--trainer.devices",
+                    "1",
+                    "--trainer.default_root_dir",
+                    str(tmp_path / "two"),
+                ],  # one checkpoint directory, as on a shared file system
+                env=hosts.lightning_env(host, **_env()),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=tmp_path,
+            )  # fmt: skip
             for host in range(2)
         ]
         rank_pools(2).run(_recommender_on_one_host, str(tmp_path / "one"))  # meanwhile, the reference on this host
@@ -123,7 +136,7 @@ def test_wrong_master_addr_fails_on_every_host_within_the_timeout_with_a_hint(ho
     results = [_finish(proc, f"host {host}") for host, proc in enumerate(procs)]
     elapsed = time.monotonic() - start
     assert elapsed < timeout_s + 60, f"the ranks took {elapsed:.0f} s to give up (timeout {timeout_s} s)"
-    for host, result in enumerate(results):
+    for result in results:
         assert result.returncode != 0 and ABORT_MARK not in result.stdout, result.stdout[-3000:]
         assert "PeerFailure" in result.stdout and "could not start the job" in result.stdout, result.stdout[-3000:]
         assert "HINT: MASTER_ADDR must be the address of the host running NODE_RANK=0" in result.stdout
@@ -139,9 +152,14 @@ SCRIPT = str(ROOT / "tests" / "scripts" / "fit_collection.py")
 def _fit_on_hosts(hosts: Hosts, out: Path, timeout_s: float, *extra: str) -> list[subprocess.Popen]:
     """fit_collection.py on both hosts through Lightning's environment (one rank per host)."""
     return [
-        hosts.popen(host, [sys.executable, SCRIPT, str(out), "--num-nodes", "2", "--timeout", str(timeout_s), *extra],
-                    env=hosts.lightning_env(host, **_env()),
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        hosts.popen(
+            host,
+            [sys.executable, SCRIPT, str(out), "--num-nodes", "2", "--timeout", str(timeout_s), *extra],
+            env=hosts.lightning_env(host, **_env()),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
         for host in range(2)
     ]
 
@@ -215,7 +233,9 @@ def test_failures_mid_fit_stop_every_rank_in_time_and_every_job_resumes_exactly(
             last = runs[fault] / "checkpoints" / "last.ckpt"
             assert checkpoint.is_sharded(last) and checkpoint.load_meta(last)["global_step"] == 6, fault
         cut_off = results["partition"][1]  # the cut-off side knows it is the one cut off
-        assert cut_off.returncode != 0 and "PeerFailure" in cut_off.stdout and ABORT_MARK not in cut_off.stdout, cut_off.stdout[-3000:]
+        assert cut_off.returncode != 0 and "PeerFailure" in cut_off.stdout and ABORT_MARK not in cut_off.stdout, cut_off.stdout[
+            -3000:
+        ]
         assert "this host is probably the one cut off" in cut_off.stdout, cut_off.stdout[-3000:]
         assert results["host-kill"][1].returncode == -9
         cut.restore(1)
@@ -236,16 +256,51 @@ def test_failures_mid_fit_stop_every_rank_in_time_and_every_job_resumes_exactly(
 def _torchrun_with_restarts(hosts: Hosts, run: Path) -> list[subprocess.Popen]:
     """torchrun --nnodes 2 --max-restarts 1 on both hosts (c10d rendezvous on host 0); rank 1 dies at step 9, once."""
     return [
-        hosts.popen(host, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.address(0)}:29400", "--rdzv-id", "restarts",
-                           # the hosts share one hostname, so torchrun cannot tell by name which one holds the store
-                           "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", hosts.address(host),
-                           "--max-restarts", "1", "--monitor-interval", "0.5",
-                           SCRIPT, str(run / "resumed.pt"), "--num-nodes", "2", "--timeout", str(FAULT_TIMEOUT_S),
-                           "--checkpoints", str(run / "checkpoints"), "--resume", "--die", "1", "9", str(run / "died")],
-                    # the workers' own store per attempt: torchrun's shared one breaks such restarts (pytorch/pytorch#135712)
-                    env=hosts.env(**_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")),
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        hosts.popen(
+            host,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"{hosts.address(0)}:29400",
+                "--rdzv-id",
+                "restarts",
+                # the hosts share one hostname, so torchrun cannot tell by name which one holds the store
+                "--rdzv-conf",
+                f"is_host={int(host == 0)}",
+                "--local-addr",
+                hosts.address(host),
+                "--max-restarts",
+                "1",
+                "--monitor-interval",
+                "0.5",
+                SCRIPT,
+                str(run / "resumed.pt"),
+                "--num-nodes",
+                "2",
+                "--timeout",
+                str(FAULT_TIMEOUT_S),
+                "--checkpoints",
+                str(run / "checkpoints"),
+                "--resume",
+                "--die",
+                "1",
+                "9",
+                str(run / "died"),
+            ],
+            # the workers' own store per attempt: torchrun's shared one breaks such restarts (pytorch/pytorch#135712)
+            env=hosts.env(**_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
         for host in range(2)
     ]
 

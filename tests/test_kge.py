@@ -9,10 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning_models as lm
 import pytest
 import torch
-
-import lightning_models as lm
 from processes import assert_clean_exit
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "kge"

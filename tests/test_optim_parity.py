@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import lightning_sparse as ls
 from rank_pool import DEVICES, LAYOUTS, assert_replicas_identical, table_groups
 from references import batch_loss, reference_train
+
+import lightning_sparse as ls
 
 N, D, STEPS, GLOBAL_BATCH, BAG = 23, 4, 5, 12, 3
 SEED = 11
@@ -36,7 +36,9 @@ def make_batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return batches
 
 
-def train_sharded(name: str, kwargs: dict, scheme: str, batches, device: str = "cpu", group_size: int | None = None) -> torch.Tensor:
+def train_sharded(
+    name: str, kwargs: dict, scheme: str, batches, device: str = "cpu", group_size: int | None = None
+) -> torch.Tensor:
     """One rank's part of the run: its slice of each global batch, a loss scaled as in the README."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     with table_groups(group_size) as groups:
@@ -172,7 +174,6 @@ def test_state_dict_round_trip_and_lr_scheduler():
         if opt_state is not None:
             opt.load_state_dict(opt_state[0])
             sched.load_state_dict(opt_state[1])
-        gen = torch.Generator().manual_seed(len(steps))
         for ids in steps:
             emb(ids).pow(3).sum().backward()
             opt.step()

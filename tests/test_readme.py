@@ -5,10 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import lightning_models as lm
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning_models as lm
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -22,7 +21,13 @@ def _lightning_example() -> str:
 def _run_readme_module() -> tuple[float, int]:
     lm.lightning_env(torch.distributed.get_rank(), 2)
     namespace: dict = {}
-    exec(_lightning_example().replace("devices=2, max_epochs=1,", "devices=2, max_epochs=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,"), namespace)
+    exec(
+        _lightning_example().replace(
+            "devices=2, max_epochs=1,",
+            "devices=2, max_epochs=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,",
+        ),
+        namespace,
+    )
     gen = torch.Generator().manual_seed(0)
     users, items = torch.randint(0, 1000, (256,), generator=gen), torch.randint(0, 500, (256,), generator=gen)
     clicked = ((users + items) % 2).float()

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from references import make_reference
 
 import lightning_sparse as ls
-from references import make_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from mirror import init_mirror, mirror_groups  # noqa: E402

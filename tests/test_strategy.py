@@ -7,14 +7,14 @@ import os
 from datetime import timedelta
 
 import lightning.pytorch as pl
+import lightning_models as lm
 import pytest
 import torch
+from rank_pool import COLLECTIVE_TIMEOUT_S, RankError
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_models as lm
 import lightning_sparse as ls
-from rank_pool import COLLECTIVE_TIMEOUT_S, RankError
 
 TIMEOUT = timedelta(seconds=COLLECTIVE_TIMEOUT_S)  # for the process groups a strategy makes (2-D sharding)
 
@@ -50,7 +50,8 @@ CASES = {
     "static-graph": (dict(), dict(strategy=dict(static_graph=True)), dict()),
     # 2-D sharding: tables sharded over groups of 2 ranks, replicated across the groups.
     "two-d-accumulate": (  # batches of 2: 6 per rank and epoch, so that every optimizer step takes 2
-        dict(batch_size=2), dict(strategy=dict(sharding_group_size=2, timeout=TIMEOUT), accumulate_grad_batches=2),
+        dict(batch_size=2),
+        dict(strategy=dict(sharding_group_size=2, timeout=TIMEOUT), accumulate_grad_batches=2),
         dict(accumulate=2),
     ),
     "adam-global": (
@@ -281,7 +282,7 @@ def _fit_resume(directory: str) -> tuple[dict, dict]:
 
 def test_resume_from_checkpoint_equals_uninterrupted_fit(rank_pools, tmp_path):
     results = rank_pools(2).run(_fit_resume, str(tmp_path))
-    for straight, resumed, ckpt, first, from_checkpoint in results:
+    for straight, resumed, _ckpt, first, from_checkpoint in results:
         for key, value in straight.items():
             torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
             torch.testing.assert_close(from_checkpoint[key], first[key], rtol=0, atol=0, msg=key)
@@ -418,7 +419,12 @@ def _fit_error(module_cls: type, strategy: str | dict, devices: int) -> str:
         (SparseInDense, "sparse_ddp", 2, "configure_optimizers returned SparseSGD. HINT: return sparse optimizers"),
         (MissingTable, "sparse_ddp", 2, "No sparse optimizer updates items. HINT"),
         (OutOfOrder, "sparse_ddp", 2, "Ranks looked up different tables in the same round"),
-        (lm.TwoTower, "ddp", 2, 'used under Lightning\'s DDPStrategy, which does not shard or step SparseEmbeddings. HINT: pass strategy="sparse_ddp"'),
+        (
+            lm.TwoTower,
+            "ddp",
+            2,
+            'used under Lightning\'s DDPStrategy, which does not shard or step SparseEmbeddings. HINT: pass strategy="sparse_ddp"',
+        ),
         (lm.TwoTower, dict(sharding_group_size=3), 2, "Invalid sharding_group_size: 3 for 2 ranks. HINT: use a divisor"),
     ],
 )

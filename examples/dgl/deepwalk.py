@@ -14,12 +14,11 @@ from __future__ import annotations
 import dgl
 import torch
 import torch.nn.functional as F
+from cli import main
+from graphs import CommunityModule, PlantedGraphData
 from torch.utils.data import DataLoader
 
 import lightning_sparse as ls
-
-from cli import main
-from graphs import CommunityModule, PlantedGraphData
 
 
 class RandomWalks(PlantedGraphData):
@@ -71,9 +70,7 @@ class RandomWalks(PlantedGraphData):
 class DeepWalk(CommunityModule):
     """Skip-gram with ``negatives`` uniform negatives per pair over two sharded tables."""
 
-    def __init__(
-        self, num_nodes: int, num_classes: int = 10, dim: int = 64, negatives: int = 5, lr: float = 0.01
-    ) -> None:
+    def __init__(self, num_nodes: int, num_classes: int = 10, dim: int = 64, negatives: int = 5, lr: float = 0.01) -> None:
         super().__init__(num_classes)
         self.save_hyperparameters()
         self.nodes = ls.SparseEmbedding(num_nodes, dim, init=ls.init.uniform(-0.5 / dim, 0.5 / dim), seed=0)
@@ -83,9 +80,7 @@ class DeepWalk(CommunityModule):
     def training_step(self, batch, batch_idx):
         centres, contexts = batch
         generator = torch.Generator().manual_seed(int(self.global_step) * 7919 + self.global_rank)
-        negatives = torch.randint(
-            0, self.hparams.num_nodes, (len(centres), self.hparams.negatives), generator=generator
-        )
+        negatives = torch.randint(0, self.hparams.num_nodes, (len(centres), self.hparams.negatives), generator=generator)
         u = self.nodes(centres)  # [P, d]
         v = self.contexts(torch.cat([contexts.unsqueeze(1), negatives.to(contexts.device)], dim=1))  # [P, 1 + k, d]
         logits = torch.einsum("pd,pkd->pk", u, v)

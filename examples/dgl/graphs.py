@@ -60,9 +60,7 @@ def planted_communities(
 class PlantedGraphData(LightningDataModule):
     """Holds the planted graph (the same on every rank) and gives each rank its own DGL random stream."""
 
-    def __init__(
-        self, num_nodes: int, communities: int, degree_in: int, degree_out: int, labeled: float, seed: int
-    ) -> None:
+    def __init__(self, num_nodes: int, communities: int, degree_in: int, degree_out: int, labeled: float, seed: int) -> None:
         super().__init__()
         self.planted = planted_communities(num_nodes, communities, degree_in, degree_out, labeled, seed)
         self.seed = seed

@@ -14,13 +14,12 @@ from __future__ import annotations
 import dgl
 import torch
 import torch.nn.functional as F
+from cli import main
 from dgl.nn import SAGEConv
+from graphs import CommunityModule, PlantedGraphData
 from torch.utils.data import DataLoader
 
 import lightning_sparse as ls
-
-from cli import main
-from graphs import CommunityModule, PlantedGraphData
 
 
 class SampledCommunities(PlantedGraphData):

@@ -68,7 +68,9 @@ def feature_names(hashed_features: int = 0) -> tuple[str, ...]:
 class ClickData(Dataset):
     """Column tensors of a click log; items are indices, batches are built by :meth:`collate`."""
 
-    def __init__(self, labels: torch.Tensor, dense: torch.Tensor, single: dict, bags: dict, logits: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, labels: torch.Tensor, dense: torch.Tensor, single: dict, bags: dict, logits: torch.Tensor | None = None
+    ) -> None:
         self.labels, self.dense, self.single, self.bags = labels, dense, single, bags
         self.logits = logits  # the planted click logits of synthetic data: the best any model can do
 

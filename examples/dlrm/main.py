@@ -1,19 +1,18 @@
 """Train DLRM on Criteo-shaped clicks with strategy="sparse_ddp", through LightningCLI.
 
-    cd examples/dlrm && python main.py fit --config config.yaml
-    # real Criteo data (TSV: label, I1..I13, C1..C26):
-    python main.py fit --config config.yaml --data.tsv /path/to/day_0 --data.tsv_limit 2000000
-    # raw 64-bit hashed ids: DynamicEmbedding vs id % N tables of the same memory (docs/dlrm-hashed.md)
-    python main.py fit --config hashed.yaml --model.tables dynamic
-    python main.py fit --config hashed.yaml --model.tables modulo
+cd examples/dlrm && python main.py fit --config config.yaml
+# real Criteo data (TSV: label, I1..I13, C1..C26):
+python main.py fit --config config.yaml --data.tsv /path/to/day_0 --data.tsv_limit 2000000
+# raw 64-bit hashed ids: DynamicEmbedding vs id % N tables of the same memory (docs/dlrm-hashed.md)
+python main.py fit --config hashed.yaml --model.tables dynamic
+python main.py fit --config hashed.yaml --model.tables modulo
 """
 
 from __future__ import annotations
 
 import torch
-from lightning.pytorch.cli import LightningCLI
-
 from data import CriteoDataModule
+from lightning.pytorch.cli import LightningCLI
 from model import DLRM
 
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from data import DENSE, MULTI_HOT, SPARSE, WEIGHTED, cardinalities, feature_names
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torchmetrics.classification import BinaryAUROC
 from typing_extensions import override
 
 import lightning_sparse as ls
-from data import DENSE, MULTI_HOT, SPARSE, WEIGHTED, cardinalities, feature_names
 
 TABLES = ("static", "dynamic", "modulo")  # Criteo-shaped row ids; hashed ids: DynamicEmbedding, or id % N
 INT64, INT32 = 8, 4  # bytes

@@ -72,7 +72,9 @@ class KGDataModule(LightningDataModule):
         self.save_hyperparameters()
         self.data_dir = Path(data_dir or os.environ.get("WN18RR_DIR", DEFAULT_DIR))
         if not (self.data_dir / "train.txt").is_file():
-            raise FileNotFoundError(f"No train.txt in {self.data_dir}. HINT: pass --data.data_dir DIR (head<TAB>relation<TAB>tail files).")
+            raise FileNotFoundError(
+                f"No train.txt in {self.data_dir}. HINT: pass --data.data_dir DIR (head<TAB>relation<TAB>tail files)."
+            )
         self.entities, self.relations = self._vocabulary()
 
     @property

@@ -1,15 +1,14 @@
 """Train knowledge-graph embeddings on WN18RR (or any head<TAB>relation<TAB>tail graph) with sparse_ddp.
 
-    cd examples/kge && python main.py fit --config distmult.yaml
-    python main.py test --config distmult.yaml --ckpt_path best
+cd examples/kge && python main.py fit --config distmult.yaml
+python main.py test --config distmult.yaml --ckpt_path best
 """
 
 from __future__ import annotations
 
 import torch
-from lightning.pytorch.cli import LightningCLI
-
 from data import KGDataModule
+from lightning.pytorch.cli import LightningCLI
 from model import KGE
 
 

@@ -163,9 +163,11 @@ class KGE(LightningModule):
             return queries @ tails.T
         # [B, N, d/2] at a time would not fit for all entities: a block of tails at a time.
         block = max(1, (1 << 24) // max(1, len(queries) * queries.shape[1]))
-        return self.hparams.margin - torch.cat(
-            [self._distance(queries.unsqueeze(1), part) for part in tails.split(block)], dim=1
-        ) if len(tails) else queries.new_empty(len(queries), 0)
+        return (
+            self.hparams.margin - torch.cat([self._distance(queries.unsqueeze(1), part) for part in tails.split(block)], dim=1)
+            if len(tails)
+            else queries.new_empty(len(queries), 0)
+        )
 
     @staticmethod
     def _distance(queries: torch.Tensor, tails: torch.Tensor) -> torch.Tensor:
@@ -281,5 +283,7 @@ class EvalSummary(Callback):
         if trainer.sanity_checking or not trainer.is_global_zero:
             return
         m = trainer.callback_metrics
-        figures = ", ".join(f"{k} {float(m[f'{split}_{k}']):.4f}" for k in ("mrr", "hits1", "hits3", "hits10") if f"{split}_{k}" in m)
+        figures = ", ".join(
+            f"{k} {float(m[f'{split}_{k}']):.4f}" for k in ("mrr", "hits1", "hits3", "hits10") if f"{split}_{k}" in m
+        )
         print(f"epoch {trainer.current_epoch} {split}: {figures}", flush=True)

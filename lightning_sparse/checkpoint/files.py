@@ -3,9 +3,11 @@
 A checkpoint ``path`` (what ModelCheckpoint names ``epoch=0-step=6.ckpt``) is a symbolic link to
 a data directory beside it. A save writes a new data directory and only then points the link at
 it (``os.replace`` of a link is atomic), so a save killed half-way leaves the previous
-checkpoint, and ``last.ckpt``, intact. Data directories no link points to (left by a killed save,
-or replaced by a newer save of the same name) are removed by the next save in the folder. Their
-names contain no checkpoint name, so Lightning's search for ``last`` never finds one.
+checkpoint, and ``last.ckpt``, intact. A data directory is named after a hash of its checkpoint's
+name (``.sparse-ckpt-<hash>-<id>``): the next save of that name removes those no link points to
+(left by a killed save, or replaced), and never touches another name's, so jobs that save into
+one folder under different names leave each other's saves in progress alone. The names contain
+no checkpoint name, so Lightning's search for ``last`` never finds one.
 
 Integrity: every file of a data directory has a CRC-32 in ``checksums.json``, with what it holds
 (for a band of a per-row tensor: the key, the table and the rows), written by rank 0 from every
@@ -19,13 +21,16 @@ import os
 import shutil
 import uuid
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
 from lightning_sparse.faults import collective
 
+METADATA_FILE = "meta.pt"
+FORMAT = 3  # 1: tables inside the main DCP checkpoint; 2: bands without checksums
 DATA_PREFIX = ".sparse-ckpt-"
 LINK_PREFIX = ".sparse-link-"
 DCP_METADATA_FILE = ".metadata"
@@ -35,7 +40,7 @@ ROWS_DIR = "rows"
 def new_data_directory(path: Path) -> Path:
     """Create an empty data directory beside ``path`` (the same on every rank). Collective."""
     distributed = dist.is_available() and dist.is_initialized()
-    name = [f"{DATA_PREFIX}{uuid.uuid4().hex[:12]}"]
+    name = [f"{_owned_prefix(DATA_PREFIX, path)}{uuid.uuid4().hex[:12]}"]
     with collective(f"start of saving {path}"):
         if distributed:
             dist.broadcast_object_list(name, src=0)
@@ -47,19 +52,24 @@ def new_data_directory(path: Path) -> Path:
     return data
 
 
+def _owned_prefix(prefix: str, path: Path) -> str:
+    """The start of the names of the data directories (or staging links) of checkpoint ``path``."""
+    return f"{prefix}{zlib.crc32(path.name.encode()):08x}-"
+
+
 def link(data: Path, path: Path) -> None:
-    """Point ``path`` at ``data`` atomically, then delete data directories no link points to."""
+    """Point ``path`` at ``data`` atomically, then delete the data directories of ``path``'s name no link points to."""
     if path.exists() and not path.is_symlink():  # an older single-file or directory checkpoint
         shutil.rmtree(path) if path.is_dir() else path.unlink()
-    staging = path.parent / f"{LINK_PREFIX}{uuid.uuid4().hex[:8]}"
+    staging = path.parent / f"{_owned_prefix(LINK_PREFIX, path)}{uuid.uuid4().hex[:8]}"
     os.symlink(data.name, staging)
     os.replace(staging, path)
     folder = path.parent
     linked = {(folder / os.readlink(p)).resolve() for p in folder.iterdir() if p.is_symlink() and p.exists()}
-    for stale in folder.glob(DATA_PREFIX + "*"):
+    for stale in folder.glob(_owned_prefix(DATA_PREFIX, path) + "*"):
         if stale.resolve() not in linked:
             shutil.rmtree(stale, ignore_errors=True)
-    for stale in folder.glob(LINK_PREFIX + "*"):
+    for stale in folder.glob(_owned_prefix(LINK_PREFIX, path) + "*"):
         stale.unlink()
 
 

@@ -9,8 +9,9 @@ in place, on any number of ranks.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
@@ -82,8 +83,8 @@ class SparseCheckpointHooks:
         meta = checkpoint.load_meta(path, weights_only=True if weights_only is None else weights_only)
         log.debug("%s: loading sharded checkpoint %s on %d ranks", type(self).__name__, path, self.world_size)
         module = self.lightning_module
-        checkpoint.load_module(path, module, strict=module.strict_loading)
-        rests = meta.pop("optimizer_states_rest", None)
+        checkpoint.load_module(path, module, strict=module.strict_loading, meta=meta)
+        rests = meta.get("optimizer_states_rest")
         if module.trainer.state.fn == TrainerFn.FITTING and rests is not None:
             if len(rests) != len(self.optimizers):
                 raise MisconfigurationException(
@@ -91,13 +92,15 @@ class SparseCheckpointHooks:
                     f"optimizers (dense and sparse). HINT: resume with the same configure_optimizers and "
                     f"configure_sparse_optimizers."
                 )
-            for index, (optimizer, rest) in enumerate(zip(self.optimizers, rests)):
-                self._load_optimizer(path, index, optimizer, rest)
+            for index, optimizer in enumerate(self.optimizers):
+                if not isinstance(optimizer, _MockOptimizer):
+                    lightning_format.read_optimizer(path, index, module, optimizer, meta)
         if "fabric" in meta:  # written by Fabric: weights and optimizers restored; loops and schedulers start afresh
             import lightning
 
             meta.setdefault("pytorch-lightning_version", lightning.__version__)
             meta.setdefault("lr_schedulers", [config.scheduler.state_dict() for config in self.lr_scheduler_configs])
+        meta.pop("optimizer_states_rest", None)
         return meta
 
     def _weights_only_checkpoint(self, state_dict: dict[str, Tensor]) -> dict[str, Any]:
@@ -110,10 +113,6 @@ class SparseCheckpointHooks:
             "state_dict": state_dict,
             "lr_schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
         }
-
-    def _load_optimizer(self, path: Path, index: int, optimizer: Optimizer, rest: dict[str, Any]) -> None:
-        if not isinstance(optimizer, _MockOptimizer):
-            lightning_format.read_optimizer(path, index, self.lightning_module, optimizer, rest)
 
     @override
     def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:

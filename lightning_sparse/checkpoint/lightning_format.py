@@ -69,10 +69,14 @@ def sparse_indices(meta: dict[str, Any]) -> list[int]:
     return [i for i, rest in enumerate(rests) if "duplicate_grads" in (rest.get("param_groups") or [{}])[0]]
 
 
-def read_optimizer(path: Path, index: int, module: nn.Module, optimizer: Optimizer, rest: dict[str, Any]) -> None:
-    """Load the saved ``optimizer_<index>`` into ``optimizer`` (each rank only its rows of a sparse one). Collective."""
+def read_optimizer(path: Path, index: int, module: nn.Module, optimizer: Optimizer, meta: dict[str, Any]) -> None:
+    """Load the saved ``optimizer_<index>`` into ``optimizer`` (each rank only its rows of a sparse one). Collective.
+
+    ``meta``: the checkpoint's ``meta.pt`` as :func:`~lightning_sparse.checkpoint.load_meta` read it.
+    """
+    rest = meta["optimizer_states_rest"][index]
     if isinstance(optimizer, SparseOptimizer):
-        checkpoint.load_sparse_optimizer(path, index, optimizer, rest["param_groups"])
+        checkpoint.load_sparse_optimizer(path, index, optimizer, rest["param_groups"], meta)
         return
     state = get_optimizer_state_dict(module, optimizer)
     checkpoint.load_tensors(path, {f"optimizer_{index}": {"state": state["state"]}}, f"the state of {type(optimizer).__name__}")

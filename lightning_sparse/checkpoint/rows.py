@@ -15,8 +15,9 @@ world sizes or the schemes. ``parts`` follows from the logical shape, the same o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,8 +25,8 @@ from torch import Tensor
 
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.exchange import exchange_counts, exchange_values
-from lightning_sparse.grouping import SortedKeys
 from lightning_sparse.faults import collective
+from lightning_sparse.grouping import SortedKeys
 from lightning_sparse.sharding import RowSharding
 
 # A band is about this many bytes per rank (the scratch of a save or load), and a tensor has at
@@ -57,7 +58,9 @@ def band(table: SparseEmbedding, start: int, stop: int, device: torch.device) ->
     return slice(lo, hi), (local * world + rank if table.sharding_scheme == "mod" else local + rank * table.sharding.block_size)
 
 
-def move_rows(values: Tensor, global_ids: Tensor, target: RowSharding, table: SparseEmbedding, out: Tensor, offset: int = 0) -> Tensor:
+def move_rows(
+    values: Tensor, global_ids: Tensor, target: RowSharding, table: SparseEmbedding, out: Tensor, offset: int = 0
+) -> Tensor:
     """Send each row of ``values`` (global row ``global_ids[i]``) to its owner under ``target``; write what arrives into ``out``.
 
     ``target`` places the ids minus ``offset``; each received row goes to ``out[target.to_local(id - offset)]``.
@@ -116,7 +119,9 @@ class RowStore:
                 move_rows(block, saved_rows, table.sharding, table, out)
             del block
 
-    def blocks(self, key: str, table: SparseEmbedding, stored: dict[str, Any], load: Any, like: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+    def blocks(
+        self, key: str, table: SparseEmbedding, stored: dict[str, Any], load: Any, like: Tensor
+    ) -> Iterator[tuple[Tensor, Tensor]]:
         """This rank's contiguous block of each band of the stored tensor ``key``: (the rows' saved ids, their values).
 
         ``like``: a tensor with the rows' trailing shape, dtype and device. Collective: every
@@ -152,4 +157,3 @@ def export_rows(directory: Path, key: str, stored: dict[str, Any], target: Tenso
         start = part * stored["part_rows"]
         stop = min(target.shape[0], start + stored["part_rows"])
         load({key: target[start:stop]}, directory / key / f"part-{part}")
-

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -102,11 +103,13 @@ class SparseRowWiseAdagrad(SparseOptimizer):
             raise ValueError(f"Row-wise Adagrad needs a 2-D table, got shape {tuple(table.shard.shape)} for {table.name}.")
         return {
             "step": torch.zeros((), dtype=torch.int64),
-            "sum": torch.full((table.shard.shape[0],), group["initial_accumulator_value"], dtype=compute_dtype(table.dtype),
-                              device=table.device),
+            "sum": torch.full(
+                (table.shard.shape[0],), group["initial_accumulator_value"], dtype=compute_dtype(table.dtype), device=table.device
+            ),
         }
 
     def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
                write: RowWriter | None = None) -> None:  # fmt: skip
-        F.rowwise_adagrad_(shard, state["sum"], rows, grad, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                           write=write)
+        F.rowwise_adagrad_(
+            shard, state["sum"], rows, grad, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], write=write
+        )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -63,8 +64,11 @@ class SparseAdam(SparseOptimizer):
 
     def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
         shard = table.shard
-        state = {"step": torch.zeros((), dtype=torch.int64), "exp_avg": torch.zeros_like(shard, dtype=compute_dtype(shard.dtype)),
-                 "exp_avg_sq": torch.zeros_like(shard, dtype=compute_dtype(shard.dtype))}
+        state = {
+            "step": torch.zeros((), dtype=torch.int64),
+            "exp_avg": torch.zeros_like(shard, dtype=compute_dtype(shard.dtype)),
+            "exp_avg_sq": torch.zeros_like(shard, dtype=compute_dtype(shard.dtype)),
+        }
         if group["bias_correction"] == "row":
             state["row_step"] = torch.zeros(shard.shape[0], dtype=torch.int64, device=shard.device)
         return state

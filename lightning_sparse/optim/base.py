@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,9 +75,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         """State of one table: tensors whose first dim is the table's local rows, or 0-d counters."""
 
     @abc.abstractmethod
-    def update(
-        self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]
-    ) -> None:
+    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> None:
         """Apply one step to ``shard[rows]`` (local row indices, unique) given their gradients."""
 
     # ------------------------------------------------------------------ torch.optim API

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,7 +34,9 @@ class SparseSGD(SparseOptimizer):
             raise ValueError(f"Invalid learning rate: {lr}")
         if weight_decay < 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, duplicate_grads=duplicate_grads, check_finite=check_finite))
+        super().__init__(
+            params, dict(lr=lr, weight_decay=weight_decay, duplicate_grads=duplicate_grads, check_finite=check_finite)
+        )
 
     def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
         return {"step": torch.zeros((), dtype=torch.int64)}

@@ -30,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from programs import SHAPES
+from programs import SHAPES  # noqa: E402
 
 ABORT_MARKS = ("terminate called", "SIGABRT", "Signals.SIGABRT", "exitcode -6", "exit code -6")
 
@@ -68,8 +68,9 @@ def run_once(shape: str, widen: bool, timeout: float) -> Run:
     return Run(shape, code, aborted, time.monotonic() - start, output[-3000:])
 
 
-def stress(runs: int, shapes: list[str], widen: bool = True, parallel: int = 2, timeout: float = 240,
-           progress: Path | None = None) -> list[Run]:
+def stress(
+    runs: int, shapes: list[str], widen: bool = True, parallel: int = 2, timeout: float = 240, progress: Path | None = None
+) -> list[Run]:
     """``runs`` programs, round-robin over ``shapes``, ``parallel`` at a time.
 
     With ``progress``, every finished run is appended to that file as one JSON line and counted on

@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lightning_models as lm  # noqa: E402
+
 import lightning_sparse as ls  # noqa: E402
 
 

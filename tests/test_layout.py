@@ -1,0 +1,68 @@
+"""The package's layout: its import graph has no cycle, and no module imports another's private names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lightning_sparse"
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(module, names) for every import of a package module in ``path``, also under TYPE_CHECKING or in a function."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lightning_sparse":
+            for alias in node.names:  # `from lightning_sparse import checkpoint` imports a module
+                submodule = f"{node.module}.{alias.name}"
+                found.append((submodule, []) if submodule in modules else (node.module, [alias.name]))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names if alias.name.split(".")[0] == "lightning_sparse"]
+    return found
+
+
+def test_import_graph_has_no_cycle():
+    modules = _modules()
+    graph = {
+        name: sorted({target for target, _ in _imports(path, modules) if target in modules and target != name})
+        for name, path in modules.items()
+    }
+    graph["lightning_sparse"] = []  # the package face imports everything; nothing may import it back but for names
+    state: dict[str, str] = {}
+    cycles: list[list[str]] = []
+
+    def visit(name: str, stack: list[str]) -> None:
+        state[name] = "open"
+        stack.append(name)
+        for target in graph[name]:
+            if state.get(target) == "open":
+                cycles.append([*stack[stack.index(target) :], target])
+            elif target not in state:
+                visit(target, stack)
+        stack.pop()
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_no_module_imports_another_modules_private_names():
+    modules = _modules()
+    private = [
+        f"{name} imports {target}.{imported}"
+        for name, path in modules.items()
+        for target, names in _imports(path, modules)
+        for imported in names
+        if imported.startswith("_") and target != name
+    ]
+    assert not private, "\n".join(private)

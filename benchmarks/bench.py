@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-report", action="store_true")
     parser.add_argument(
         "--only",
-        choices=["scale", "network", "dynamic", "half", "gpu"],
+        choices=["distributed", "scale", "network", "dynamic", "half", "gpu"],
         help="measure this section again into the existing --out file (gpu: every GPU measurement)",
     )
     args = parser.parse_args(argv)
@@ -153,7 +153,13 @@ def _rerun(section: str, plan: dict, out: Path, page: Path | None) -> int:
     if section == "gpu":
         _measure_gpu(doc, plan)
     else:
-        runs = {"scale": scale.run, "network": network.run, "dynamic": dynamic.run, "half": half.run}
+        runs = {
+            "distributed": distributed.run,
+            "scale": scale.run,
+            "network": network.run,
+            "dynamic": dynamic.run,
+            "half": half.run,
+        }
         doc[section] = runs[section](**plan[section])
     code = _code()
     doc.setdefault("rerun", {})[section] = {"created": datetime.datetime.now().isoformat(timespec="seconds"),

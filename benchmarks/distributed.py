@@ -3,7 +3,7 @@
 Each step, on each rank: look up a batch of Zipf-distributed ids (duplicates within and across
 ranks) -> ``mean((rows @ proj - target)^2)`` -> backward -> an Adagrad step -> zero_grad.
 
-Methods (each in 2 freshly spawned processes, so peak RSS is per method):
+Methods (each in 2 freshly spawned processes, so peak RSS, each rank's own ``VmHWM``, is per method):
 
 * ``ours``: ``lightning_sparse.SparseEmbedding(sharding="mod")`` + ``SparseAdagrad``, plain torch loop.
 * ``sparse_ddp``: the same table in a LightningModule, ``Trainer(strategy="sparse_ddp")``.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import socket
 import statistics
 import tempfile
@@ -278,7 +277,16 @@ def run_lightning(rank: int, cfg: dict, method: str, rows: int, result: dict) ->
 
 # ---------------------------------------------------------------------- one run: 2 ranks
 def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """This rank's own peak resident memory (``VmHWM``).
+
+    Not ``ru_maxrss``: a spawned rank's ``ru_maxrss`` starts at its parent's peak (the process it
+    was forked from), so every method showed the parent's 7 GiB. ``VmHWM`` belongs to the address
+    space, which the rank's ``exec`` made new.
+    """
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024  # kB
+    return float("nan")
 
 
 def rank_main(rank: int, cfg: dict, method: str, rows: int, port: int, out_dir: str) -> None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from cli_main import run_cli
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import BinaryAUROC
@@ -139,13 +139,7 @@ class EpochSummary(Callback):
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    try:
-        LightningCLI(Recommender, SyntheticInteractions, save_config_callback=None)
-    finally:
-        # A rank that exits with a live process group occasionally aborts at exit.
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    run_cli(Recommender, SyntheticInteractions, threads=1)
 
 
 if __name__ == "__main__":

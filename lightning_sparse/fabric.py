@@ -30,7 +30,6 @@ until the sparse optimizer's ``step()``.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -39,16 +38,13 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH, _Stateful
-from lightning.fabric.wrappers import _FabricModule
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse import checkpoint
+from lightning_sparse import lightning_compat as compat
 from lightning_sparse.checkpoint import lightning_format
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.optim.base import SparseOptimizer
@@ -117,7 +113,7 @@ class FabricSparseDDPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None,
+    def save_checkpoint(self, path: compat.PATH, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:  # fmt: skip
         """Write ``state`` as a sharded checkpoint in the Trainer's format (see the module's docstring). Collective."""
         if storage_options is not None or filter:
@@ -136,12 +132,12 @@ class FabricSparseDDPStrategy(DDPStrategy):
             if name in lightning_format.RESERVED:
                 raise ValueError(f"fabric.save: the state key {name!r} is reserved by the sharded checkpoint format. "
                                  f"HINT: rename it.")  # fmt: skip
-            contents[name] = obj.state_dict() if isinstance(obj, _Stateful) else obj
+            contents[name] = obj.state_dict() if isinstance(obj, compat.Stateful) else obj
         lightning_format.write(Path(self.broadcast(path)), module, list(optimizers.values()), contents)
 
     @override
     def load_checkpoint(
-        self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
+        self, path: compat.PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Restore ``state`` in place from a sharded checkpoint written by Fabric or the Trainer; return the rest. Collective.
 
@@ -174,12 +170,12 @@ class FabricSparseDDPStrategy(DDPStrategy):
                                    f"HINT: pass strict=False to skip it.")  # fmt: skip
                 continue
             value = remainder.pop(name)
-            obj.load_state_dict(value) if isinstance(obj, _Stateful) else state.__setitem__(name, value)
+            obj.load_state_dict(value) if isinstance(obj, compat.Stateful) else state.__setitem__(name, value)
         return remainder
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: compat.StrategyRegistry) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(
                 cls.strategy_name,
@@ -188,7 +184,7 @@ class FabricSparseDDPStrategy(DDPStrategy):
             )
 
 
-class _TablesOnlySyncControl(_DDPBackwardSyncControl):
+class _TablesOnlySyncControl(compat.DDPBackwardSyncControl):
     """DDP's ``no_sync`` for a wrapped module; nothing to hold back for a module of tables only."""
 
     @override
@@ -278,17 +274,15 @@ def _refuse_foreign_fabric_strategy(table: SparseEmbedding) -> None:
     Under Fabric's ``ddp`` the tables would train, but ``fabric.save`` would write rank 0's shard
     only. The Fabric module is found on the call stack, so plain PyTorch use pays only this look.
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, _FabricModule):
-            if not isinstance(owner._strategy, FabricSparseDDPStrategy):
+    for owner in compat.caller_objects(1):
+        strategy = compat.fabric_strategy(owner)
+        if strategy is not None:
+            if not isinstance(strategy, FabricSparseDDPStrategy):
                 raise RuntimeError(
-                    f"{table.name} is used under Fabric's {type(owner._strategy).__name__}, which does not shard, step or "
+                    f"{table.name} is used under Fabric's {type(strategy).__name__}, which does not shard, step or "
                     f'save SparseEmbeddings. HINT: pass strategy="sparse_ddp" to Fabric (import lightning_sparse first).'
                 )
             return
-        frame = frame.f_back
 
 
 FabricSparseDDPStrategy.register_strategies(STRATEGY_REGISTRY)

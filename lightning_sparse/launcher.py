@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from typing_extensions import override
 
 from lightning_sparse.embedding import full_state_dict
+from lightning_sparse.lightning_compat import MultiProcessingLauncher
 
 
-class SparseMultiProcessingLauncher(_MultiProcessingLauncher):
+class SparseMultiProcessingLauncher(MultiProcessingLauncher):
     """Lightning's multiprocessing launcher, returning full tables to the main process."""
 
     @override

@@ -7,7 +7,7 @@ it has nothing to check. This plugin, which ``SparseDDPStrategy`` puts in place 
 loss scale of their backward and all-reduces whether any rank found an inf or NaN in them.
 That flag joins GradScaler's own record for the dense optimizer, so the scaler skips the step
 and backs off exactly as for a dense overflow; with no dense gradient the scale is updated as
-GradScaler would (``torch._amp_update_scale_``). The strategy then steps the sparse optimizers,
+GradScaler would (``lightning_compat.update_scale``). The strategy then steps the sparse optimizers,
 or drops their gradients if the step was skipped (``skipped``).
 """
 
@@ -23,6 +23,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_sparse import lightning_compat as compat
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.faults import collective
 
@@ -45,7 +46,7 @@ class SparseMixedPrecision(MixedPrecision):
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         scaled = super().pre_backward(tensor, module)
         if self.scaler is not None:  # the scale this backward's gradients carry (a device tensor: no host read)
-            self._inv_scale = self.scaler._scale.double().reciprocal().float()
+            self._inv_scale = compat.loss_scale(self.scaler).double().reciprocal().float()
         return scaled
 
     def unscale_sparse(self, tables: list[SparseEmbedding]) -> Tensor:
@@ -73,19 +74,16 @@ class SparseMixedPrecision(MixedPrecision):
         found_sparse = self.unscale_sparse(self.tables)
         has_dense = any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
         if not has_dense:  # only tables: update the scale as GradScaler would
-            self._after_closure(model, optimizer)
-            scale, tracker = self.scaler._scale, self.scaler._growth_tracker
-            found = found_sparse.to(scale.device)
-            torch._amp_update_scale_(scale, tracker, found, self.scaler._growth_factor, self.scaler._backoff_factor,
-                                     self.scaler._growth_interval)  # fmt: skip
-            self.skipped = bool(found.item())
+            compat.after_closure(self, model, optimizer)
+            compat.update_scale(self.scaler, found_sparse)
+            self.skipped = bool(found_sparse.item())
             return closure_result
         self.scaler.unscale_(optimizer)
-        state = self.scaler._per_optimizer_states[id(optimizer)]
-        for found in state["found_inf_per_device"].values():  # one decision for dense and sparse
+        flags = compat.found_inf_per_device(self.scaler, optimizer)
+        for found in flags.values():  # one decision for dense and sparse
             found.copy_(torch.maximum(found, found_sparse.to(found.device).reshape(found.shape)))
-        self._after_closure(model, optimizer)
-        self.skipped = bool(sum(v.item() for v in state["found_inf_per_device"].values()))
+        compat.after_closure(self, model, optimizer)
+        self.skipped = bool(sum(v.item() for v in flags.values()))
         step_output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return step_output

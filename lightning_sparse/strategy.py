@@ -23,27 +23,20 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.core.optimizer import (
-    LightningOptimizer,
-    _configure_optimizers,
-    _configure_schedulers_automatic_opt,
-    _configure_schedulers_manual_opt,
-    _validate_scheduler_api,
-)
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sparse import lightning_compat as compat
 from lightning_sparse.checkpoint.hooks import SparseCheckpointHooks
 from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.embedding import SparseEmbedding
@@ -160,7 +153,7 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, DDPStrategy):
                     f"`lightning_sparse.SparseAdagrad([{', '.join('self.' + t.name for t in self._tables)}], lr=0.1)`."
                 )
             return
-        optimizers, schedulers, monitor = _configure_optimizers(conf)
+        optimizers, schedulers, monitor = compat.configure_optimizers(conf)
         for optimizer in optimizers:
             if not isinstance(optimizer, SparseOptimizer):
                 raise MisconfigurationException(
@@ -175,10 +168,10 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, DDPStrategy):
                 f"configure_sparse_optimizers; to freeze a table, look it up under torch.no_grad()."
             )
         if module.automatic_optimization:
-            configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+            configs = compat.configure_schedulers_automatic_opt(schedulers, monitor)
         else:
-            configs = _configure_schedulers_manual_opt(schedulers)
-        _validate_scheduler_api(configs, module)
+            configs = compat.configure_schedulers_manual_opt(schedulers)
+        compat.validate_scheduler_api(configs, module)
         self._sparse_optimizers = optimizers
         self.optimizers = [*self.optimizers, *optimizers]
         self.lr_scheduler_configs = [*self.lr_scheduler_configs, *configs]
@@ -264,13 +257,13 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().validation_step(*args, **kwargs)
-        self._serve_after_last_batch(self.lightning_module.trainer._evaluation_loop)
+        self._serve_after_last_batch(compat.evaluation_loop(self.lightning_module.trainer))
         return output
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().test_step(*args, **kwargs)
-        self._serve_after_last_batch(self.lightning_module.trainer._evaluation_loop)
+        self._serve_after_last_batch(compat.evaluation_loop(self.lightning_module.trainer))
         return output
 
     @override
@@ -290,7 +283,7 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: compat.StrategyRegistry) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(
                 cls.strategy_name,
@@ -323,9 +316,7 @@ def _refuse_foreign_strategy(table: SparseEmbedding) -> None:
     would silently leave it untouched. The running strategy is found on the call stack, so that
     plain PyTorch use pays nothing but this one look.
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
+    for owner in compat.caller_objects(1):
         if isinstance(owner, Strategy):
             if not isinstance(owner, SparseDDPStrategy):
                 raise RuntimeError(
@@ -333,7 +324,6 @@ def _refuse_foreign_strategy(table: SparseEmbedding) -> None:
                     f'SparseEmbeddings. HINT: pass strategy="sparse_ddp" to the Trainer (import lightning_sparse first).'
                 )
             return
-        frame = frame.f_back
 
 
 SparseDDPStrategy.register_strategies(StrategyRegistry)

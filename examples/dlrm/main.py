@@ -10,10 +10,15 @@ python main.py fit --config hashed.yaml --model.tables modulo
 
 from __future__ import annotations
 
-import torch
+import sys
+from pathlib import Path
+
 from data import CriteoDataModule
 from lightning.pytorch.cli import LightningCLI
 from model import DLRM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # examples/: the main() they share
+from cli_main import run_cli  # noqa: E402
 
 
 class DLRMCLI(LightningCLI):
@@ -31,12 +36,7 @@ def _ranks(devices, num_nodes: int) -> int:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    try:
-        DLRMCLI(DLRM, CriteoDataModule, save_config_callback=None)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    run_cli(DLRM, CriteoDataModule, DLRMCLI, threads=1)
 
 
 if __name__ == "__main__":

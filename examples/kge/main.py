@@ -6,10 +6,15 @@ python main.py test --config distmult.yaml --ckpt_path best
 
 from __future__ import annotations
 
-import torch
+import sys
+from pathlib import Path
+
 from data import KGDataModule
 from lightning.pytorch.cli import LightningCLI
 from model import KGE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # examples/: the main() they share
+from cli_main import run_cli  # noqa: E402
 
 
 class KGECLI(LightningCLI):
@@ -19,11 +24,7 @@ class KGECLI(LightningCLI):
 
 
 def main() -> None:
-    try:
-        KGECLI(KGE, KGDataModule, save_config_callback=None)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    run_cli(KGE, KGDataModule, KGECLI)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def split_tensors(tree: Any) -> tuple[Any, Any]:
     return None, tree
 
 
-def row_tensors(
+def iter_row_tensors(
     module: nn.Module, sparse_optimizers: Mapping[int, SparseOptimizer]
 ) -> Iterator[tuple[str, SparseEmbedding, Tensor]]:
     """Every per-row tensor to store: (key, its table, this rank's rows in the table's sharding)."""

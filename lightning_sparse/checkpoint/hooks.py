@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
@@ -22,6 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse import checkpoint
+from lightning_sparse import lightning_compat as compat
 from lightning_sparse.checkpoint import lightning_format
 
 log = logging.getLogger("lightning_sparse.strategy")
@@ -52,12 +52,12 @@ class SparseCheckpointHooks:
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if isinstance(inner, _MockOptimizer):
+        if isinstance(inner, compat.MockOptimizer):
             return {}
         return lightning_format.optimizer_state(self.lightning_module, inner)
 
     @override
-    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: compat.PATH, storage_options: Any | None = None) -> None:
         """Write a sharded checkpoint (see ``lightning_sparse/checkpoint``). Collective."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options: it writes with DCP.")
@@ -65,7 +65,7 @@ class SparseCheckpointHooks:
         lightning_format.write(path, self.lightning_module, self.optimizers, checkpoint_dict)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: compat.PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint into the module and (when fitting) the optimizers; return the rest.
 
         Works on any number of ranks and either sharding scheme. A single file with full tables
@@ -93,7 +93,7 @@ class SparseCheckpointHooks:
                     f"configure_sparse_optimizers."
                 )
             for index, optimizer in enumerate(self.optimizers):
-                if not isinstance(optimizer, _MockOptimizer):
+                if not isinstance(optimizer, compat.MockOptimizer):
                     lightning_format.read_optimizer(path, index, module, optimizer, meta)
         if "fabric" in meta:  # written by Fabric: weights and optimizers restored; loops and schedulers start afresh
             import lightning
@@ -125,6 +125,6 @@ class SparseCheckpointHooks:
             )
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: compat.PATH) -> None:
         if self.is_global_zero:
             checkpoint.remove(filepath)

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_sparse.checkpoint.contents import is_distributed
+from lightning_sparse.checkpoint.contents import is_distributed, iter_row_tensors
 from lightning_sparse.checkpoint.files import (
     FORMAT,
     METADATA_FILE,
@@ -51,7 +51,7 @@ def save(
     store, row_tensors = RowStore(data / ROWS_DIR, distributed), {}
     try:
         with collective(f"saving checkpoint {path}"), torch.no_grad():
-            for key, table, local in row_tensors(module, sparse_optimizers):
+            for key, table, local in iter_row_tensors(module, sparse_optimizers):
                 row_tensors[key] = store.save(key, table, local)
             dcp.save(dense or {}, checkpoint_id=data, no_dist=not distributed)
             rank = dist.get_rank() if distributed else 0

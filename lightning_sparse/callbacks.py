@@ -8,8 +8,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_sparse.alltoall import ExchangeStats
 from lightning_sparse.dynamic import DynamicEmbedding
-from lightning_sparse.exchange import ExchangeStats
 from lightning_sparse.strategy import SparseDDPStrategy
 
 

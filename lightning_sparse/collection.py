@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_sparse.alltoall import ExchangeStats
 from lightning_sparse.collection_lookup import lookup_features, serve_collection
 from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.exchange import ExchangeStats, Route
+from lightning_sparse.exchange import Route
 from lightning_sparse.features import POOLING
 from lightning_sparse.sharding import JointSharding
 

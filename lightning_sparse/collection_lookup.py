@@ -30,8 +30,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.profiler import record_function
 
+from lightning_sparse.alltoall import exchange_values
 from lightning_sparse.dynamic import rows_of_features
-from lightning_sparse.exchange import (
+from lightning_sparse.exchange import Route, ids_to_owners, parts_received
+from lightning_sparse.features import FeatureIds, Problem, read_features
+from lightning_sparse.grouping import SortedKeys, transpose_blocks, transposed_places
+from lightning_sparse.header import (
     BAD_DTYPE,
     BAD_INPUT,
     BAD_OFFSETS,
@@ -41,18 +45,12 @@ from lightning_sparse.exchange import (
     UNREADABLE,
     Headers,
     LookupHeader,
-    Route,
-    exchange_values,
-    ids_to_owners,
-    parts_received,
 )
-from lightning_sparse.features import FeatureIds, Problem, read_features
-from lightning_sparse.grouping import SortedKeys, transpose_blocks, transposed_places
 from lightning_sparse.lookup import ID_DEVICES, ID_SOURCE_DTYPES, ID_SOURCE_TYPES, ShardedTable, check_one_unit, code_name
 from lightning_sparse.packing import common_unit, pack, unpack
 
 if TYPE_CHECKING:
-    from lightning_sparse.exchange import ExchangeStats
+    from lightning_sparse.alltoall import ExchangeStats
     from lightning_sparse.sharding import JointSharding
 
 

@@ -40,10 +40,11 @@ from torch import Tensor
 from lightning_sparse import init as row_init
 from lightning_sparse.admission import EVICTION, NULL_SLOT, SlotStats, SlotTable
 from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.exchange import OK, Headers, Route, ids_to_owners, rows_to_requesters
+from lightning_sparse.exchange import Route, ids_to_owners, rows_to_requesters
 from lightning_sparse.features import FeatureIds
 from lightning_sparse.grouping import SortedKeys
 from lightning_sparse.hashing import HashSharding, mix, unmix
+from lightning_sparse.header import OK, Headers
 from lightning_sparse.lookup import check_headers, lookup_rows, read_ids, serve_rows
 
 # ``LookupHeader.stage`` of a round that turns ids into rows (a collection's dynamic tables), and of one

@@ -17,11 +17,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sparse import init as row_init
-from lightning_sparse.exchange import ExchangeStats, Route
-from lightning_sparse.faults import collective
+from lightning_sparse.alltoall import ExchangeStats
+from lightning_sparse.exchange import Route
 from lightning_sparse.lookup import lookup, serve_rows
 from lightning_sparse.pending import PendingGrads
 from lightning_sparse.rounding import HALF
+from lightning_sparse.shard_state import ShardStateMixin
 from lightning_sparse.sharding import SCHEMES, RowSharding
 
 # Elements initialized per chunk: the int64/float64 hash temporaries of a chunk stay in cache, and
@@ -29,7 +30,7 @@ from lightning_sparse.sharding import SCHEMES, RowSharding
 _INIT_CHUNK_ELEMENTS = 1 << 16
 
 
-class SparseEmbedding(nn.Module):
+class SparseEmbedding(ShardStateMixin, nn.Module):
     """An embedding table whose rows are sharded over the ranks of a process group.
 
     Args:
@@ -87,19 +88,7 @@ class SparseEmbedding(nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__()
-        if num_embeddings < 1:
-            raise ValueError(f"Invalid num_embeddings: {num_embeddings}. HINT: a table needs at least one row.")
-        if embedding_dim < 1:
-            raise ValueError(f"Invalid embedding_dim: {embedding_dim}. HINT: rows need at least one column.")
-        if sharding not in SCHEMES:
-            raise ValueError(f"Invalid sharding: {sharding!r}. HINT: use one of {SCHEMES}.")
-        if not dtype.is_floating_point:
-            raise ValueError(f"Invalid dtype: {dtype}. HINT: a table holds floating-point rows, e.g. torch.float32.")
-        if stochastic_rounding not in (None, True, False) or (stochastic_rounding and dtype not in HALF):
-            raise ValueError(f"Invalid stochastic_rounding={stochastic_rounding!r} for dtype {dtype}. HINT: it applies to "
-                             f"torch.bfloat16 and torch.float16 tables (True or False).")  # fmt: skip
-        if output_dtype is not None and not output_dtype.is_floating_point:
-            raise ValueError(f"Invalid output_dtype: {output_dtype}. HINT: a floating dtype, e.g. torch.float32, or None.")
+        _check_arguments(num_embeddings, embedding_dim, sharding, dtype, stochastic_rounding, output_dtype)
         self.stochastic_rounding = stochastic_rounding  # None: on for half tables (also after .to(torch.bfloat16))
         self.output_dtype = output_dtype
         self.num_embeddings = num_embeddings
@@ -313,104 +302,26 @@ class SparseEmbedding(nn.Module):
         self.table_index = table_index
         self._first_lookup_checked = True
 
-    # ------------------------------------------------------------------ whole table
-    def full_weight(self) -> Tensor:
-        """The logical ``[num_embeddings, embedding_dim]`` table in global row order, on every rank.
-
-        Collective: every rank of the group must call it. Holds the whole table on every rank:
-        meant for export and tests, not for tables that do not fit one host.
-        """
-        return self.gather_rows(self.shard)
-
-    @torch.no_grad()
-    def gather_rows(self, local: Tensor) -> Tensor:
-        """Concatenate a per-row tensor (first dim: this rank's rows) from all ranks in global row order.
-
-        Collective: every rank of the group must call it. Used for the table and for per-row
-        optimizer state.
-        """
-        if self._world_size == 1:
-            return local.clone()
-        sharding = self.sharding
-        most = max(sharding.num_local_rows(r) for r in range(self._world_size))
-        padded = local.new_zeros(most, *local.shape[1:])
-        padded[: len(local)] = local
-        gathered = [torch.empty_like(padded) for _ in range(self._world_size)]
-        with collective(f"all-gather of {self.name}"):
-            dist.all_gather(gathered, padded, group=self.process_group)
-        out = local.new_empty(self.num_embeddings, *local.shape[1:])
-        for rank, part in enumerate(gathered):
-            ids = sharding.global_ids(rank, device=out.device)
-            out.index_copy_(0, ids, part[: len(ids)])
-        return out
-
-    def local_rows(self, full: Tensor) -> Tensor:
-        """This rank's rows of a full per-row tensor (the inverse of :meth:`gather_rows`)."""
-        self.materialize()
-        return full.index_select(0, self.sharding.global_ids(self._rank, device=full.device))
-
-    # ------------------------------------------------------------------ state dict
-    def sharded_keys(self) -> tuple[str, ...]:
-        """The state-dict entries that hold this rank's part of the table (``full_state_dict`` replaces them)."""
-        return ("shard", "_extra_state")
-
-    def full_tensors(self) -> dict[str, Tensor]:
-        """The whole table as state-dict entries, loadable on any placement: ``weight``. Collective."""
-        return {"weight": self.full_weight()}
-
-    def get_extra_state(self) -> dict[str, Any]:
-        return {
-            "num_embeddings": self.num_embeddings,
-            "embedding_dim": self.embedding_dim,
-            "sharding": self.sharding_scheme,
-            "world_size": self._world_size,
-            "rank": self._rank,
-        }
-
-    def set_extra_state(self, state: Any) -> None:
-        pass  # checked in _load_from_state_dict, which sees the tensors too
-
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        self.materialize()  # first, so that the extra state records the placement
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "shard"] = self.shard if keep_vars else self.shard.detach()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        """Accepts this rank's ``shard`` (same placement) or the full logical ``weight`` table."""
-        extra = state_dict.get(prefix + "_extra_state", {})
-        full, shard = state_dict.get(prefix + "weight"), state_dict.get(prefix + "shard")
-        self.materialize()
-        if full is not None:
-            if tuple(full.shape) != (self.num_embeddings, self.embedding_dim):
-                error_msgs.append(
-                    f"{self.name}: checkpoint table {prefix}weight has shape {tuple(full.shape)}, "
-                    f"expected {(self.num_embeddings, self.embedding_dim)}."
-                )
-            else:
-                with torch.no_grad():
-                    self._shard.copy_(self.local_rows(full))
-        elif shard is not None:
-            mine = self.get_extra_state()
-            theirs = {k: extra.get(k) for k in mine}
-            if theirs != mine or tuple(shard.shape) != tuple(self._shard.shape):
-                error_msgs.append(
-                    f"{self.name}: {prefix}shard holds rank {theirs['rank']}'s shard of {theirs['world_size']} "
-                    f"({theirs['sharding']}), but this module is rank {self._rank} of {self._world_size} "
-                    f"({self.sharding_scheme}). HINT: load a state dict that holds the full table as "
-                    f"'{prefix}weight' (see lightning_sparse.full_state_dict)."
-                )
-            else:
-                with torch.no_grad():
-                    self._shard.copy_(shard)
-        elif strict:
-            missing_keys.append(prefix + "shard")
-        if strict:
-            ours = {prefix + name for name in ("weight", "shard", "_extra_state")}
-            unexpected_keys.extend(key for key in state_dict if key.startswith(prefix) and key not in ours)
-
     def extra_repr(self) -> str:
         placement = f"rank={self._rank}/{self._world_size}" if self._materialized else "not materialized"
         return f"{self.num_embeddings}, {self.embedding_dim}, sharding={self.sharding_scheme!r}, {placement}"
+
+
+def _check_arguments(num_embeddings: int, embedding_dim: int, sharding: str, dtype: torch.dtype,
+                     stochastic_rounding: bool | None, output_dtype: torch.dtype | None) -> None:  # fmt: skip
+    if num_embeddings < 1:
+        raise ValueError(f"Invalid num_embeddings: {num_embeddings}. HINT: a table needs at least one row.")
+    if embedding_dim < 1:
+        raise ValueError(f"Invalid embedding_dim: {embedding_dim}. HINT: rows need at least one column.")
+    if sharding not in SCHEMES:
+        raise ValueError(f"Invalid sharding: {sharding!r}. HINT: use one of {SCHEMES}.")
+    if not dtype.is_floating_point:
+        raise ValueError(f"Invalid dtype: {dtype}. HINT: a table holds floating-point rows, e.g. torch.float32.")
+    if stochastic_rounding not in (None, True, False) or (stochastic_rounding and dtype not in HALF):
+        raise ValueError(f"Invalid stochastic_rounding={stochastic_rounding!r} for dtype {dtype}. HINT: it applies to "
+                         f"torch.bfloat16 and torch.float16 tables (True or False).")  # fmt: skip
+    if output_dtype is not None and not output_dtype.is_floating_point:
+        raise ValueError(f"Invalid output_dtype: {output_dtype}. HINT: a floating dtype, e.g. torch.float32, or None.")
 
 
 def full_state_dict(module: nn.Module, state_dict: dict[str, Any] | None = None) -> dict[str, Any]:

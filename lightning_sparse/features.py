@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_sparse.exchange import BAD_INPUT, OK
+from lightning_sparse.header import BAD_INPUT, OK
 from lightning_sparse.lookup import flat_ids
 
 POOLING = ("none", "sum", "mean")

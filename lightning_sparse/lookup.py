@@ -27,24 +27,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_sparse.exchange import (
-    BAD_DTYPE,
-    NOT_A_TENSOR,
-    OK,
-    UNREADABLE,
-    Headers,
-    LookupHeader,
-    Route,
-    SortedKeys,
-    ids_to_owners,
-    rows_to_requesters,
-)
+from lightning_sparse.exchange import Route, ids_to_owners, rows_to_requesters
+from lightning_sparse.grouping import SortedKeys
+from lightning_sparse.header import BAD_DTYPE, NOT_A_TENSOR, OK, UNREADABLE, Headers, LookupHeader
 from lightning_sparse.pending import LookupRecord
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from lightning_sparse.exchange import ExchangeStats
+    from lightning_sparse.alltoall import ExchangeStats
     from lightning_sparse.pending import PendingGrads
     from lightning_sparse.sharding import RowSharding
 

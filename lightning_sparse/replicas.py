@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
-from lightning_sparse.exchange import ExchangeStats
+from lightning_sparse.alltoall import ExchangeStats
 from lightning_sparse.faults import collective
 from lightning_sparse.grouping import coalesce
 from lightning_sparse.packing import common_unit, to_device, unpack

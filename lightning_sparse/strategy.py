@@ -9,7 +9,8 @@ Narrow overrides, each calling ``super()``:
   schedulers) after the dense ones, so checkpoints, schedulers and LearningRateMonitor see them;
 - ``backward`` / ``optimizer_step``: after the last backward of a step, exchange and apply
   the sparse gradients, with one skip decision for dense and sparse under ``16-mixed``;
-- ``*_step`` of validation, test and predict: a rank that has run out of batches keeps serving
+- ``*_step`` of validation, test and predict (the ``UnevenEvaluationHooks`` mixin,
+  ``lightning_sparse/uneven_evaluation.py``): a rank that has run out of batches keeps serving
   lookups (``serve_lookups``) until all ranks are done, so uneven loaders never hang;
 - checkpoint hooks (the ``SparseCheckpointHooks`` mixin, ``lightning_sparse/checkpoint/hooks.py``):
   sharded checkpoints through torch.distributed.checkpoint; each rank writes and reads only its
@@ -37,22 +38,22 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse import lightning_compat as compat
+from lightning_sparse.alltoall import ExchangeStats
 from lightning_sparse.checkpoint.hooks import SparseCheckpointHooks
 from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.exchange import ExchangeStats
 from lightning_sparse.launcher import SparseMultiProcessingLauncher
-from lightning_sparse.lookup import serve_lookups
 from lightning_sparse.lost_peers import LostPeerHooks
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.placement import place_tables
 from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.replicas import sharding_groups
+from lightning_sparse.uneven_evaluation import UnevenEvaluationHooks
 
 log = logging.getLogger(__name__)
 
 
-class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, DDPStrategy):
+class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHooks, DDPStrategy):
     """DDP for dense parameters; row-sharded SparseEmbedding tables updated by sparse optimizers.
 
     ``sharding_group_size=G`` shards every table over groups of ``G`` consecutive ranks (e.g. the
@@ -241,37 +242,6 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, DDPStrategy):
                 return None
         return optimizer.step()
 
-    # ------------------------------------------------------------------ evaluation with uneven loaders
-    @override
-    def setup(self, trainer: Trainer) -> None:
-        super().setup(trainer)
-        # A rank whose evaluation loader is empty never reaches a *_step: Lightning skips the loop.
-        # It serves the other ranks' lookups instead, right after the skipped run.
-        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
-            _serve_when_skipped(loop, self)
-
-    def _serve_after_last_batch(self, loop: Any) -> None:
-        if self._tables and loop.batch_progress.is_last_batch:
-            serve_lookups(self.lookup_units)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().validation_step(*args, **kwargs)
-        self._serve_after_last_batch(compat.evaluation_loop(self.lightning_module.trainer))
-        return output
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().test_step(*args, **kwargs)
-        self._serve_after_last_batch(compat.evaluation_loop(self.lightning_module.trainer))
-        return output
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().predict_step(*args, **kwargs)
-        self._serve_after_last_batch(self.lightning_module.trainer.predict_loop)
-        return output
-
     # ------------------------------------------------------------------ stats
     def pop_sparse_stats(self) -> ExchangeStats:
         """This rank's sparse-path totals since the last call (tables and sparse optimizers)."""
@@ -290,23 +260,6 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, DDPStrategy):
                 cls,
                 description="DDP for dense parameters; row-sharded SparseEmbedding tables with sparse optimizers",
             )
-
-
-def _serve_when_skipped(loop: Any, strategy: SparseDDPStrategy) -> None:
-    """Make ``loop.run`` serve lookups when this rank had no batches (idempotent)."""
-    if getattr(loop, "_serves_lookups_when_skipped", False):
-        return
-    run = loop.run
-
-    def run_or_serve(*args: Any, **kwargs: Any) -> Any:
-        output = run(*args, **kwargs)
-        if loop.skip and strategy.sparse_tables:
-            log.debug("%s: no batches on rank %d; serving the other ranks' lookups", type(loop).__name__, strategy.global_rank)
-            serve_lookups(strategy.lookup_units)
-        return output
-
-    loop.run = run_or_serve
-    loop._serves_lookups_when_skipped = True
 
 
 def _refuse_foreign_strategy(table: SparseEmbedding) -> None:

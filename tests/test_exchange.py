@@ -310,12 +310,12 @@ def test_torchrun_restarts_with_the_shared_store_are_warned_about(monkeypatch):
 
 
 def _misuse_then_healthy():
-    from lightning_sparse.exchange import exchange_values
+    from lightning_sparse.alltoall import exchange_values
 
     rank = torch.distributed.get_rank()
     try:
         exchange_values(torch.zeros(3, 2), [1, 1], [1, 1], None, 2, rank)  # 3 rows, splits for 2: a caller's bug
-    except ls.exchange.PeerFailure as err:
+    except ls.PeerFailure as err:
         return "PeerFailure", str(err)
     except RuntimeError as err:
         notes = getattr(err, "__notes__", [])

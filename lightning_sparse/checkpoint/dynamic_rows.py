@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_sparse.alltoall import exchange_counts, exchange_values
 from lightning_sparse.checkpoint.rows import RowStore, move_rows
 from lightning_sparse.dynamic import SLOT_STATE, DynamicEmbedding
-from lightning_sparse.exchange import exchange_counts, exchange_values
 from lightning_sparse.faults import collective
 from lightning_sparse.hashing import HashSharding
 

@@ -23,8 +23,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
+from lightning_sparse.alltoall import exchange_counts, exchange_values
 from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.exchange import exchange_counts, exchange_values
 from lightning_sparse.faults import collective
 from lightning_sparse.grouping import SortedKeys
 from lightning_sparse.sharding import RowSharding

@@ -29,10 +29,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
+from lightning_sparse.alltoall import ExchangeStats
 from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.dynamic import DynamicEmbedding
 from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.exchange import ExchangeStats, IncomingGrads, OutgoingGrads, grads_to_owners
+from lightning_sparse.grads_exchange import IncomingGrads, OutgoingGrads, grads_to_owners
 from lightning_sparse.grouping import SortedKeys, coalesce
 from lightning_sparse.pending import LookupRecord
 from lightning_sparse.replicas import OwnedGrads, grads_over_replicas

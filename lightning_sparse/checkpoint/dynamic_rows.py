@@ -29,7 +29,8 @@ from torch import Tensor
 
 from lightning_sparse.alltoall import exchange_counts, exchange_values
 from lightning_sparse.checkpoint.rows import RowStore, move_rows
-from lightning_sparse.dynamic import SLOT_STATE, DynamicEmbedding
+from lightning_sparse.dynamic import DynamicEmbedding
+from lightning_sparse.dynamic_state import SLOT_STATE
 from lightning_sparse.faults import collective
 from lightning_sparse.hashing import HashSharding
 

@@ -13,7 +13,7 @@ from torch import Tensor
 from lightning_sparse.checkpoint.files import ROWS_DIR
 from lightning_sparse.checkpoint.reading import dcp_load, load_meta, stored_tensors, verify
 from lightning_sparse.checkpoint.rows import export_rows
-from lightning_sparse.dynamic import SLOT_STATE
+from lightning_sparse.dynamic_state import SLOT_STATE
 from lightning_sparse.hashing import unmix
 
 

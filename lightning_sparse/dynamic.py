@@ -72,7 +72,11 @@ class DynamicEmbedding(DynamicStateMixin, SparseEmbedding):
             ``init(ids, embedding_dim, seed)``, so an id that is evicted and admitted again
             starts afresh, and its optimizer state too.
         seed: initial values depend only on ``(seed, id)``.
-        dtype: of the rows.
+        dtype: of the rows; ``torch.bfloat16`` or ``torch.float16`` halve their memory, as for
+            :class:`SparseEmbedding` (float32 optimizer state, updates written back with
+            stochastic rounding).
+        stochastic_rounding: for a half-precision table, ``False`` rounds updates to nearest.
+        output_dtype: the dtype lookups return (default: the rows' dtype).
         device: of the rows and the slots.
         process_group: the ranks that share the table (see :class:`SparseEmbedding`).
         name: used in error messages and stats; the strategy sets it to the module path.
@@ -94,6 +98,8 @@ class DynamicEmbedding(DynamicStateMixin, SparseEmbedding):
         init: row_init.RowInit | None = None,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
+        stochastic_rounding: bool | None = None,
+        output_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         process_group: dist.ProcessGroup | None = None,
         name: str | None = None,
@@ -106,7 +112,8 @@ class DynamicEmbedding(DynamicStateMixin, SparseEmbedding):
             raise ValueError(f"Invalid eviction: {eviction!r}. HINT: use one of {EVICTION}.")
         if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
             raise ValueError(f"Invalid ttl: {ttl!r}. HINT: a number of optimizer steps >= 1, or None to keep ids.")
-        super().__init__(capacity + 1, embedding_dim, sharding="range", init=init, seed=seed, dtype=dtype, device=device,
+        super().__init__(capacity + 1, embedding_dim, sharding="range", init=init, seed=seed, dtype=dtype,
+                         stochastic_rounding=stochastic_rounding, output_dtype=output_dtype, device=device,
                          process_group=process_group, name=name or f"DynamicEmbedding({capacity}, {embedding_dim})")  # fmt: skip
         self.has_given_name = name is not None
         self.capacity, self.admit_after, self.eviction, self.ttl = capacity, admit_after, eviction, ttl

@@ -125,3 +125,34 @@ def test_a_sharded_checkpoint_and_its_export_keep_the_dtypes(tmp_path):
     assert state["sum"].dtype == torch.float32 and torch.equal(state["sum"], optimizer.state[module.emb.shard]["sum"])
     checkpoint.export(path, tmp_path / "rows.pt")
     assert torch.load(tmp_path / "rows.pt")["emb.weight"].dtype == torch.bfloat16
+
+
+def test_a_bf16_dynamic_table_returns_the_requested_dtype_and_tracks_fp32():
+    """DynamicEmbedding takes the same half-precision options: bf16 rows, float32 lookups and state, rounded updates."""
+
+    def train(dtype: torch.dtype, stochastic_rounding: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        options = {} if stochastic_rounding is None else {"stochastic_rounding": stochastic_rounding}
+        table = ls.DynamicEmbedding(capacity=200, embedding_dim=8, init=ls.init.normal(1.0), dtype=dtype,
+                                    output_dtype=torch.float32, **options)  # fmt: skip
+        optimizer = ls.SparseAdagrad([table], lr=3e-3)
+        gen = torch.Generator().manual_seed(0)
+        ids = (torch.arange(64) * 7919 + 12345) ** 2  # large, hashed-looking ids
+        target = torch.randn(64, 8, generator=gen)
+        for _ in range(300):
+            pick = torch.randint(0, 64, (32,), generator=gen)
+            rows = table(ids[pick])
+            assert rows.dtype == torch.float32
+            ((rows - target[pick]) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert table.shard.dtype == dtype and optimizer.state[table.shard]["sum"].dtype == torch.float32
+        held, rows = table.export()
+        initial = ls.init.normal(1.0)(held, 8, 0).to(dtype).float()
+        return held, rows.float() - initial  # how far each row moved
+
+    ids, moved = train(torch.float32)
+    for stochastic_rounding, (least, most) in ((None, (0.9, 1.1)), (False, (0.0, 0.6))):
+        half_ids, half_moved = train(torch.bfloat16, stochastic_rounding)
+        assert torch.equal(half_ids, ids) and len(ids) == 64
+        ratio = (half_moved.norm() / moved.norm()).item()  # stochastic rounding: 1.03; to nearest: 0.44 (stalls)
+        assert least < ratio < most, (stochastic_rounding, ratio)

@@ -37,6 +37,7 @@ os.environ.setdefault("DGLBACKEND", "pytorch")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from dynamic import peak_rss_mib  # noqa: E402  (benchmarks/dynamic.py)
 from torch import nn  # noqa: E402
 
 from lightning_sparse import exits  # noqa: E402
@@ -276,19 +277,6 @@ def run_lightning(rank: int, cfg: dict, method: str, rows: int, result: dict) ->
 
 
 # ---------------------------------------------------------------------- one run: 2 ranks
-def _peak_rss_mib() -> float:
-    """This rank's own peak resident memory (``VmHWM``).
-
-    Not ``ru_maxrss``: a spawned rank's ``ru_maxrss`` starts at its parent's peak (the process it
-    was forked from), so every method showed the parent's 7 GiB. ``VmHWM`` belongs to the address
-    space, which the rank's ``exec`` made new.
-    """
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024  # kB
-    return float("nan")
-
-
 def rank_main(rank: int, cfg: dict, method: str, rows: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
@@ -302,7 +290,9 @@ def rank_main(rank: int, cfg: dict, method: str, rows: int, port: int, out_dir: 
         (run_lightning if method in LIGHTNING else run_loop)(rank, cfg, method, rows, result)
     except Exception as exc:  # recorded in the JSON; the other rank fails the same way
         result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-    result["peak_rss_mib"] = _peak_rss_mib()
+    # This rank's own peak (VmHWM), not ru_maxrss: a spawned rank's ru_maxrss starts at the peak of
+    # the process it was forked from, so every method showed the parent's 7 GiB.
+    result["peak_rss_mib"] = peak_rss_mib()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     # Lightning's objects hold the process group in reference cycles: free them and the group now,
     # not at interpreter shutdown (see docs/benchmarks.md, caveats, and lightning_sparse.exits).

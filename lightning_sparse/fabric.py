@@ -48,13 +48,13 @@ from lightning_sparse import lightning_compat as compat
 from lightning_sparse.checkpoint import lightning_format
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.optim.base import SparseOptimizer
-from lightning_sparse.placement import place_tables
+from lightning_sparse.placement import STRATEGY_NAME, place_tables, register
 
 
 class FabricSparseDDPStrategy(DDPStrategy):
     """Fabric's DDP for dense parameters; row-sharded SparseEmbedding tables updated by sparse optimizers."""
 
-    strategy_name = "sparse_ddp"
+    strategy_name = STRATEGY_NAME
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -176,12 +176,7 @@ class FabricSparseDDPStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: compat.StrategyRegistry) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name,
-                cls,
-                description="DDP for dense parameters; row-sharded SparseEmbedding tables with sparse optimizers",
-            )
+        register(cls, strategy_registry)
 
 
 class _TablesOnlySyncControl(compat.DDPBackwardSyncControl):
@@ -268,22 +263,4 @@ def _saved_indices(meta: dict[str, Any], optimizers: dict[str, Optimizer], path:
     return [*dense, *sparse]
 
 
-def _refuse_foreign_fabric_strategy(table: SparseEmbedding) -> None:
-    """Refuse a lookup inside a module Fabric set up with another strategy (once per table).
-
-    Under Fabric's ``ddp`` the tables would train, but ``fabric.save`` would write rank 0's shard
-    only. The Fabric module is found on the call stack, so plain PyTorch use pays only this look.
-    """
-    for owner in compat.caller_objects(1):
-        strategy = compat.fabric_strategy(owner)
-        if strategy is not None:
-            if not isinstance(strategy, FabricSparseDDPStrategy):
-                raise RuntimeError(
-                    f"{table.name} is used under Fabric's {type(strategy).__name__}, which does not shard, step or "
-                    f'save SparseEmbeddings. HINT: pass strategy="sparse_ddp" to Fabric (import lightning_sparse first).'
-                )
-            return
-
-
 FabricSparseDDPStrategy.register_strategies(STRATEGY_REGISTRY)
-SparseEmbedding.first_lookup_checks.append(_refuse_foreign_fabric_strategy)

@@ -23,6 +23,7 @@ from lightning.pytorch.core.optimizer import (
     _MockOptimizer,
     _validate_scheduler_api,
 )
+from lightning.pytorch.strategies import Strategy as TrainerStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import Tensor
 from torch.optim import Optimizer
@@ -58,6 +59,19 @@ def fabric_strategy(module: Any) -> Any | None:
 def after_closure(plugin: Any, model: Any, optimizer: Optimizer) -> None:
     """Lightning's precision hooks after the training-step closure (``Precision._after_closure``)."""
     plugin._after_closure(model, optimizer)
+
+
+def running_strategy() -> tuple[str, Any] | None:
+    """The Lightning strategy the current call runs under: ``("Trainer", strategy)`` inside a method of a
+    Trainer strategy, ``("Fabric", strategy)`` inside a module Fabric set up, ``None`` in plain PyTorch.
+    """
+    for owner in caller_objects(1):
+        if isinstance(owner, TrainerStrategy):
+            return "Trainer", owner
+        strategy = fabric_strategy(owner)
+        if strategy is not None:
+            return "Fabric", strategy
+    return None
 
 
 def caller_objects(depth: int) -> Any:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -45,7 +45,7 @@ from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.launcher import SparseMultiProcessingLauncher
 from lightning_sparse.lost_peers import LostPeerHooks
 from lightning_sparse.optim.base import SparseOptimizer
-from lightning_sparse.placement import place_tables
+from lightning_sparse.placement import STRATEGY_NAME, place_tables, register
 from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.replicas import sharding_groups
 from lightning_sparse.uneven_evaluation import UnevenEvaluationHooks
@@ -61,7 +61,7 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHo
     :mod:`lightning_sparse.replicas`); default: over all ranks. Every other argument is DDPStrategy's.
     """
 
-    strategy_name = "sparse_ddp"
+    strategy_name = STRATEGY_NAME
 
     def __init__(self, *args: Any, sharding_group_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -254,30 +254,7 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHo
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: compat.StrategyRegistry) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name,
-                cls,
-                description="DDP for dense parameters; row-sharded SparseEmbedding tables with sparse optimizers",
-            )
-
-
-def _refuse_foreign_strategy(table: SparseEmbedding) -> None:
-    """Refuse to run inside a Lightning strategy other than SparseDDPStrategy (once per table).
-
-    Under plain ``ddp`` or a single-device strategy nothing would ever step the table: training
-    would silently leave it untouched. The running strategy is found on the call stack, so that
-    plain PyTorch use pays nothing but this one look.
-    """
-    for owner in compat.caller_objects(1):
-        if isinstance(owner, Strategy):
-            if not isinstance(owner, SparseDDPStrategy):
-                raise RuntimeError(
-                    f"{table.name} is used under Lightning's {type(owner).__name__}, which does not shard or step "
-                    f'SparseEmbeddings. HINT: pass strategy="sparse_ddp" to the Trainer (import lightning_sparse first).'
-                )
-            return
+        register(cls, strategy_registry)
 
 
 SparseDDPStrategy.register_strategies(StrategyRegistry)
-SparseEmbedding.first_lookup_checks.append(_refuse_foreign_strategy)

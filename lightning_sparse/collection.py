@@ -1,7 +1,7 @@
 """SparseEmbeddingCollection: many tables, many features, one exchange round per lookup.
 
 The module holds the tables and says which feature reads which table and how it is pooled;
-the lookup itself is in :mod:`lightning_sparse.collection_lookup`.
+the lookup itself is the engine's (:mod:`lightning_sparse.lookup`), as for a single table.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sparse.alltoall import ExchangeStats
-from lightning_sparse.collection_lookup import lookup_features, serve_collection
+from lightning_sparse.dynamic import rows_of_features
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.exchange import Route
-from lightning_sparse.features import POOLING
+from lightning_sparse.features import POOLING, read_features
+from lightning_sparse.lookup import lookup, serve
 from lightning_sparse.sharding import JointSharding
 
 
@@ -132,6 +133,11 @@ class SparseEmbeddingCollection(nn.Module):
         return list(self.tables.values())
 
     @property
+    def lookup_unit(self) -> SparseEmbeddingCollection:
+        """The collection is its own lookup unit (a table's is :class:`~lightning_sparse.units.OneTable`)."""
+        return self
+
+    @property
     def rank(self) -> int:
         return self.table_list[0].rank
 
@@ -187,11 +193,15 @@ class SparseEmbeddingCollection(nn.Module):
         for table in self.table_list:
             table.check_first_lookup()
         self.materialize()
-        return lookup_features(self, features)
+        first = self.table_list[0]
+        read, problem, bad_offsets = read_features(features, self.feature_names, self.feature_parts, self.feature_pooling,
+                                                   first.device)  # fmt: skip
+        read = rows_of_features(self.table_list, read)  # dynamic tables: ids to rows first, a round per table
+        return lookup(self, read, problem, bad_offsets)
 
     def serve(self, route: Route) -> None:
         """Answer a round of this collection's lookups made by other ranks (see ``serve_lookups``)."""
-        serve_collection(self, route)
+        serve(self, route)
 
     def extra_repr(self) -> str:
         pooled = {f: m for f, m in zip(self.feature_names, self.feature_pooling) if m != "none"}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import torch
@@ -39,21 +38,14 @@ from torch import Tensor
 
 from lightning_sparse import init as row_init
 from lightning_sparse.admission import EVICTION, NULL_SLOT, SlotStats, SlotTable
+from lightning_sparse.dynamic_lookup import DynamicLookupMixin
 from lightning_sparse.dynamic_state import DynamicStateMixin
 from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.exchange import Route, ids_to_owners, rows_to_requesters
 from lightning_sparse.features import FeatureIds
-from lightning_sparse.grouping import SortedKeys
-from lightning_sparse.hashing import HashSharding, mix, unmix
-from lightning_sparse.header import OK, Headers
-from lightning_sparse.lookup import check_headers, lookup_rows, read_ids, serve_rows
-
-# ``LookupHeader.stage`` of a round that turns ids into rows (a collection's dynamic tables), and of one
-# that sends ids to their owners and gets their rows back at once (a table's own lookup).
-RESOLVE, KEYED = 1, 2
+from lightning_sparse.hashing import unmix
 
 
-class DynamicEmbedding(DynamicStateMixin, SparseEmbedding):
+class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
     """An embedding table for arbitrary int64 (or uint64) ids, sharded by a hash of the id.
 
     Args:
@@ -169,107 +161,7 @@ class DynamicEmbedding(DynamicStateMixin, SparseEmbedding):
         self.slots.restore(none, none, none, self.slots.clock)
         self._shard.zero_()
 
-    # ------------------------------------------------------------------ lookups
-    def forward(self, ids: Tensor) -> Tensor:
-        """Rows for ``ids`` (any shape, integer dtype, any value) -> ``[*ids.shape, embedding_dim]``.
-
-        Collective: every rank of the group must call it (with possibly empty ``ids``), in the
-        same order as the other tables of the group. Ids without a row read zeros.
-        """
-        self.check_first_lookup()
-        self.materialize()
-        if self.world_size == 1:
-            return self._local_lookup(ids)
-        return self._keyed_lookup(ids)
-
-    def _local_lookup(self, ids: Any) -> Tensor:
-        """One rank: the slots of the distinct ids, then the rows (the record keeps the sort for backward)."""
-        slots, runs = self._local_slots(ids)
-        self.stats.ids_looked_up += len(runs.sorted)
-        record = self.pending.new_record(None, slots, runs.perm, runs.offsets) if torch.is_grad_enabled() else None
-        return lookup_rows(self, self._shard, slots.index_select(0, runs.inverse()), ids.shape, record)
-
-    def _local_slots(self, ids: Any) -> tuple[Tensor, SortedKeys]:
-        """One rank, the owner of every id: the slot of each distinct id (one sort of their keys), and the sort."""
-        flat, header, problem = read_ids(self, ids)
-        if problem is not None or header.error != OK:
-            check_headers(self, Headers.of(header), own_problem=problem)  # raises
-        runs = SortedKeys(mix(flat)).finish()
-
-        def ids_of(index: Tensor) -> Tensor:  # the ids of the distinct keys at ``index`` (only new ones are asked for)
-            return flat.index_select(0, runs.perm.index_select(0, runs.offsets.index_select(0, index)))
-
-        return self._assign(runs.unique, int(torch.is_grad_enabled()), ids_of=ids_of, distinct=True), runs
-
-    def _keyed_lookup(self, ids: Any) -> Tensor:
-        """One round on 2 or more ranks: keys to their owners, which find or admit them and send back rows and slots."""
-        runs, sharding, route = self._keys_to_owners(ids, KEYED)
-        self.stats.ids_looked_up += len(runs.sorted)
-        self.stats.unique_ids += len(runs.unique)
-        back = self._answer_rows(route)
-        rows, slots = back[:, : self.embedding_dim], back[:, self.embedding_dim :].flatten().clone().view(torch.int64)
-        if not torch.is_grad_enabled():
-            return lookup_rows(self, rows, runs.inverse(), ids.shape, None)
-        # The record names rows as a "range" SparseEmbedding does (owner-major), so that gradients of
-        # lookups other than the last go to their owners as any table's do.
-        global_rows = sharding.owner_of_key(runs.unique) * self.rows_per_rank() + slots
-        record = self.pending.new_record(route, global_rows, runs.perm, runs.offsets)
-        return lookup_rows(self, rows, runs.inverse(), ids.shape, record)
-
-    def _answer_rows(self, route: Route) -> Tensor:
-        """The owner's side of a keyed round: slots for the keys received, then their rows and slots sent back. Collective.
-
-        ``route.received`` becomes the slots (local rows), so the gradients of this lookup come
-        back to them. Returns the rows this rank asked for, each followed by its slot (an int64
-        in the rows' dtype, bit for bit).
-        """
-        route.received = self._resolve_received(route)
-        slot_columns = route.received.unsqueeze(1).view(self._shard.dtype)
-        with torch.no_grad():
-            rows = torch.cat([self._shard.index_select(0, route.received), slot_columns], dim=1)
-        back = rows_to_requesters(rows, route, self.process_group, self.world_size, self.rank, self.stats)
-        if route.records:
-            self.pending.route = route
-        return back
-
-    def rows_of(self, ids: Any) -> Tensor:
-        """Stage 1: the row of each id (flat int64), admitting ids on a training lookup. Collective.
-
-        Bad input (not a tensor, not integers) raises on every rank, as for ``SparseEmbedding``.
-        """
-        if self.world_size == 1:
-            slots, runs = self._local_slots(ids)
-            return slots.index_select(0, runs.inverse())
-        runs, sharding, route = self._keys_to_owners(ids, RESOLVE)
-        slots = self.answer(route)
-        rows = sharding.owner_of_key(runs.unique) * self.rows_per_rank() + slots
-        return rows.index_select(0, runs.inverse())
-
-    def _keys_to_owners(self, ids: Any, stage: int) -> tuple[SortedKeys, HashSharding, Route]:
-        """The requester's side of a round: this rank's distinct keys, sorted by owner, sent with its header. Collective.
-
-        Bad input (not a tensor, not integers) raises on every rank, as for ``SparseEmbedding``.
-        """
-        flat, header, problem = read_ids(self, ids)
-        runs, sharding = SortedKeys(mix(flat)), HashSharding(self.world_size)
-        fields = replace(header, stage=stage).fields(self.device)
-        check = partial(check_headers, self, own_problem=problem)
-        route = ids_to_owners(runs, sharding, fields, self.process_group, self.rank, self.stats, check)
-        runs.finish(sum(route.send_splits))
-        return runs, sharding, route
-
-    def answer(self, route: Route) -> Tensor:
-        """Stage 1 on the owner: give the ids that ranks sent their slots and send them back; returns this rank's own. Collective."""
-        slots = self._resolve_received(route)
-        back = rows_to_requesters(slots.unsqueeze(1), route, self.process_group, self.world_size, self.rank, self.stats)
-        return back.view(-1)
-
-    def _resolve_received(self, route: Route) -> Tensor:
-        """The owner's slots for the keys of a round (see :meth:`_assign`); local, no collective."""
-        # Each requester sent its distinct keys: a key that came from k training ranks is k requests.
-        recording = torch.repeat_interleave(route.headers.column("record"), route.recv_counts).to(self.device)
-        return self._assign(route.received, recording)
-
+    # ------------------------------------------------------------------ admission
     @torch.no_grad()
     def _assign(self, keys: Tensor, requests: Tensor | int, ids_of: Callable[[Tensor], Tensor] | None = None,
                 distinct: bool = False) -> Tensor:  # fmt: skip
@@ -284,18 +176,6 @@ class DynamicEmbedding(DynamicStateMixin, SparseEmbedding):
             for optimizer in self._optimizers:
                 optimizer.reset_rows(self._shard, new_slots)
         return slots
-
-    def serve(self, route: Route) -> None:
-        """Answer a round of this table's lookups made by other ranks (see ``serve_lookups``)."""
-        stages = route.headers.active_stages()
-        if stages in ([RESOLVE], [KEYED]):
-            check_headers(self, route.headers)
-            if stages == [RESOLVE]:
-                self.answer(route)
-            else:
-                self._answer_rows(route)
-        else:
-            serve_rows(self, route)
 
     # ------------------------------------------------------------------ optimizer steps
     def watch(self, optimizer: Any) -> None:

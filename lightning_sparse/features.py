@@ -26,10 +26,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_sparse.header import BAD_INPUT, OK
-from lightning_sparse.lookup import flat_ids
+from lightning_sparse.header import BAD_DTYPE, BAD_INPUT, NOT_A_TENSOR, OK, UNREADABLE
 
 POOLING = ("none", "sum", "mean")
+
+ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64)
+# Dtypes, types and devices are named across ranks by their position here (a header carries integers only).
+ID_SOURCE_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128, torch.bool, *ID_DTYPES,
+)  # fmt: skip
+ID_SOURCE_TYPES = ("list", "tuple", "ndarray", "int", "NoneType")
+ID_DEVICES = ("cpu", "cuda", "meta")
+
+
+def code_of(name: Any, names: tuple[Any, ...]) -> int:
+    """``name``'s position in ``names`` (-1: another), as a header carries it."""
+    return names.index(name) if name in names else -1
+
+
+def code_name(code: int, names: tuple[Any, ...], unknown: str = "another kind") -> str:
+    """The name a header's code stands for."""
+    return str(names[code]) if 0 <= code < len(names) else unknown
 
 
 @dataclass
@@ -79,6 +96,7 @@ class FeatureIds:
     shape: tuple[int, ...]  # output rows for pooling "none": the ids' shape
     offsets: Tensor | None = None  # [bags + 1] for pooled features
     weights: Tensor | None = None
+    dtype: int = -1  # the given ids' dtype, as ``code_of(dtype, ID_SOURCE_DTYPES)``
 
 
 @dataclass
@@ -102,6 +120,40 @@ def as_feature_dict(features: Any) -> Mapping[str, Any] | None:
             for key, jagged in features.to_dict().items()
         }
     return None
+
+
+def flat_ids(ids: Any, device: torch.device) -> tuple[Tensor, dict[str, int], str | None]:
+    """``ids`` as flat int64 on ``device``, the header fields that describe them, and words for a problem.
+
+    Never raises: a problem becomes ``error`` (and ``detail``) in the returned fields; the ids
+    are then empty.
+    """
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    if not isinstance(ids, Tensor):
+        return empty, {"error": NOT_A_TENSOR, "detail": code_of(type(ids).__name__, ID_SOURCE_TYPES)}, type(ids).__name__
+    verdict = {"dtype": code_of(ids.dtype, ID_SOURCE_DTYPES)}
+    if ids.dtype not in ID_DTYPES:
+        return empty, {**verdict, "error": BAD_DTYPE}, None
+    try:
+        flat = ids.reshape(-1)
+        if flat.dtype == torch.uint64:  # ids of 2**63 or more turn negative: the range check names them
+            flat = flat.view(torch.int64)
+        return flat.to(device=device, dtype=torch.int64), verdict, None
+    except Exception as err:  # e.g. a meta tensor, or a device that cannot be read from here
+        return (
+            empty,
+            {**verdict, "error": UNREADABLE, "detail": code_of(ids.device.type, ID_DEVICES)},
+            f"{type(err).__name__}: {err}",
+        )
+
+
+def read_ids(ids: Any, name: str, device: torch.device) -> tuple[list[FeatureIds], Problem]:
+    """The ids of one table as the one feature of a lookup unit of one (see :class:`~lightning_sparse.lookup.OneTable`)."""
+    flat, verdict, words = flat_ids(ids, device)
+    error = verdict.get("error", OK)
+    if error != OK:
+        return [], Problem(error, 0, verdict.get("detail", 0), verdict.get("dtype", -1), words)
+    return [FeatureIds(name, 0, 0, flat, tuple(ids.shape), dtype=verdict["dtype"])], Problem()
 
 
 def read_features(
@@ -139,7 +191,8 @@ def read_features(
         flat, verdict, words = flat_ids(jagged.values if jagged else given, device)
         if verdict.get("error", OK) != OK:
             return read, Problem(verdict["error"], index, verdict.get("detail", 0), verdict.get("dtype", -1), words), None
-        feature = FeatureIds(name, index, parts[index], flat, tuple(given.shape) if jagged is None else (len(flat),))
+        shape = tuple(given.shape) if jagged is None else (len(flat),)
+        feature = FeatureIds(name, index, parts[index], flat, shape, dtype=verdict.get("dtype", -1))
         words = _layout_problem(given, jagged, mode)
         if words is not None:
             return read, Problem(BAD_INPUT, index, dtype=verdict.get("dtype", -1), words=words), None

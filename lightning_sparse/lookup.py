@@ -1,198 +1,267 @@
-"""A lookup, step by step: check ids -> one sort -> ids to owners -> gather -> rows to requesters -> expand.
+"""A lookup round, step by step: read -> one sort -> ids to owners -> rows back -> expand or pool.
 
-1. **Check.** Ids are flattened to int64 on the table's device; their dtype verdict and their
-   ``[min, max]`` go into this rank's :class:`~lightning_sparse.exchange.LookupHeader`.
-2. **One sort.** Sorting the ids' owner-major keys deduplicates them and groups them by owner
-   (:class:`~lightning_sparse.exchange.SortedKeys`); counts per owner come from a binary search,
-   with no host read.
-3. **Ids to owners.** Every rank's header and its distinct ids (as local row indices) go to
-   the owners in one all-to-all; every rank checks every rank's header, so bad input raises on
-   every rank alike and the group stays usable (the one host read of the stage is the header).
-4. **Gather and send back.** Owners ``index_select`` the requested rows and send them back in
-   the order they were asked for, so they arrive as the requester's distinct rows in key order.
-5. **Expand.** The output is ``rows.index_select(0, inverse)``. Its backward adds up the
-   gradient per distinct row with one segment sum and keeps it for the optimizer
-   (:mod:`lightning_sparse.pending`); it communicates nothing.
+One engine answers every lookup. Its unit is a set of tables looked up together: a
+:class:`~lightning_sparse.collection.SparseEmbeddingCollection`, or a single
+:class:`~lightning_sparse.SparseEmbedding` as a collection of one (:class:`OneTable`: one
+feature, named like the table, unpooled).
 
-With one rank there is nothing to exchange: a lookup checks the ids and gathers straight from
-the shard, as ``nn.Embedding`` does; its backward sorts the ids for the segment sum.
+1. **Read.** Each feature's ids (and bags) are read without raising
+   (:mod:`lightning_sparse.features`); a problem, an id out of its table's range or offsets
+   that do not fit go into the header with the feature's position (:mod:`lightning_sparse.verdict`).
+2. **One sort.** Every id gets a joint key (:class:`~lightning_sparse.sharding.JointSharding`:
+   owner, then table, then row; for one table, the table's own owner-major key); one sort
+   (:class:`~lightning_sparse.grouping.SortedKeys`) deduplicates the ids of all tables
+   (features that share a table share its rows) and groups them by owner, then table.
+3. **Ids to owners**, one all-to-all for all tables; every rank checks every rank's header,
+   so bad input raises on every rank alike and the group stays usable. The stage's one host
+   read is the headers (and, for several tables, the ids per (rank, table) both ways).
+4. **Rows back**, one all-to-all: each owner gathers the requested rows with ``index_select``
+   and sends them in one buffer (:mod:`lightning_sparse.joint_rows`); they arrive as the
+   requester's distinct rows in key order.
+5. **Expand or pool** on the requester from the distinct rows: ``index_select`` for
+   ``pooling="none"``, ``F.embedding_bag`` for ``"sum"``/``"mean"`` (:mod:`lightning_sparse.pooling`).
+   The distinct rows of each table are where the gradient stops: their backward hands
+   ``[distinct rows, dim]`` to the table's pending gradients (:mod:`lightning_sparse.pending`);
+   backward communicates nothing.
+
+With one rank there is nothing to exchange: the same round without the all-to-alls, with one
+host read for the verdict.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_sparse.exchange import Route, ids_to_owners, rows_to_requesters
+from lightning_sparse.exchange import Route, ids_to_owners, parts_received
+from lightning_sparse.features import FeatureIds, Problem, read_ids
 from lightning_sparse.grouping import SortedKeys
-from lightning_sparse.header import BAD_DTYPE, NOT_A_TENSOR, OK, UNREADABLE, Headers, LookupHeader
-from lightning_sparse.pending import LookupRecord
+from lightning_sparse.header import OK, Headers, LookupHeader
+from lightning_sparse.joint_rows import TableMajor, rows_from_owners, table_routes
+from lightning_sparse.pooling import pool
+from lightning_sparse.units import LookupUnit, OneTable, ShardedTable
+from lightning_sparse.verdict import check_round, write_verdicts
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
-    from lightning_sparse.alltoall import ExchangeStats
-    from lightning_sparse.pending import PendingGrads
-    from lightning_sparse.sharding import RowSharding
+    from lightning_sparse.pending import LookupRecord
+    from lightning_sparse.sharding import JointSharding
 
 
-class ShardedTable(Protocol):
-    """What a lookup reads of a table (:class:`~lightning_sparse.SparseEmbedding` is one): its shard,
-    where its rows live, and where its gradients and stats go. This module needs nothing else of it.
-    """
-
-    name: str
-    table_index: int
-    num_embeddings: int
-    embedding_dim: int
-    output_dtype: torch.dtype | None
-    pending: PendingGrads
-    stats: ExchangeStats
-
-    @property
-    def shard(self) -> Tensor: ...
-    @property
-    def sharding(self) -> RowSharding: ...
-    @property
-    def process_group(self) -> dist.ProcessGroup | None: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def device(self) -> torch.device: ...
-
-
-class LookupUnit(Protocol):
+class Serving(Protocol):
     """A table or a collection, as :func:`serve_lookups` answers its rounds."""
 
     def serve(self, route: Route) -> None: ...
 
 
-ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64)
-# Dtypes, types and devices are named across ranks by their position here (a header carries integers only).
-ID_SOURCE_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128, torch.bool, *ID_DTYPES,
-)  # fmt: skip
-ID_SOURCE_TYPES = ("list", "tuple", "ndarray", "int", "NoneType")
-ID_DEVICES = ("cpu", "cuda", "meta")
+class _DistinctRows(torch.autograd.Function):
+    """The distinct rows of one table, as they came back, in its output dtype; backward hands their gradient to the record.
 
-
-def _code(name: Any, names: tuple[Any, ...]) -> int:
-    return names.index(name) if name in names else -1
-
-
-def code_name(code: int, names: tuple[Any, ...], unknown: str = "another kind") -> str:
-    return str(names[code]) if 0 <= code < len(names) else unknown
-
-
-class _Lookup(torch.autograd.Function):
-    """The autograd node of a lookup: forward gathers rows, backward hands their gradient to the record."""
+    The gradient arrives in the output dtype (e.g. float32 from a bf16 table) and is summed so.
+    """
 
     @staticmethod
-    def forward(ctx: Any, token: Tensor, source: Tensor, index: Tensor, record: LookupRecord, dtype: torch.dtype) -> Tensor:
+    def forward(ctx: Any, token: Tensor, rows: Tensor, record: LookupRecord, dtype: torch.dtype) -> Tensor:
         ctx.record = record
-        return source.index_select(0, index).to(dtype)
+        return rows.to(dtype) if rows.dtype != dtype else rows.view_as(rows)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[None, None, None, None, None]:
-        ctx.record.add_grad(grad_output)
-        return None, None, None, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None]:
+        ctx.record.add_grad(grad)
+        return None, None, None, None
 
 
-def read_ids(table: ShardedTable, ids: Any) -> tuple[Tensor, LookupHeader, str | None]:
-    """Flat int64 ids on the table's device, this rank's header, and its own words for a problem.
+class _Expand(torch.autograd.Function):
+    """``rows.index_select(0, inverse)`` for a feature that holds all of its table's ids in the round.
 
-    Nothing here raises: whatever is wrong with the input (not a tensor, not integers, a tensor
-    that cannot be read on the table's device) becomes an error code in the header, so that every
-    rank learns it in the same round and raises the same error.
+    Backward is the segment sum of the round's sort (``perm``, ``offsets``): one ``F.embedding_bag``
+    gives ``[distinct rows, dim]``, with no scatter (autograd's ``index_select`` backward).
     """
-    flat, verdict, problem = flat_ids(ids, table.device)
-    return flat, LookupHeader(table=table.table_index, record=int(torch.is_grad_enabled()), **verdict), problem
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, inverse: Tensor, perm: Tensor, offsets: Tensor) -> Tensor:
+        ctx.save_for_backward(perm, offsets)
+        return rows.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        perm, offsets = ctx.saved_tensors
+        return F.embedding_bag(perm, grad.contiguous(), offsets, mode="sum"), None, None, None
 
 
-def flat_ids(ids: Any, device: torch.device) -> tuple[Tensor, dict[str, int], str | None]:
-    """``ids`` as flat int64 on ``device``, the header fields that describe them, and words for a problem.
+def lookup_ids(unit: OneTable, ids: Any) -> Tensor:
+    """Rows of one table for ``ids`` -> ``[*ids.shape, embedding_dim]``. Collective (see ``SparseEmbedding.forward``)."""
+    read, problem = read_ids(ids, unit.table.name, unit.table.device)
+    return lookup(unit, read, problem)[unit.table.name]
 
-    Never raises: a problem becomes ``error`` (and ``detail``) in the returned fields; the ids
-    are then empty.
+
+def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offsets: Tensor | None = None) -> dict[str, Tensor]:
+    """Every read feature's rows or pooled bags, all of the unit's tables in one round.
+
+    ``read``, ``problem`` and ``bad_offsets`` are what :func:`~lightning_sparse.features.read_features`
+    (or ``read_ids``) made of this rank's input. Collective: every rank of the tables' group must
+    call it for the same unit in the same round (see the collection's and the table's ``forward``).
     """
-    empty = torch.empty(0, dtype=torch.int64, device=device)
-    if not isinstance(ids, Tensor):
-        return empty, {"error": NOT_A_TENSOR, "detail": _code(type(ids).__name__, ID_SOURCE_TYPES)}, type(ids).__name__
-    verdict = {"dtype": _code(ids.dtype, ID_SOURCE_DTYPES)}
-    if ids.dtype not in ID_DTYPES:
-        return empty, {**verdict, "error": BAD_DTYPE}, None
-    try:
-        flat = ids.reshape(-1)
-        if flat.dtype == torch.uint64:  # ids of 2**63 or more turn negative: the range check names them
-            flat = flat.view(torch.int64)
-        return flat.to(device=device, dtype=torch.int64), verdict, None
-    except Exception as err:  # e.g. a meta tensor, or a device that cannot be read from here
-        return (
-            empty,
-            {**verdict, "error": UNREADABLE, "detail": _code(ids.device.type, ID_DEVICES)},
-            f"{type(err).__name__}: {err}",
-        )
+    tables, joint = unit.table_list, unit.joint_sharding
+    first = tables[0]
+    device, world_size, group, rank = first.device, first.world_size, first.process_group, first.rank
+    header = LookupHeader(table=unit.unit_index, record=int(torch.is_grad_enabled()), error=problem.error, part=problem.part,
+                          detail=problem.detail, dtype=problem.dtype)  # fmt: skip
+    fields = header.fields(device)
+    if problem.error == OK and read:
+        write_verdicts(fields, read, bad_offsets, tables)
+    one_table = len(tables) == 1  # then its own sharding makes the joint keys, with fewer ops
+    keys = [(first.sharding.key if one_table else partial(joint.key, f.part))(f.ids.clamp(0, tables[f.part].num_embeddings - 1))
+            for f in read]  # fmt: skip
+    runs = SortedKeys(_concat(keys, device), joint.key_bound)
+
+    def check(headers: Headers) -> None:
+        check_round(unit, headers, problem)
+
+    if world_size > 1:
+        # One table: its own sharding makes the same keys, and the route needs no per-table counts.
+        route = ids_to_owners(runs, first.sharding if one_table else joint, fields, group, rank, unit.stats, check)
+        if one_table:
+            mine, theirs = TableMajor(route.send_counts.view(-1, 1), route.send_counts), None
+        else:
+            mine = TableMajor(route.send_parts, route.device_parts[0])
+            theirs = TableMajor(route.recv_parts, route.device_parts[1])
+    else:  # nothing to exchange: one host read for the verdict and the ids per table
+        below = runs.counts_below(joint.part_boundaries(device))
+        per_table = (below[1:] - below[:-1]).view(1, -1)
+        on_host = torch.cat([fields, per_table.view(-1)]).cpu()
+        route, mine = None, TableMajor(on_host[LookupHeader.WIDTH - 1 :].view(1, -1), per_table)
+        check(Headers.of(LookupHeader(0, *on_host[: LookupHeader.WIDTH - 1].tolist())))
+    runs.finish(mine.total)
+    distinct = mine.split(runs.unique)  # each table's distinct joint keys, by owner
+    if route is not None:
+        routes = table_routes(route, joint, theirs)
+        rows = rows_from_owners(tables, route, mine, theirs, routes, unit.wire_dtype, unit.stats)
+    else:
+        with torch.no_grad():  # one owner: a joint local id less the table's offset is the row
+            rows = [table.shard.index_select(0, keys - joint.offsets[part])
+                    for part, (table, keys) in enumerate(zip(tables, distinct))]  # fmt: skip
+    _keep_for_backward(tables, joint, route, routes if route is not None else None, distinct, rows, read, mine, runs)
+    return _outputs(unit, read, rows, mine, runs)
 
 
-def lookup(table: ShardedTable, ids: Tensor) -> Tensor:
-    """Rows of ``table`` for ``ids`` -> ``[*ids.shape, embedding_dim]``. Collective (see ``SparseEmbedding.forward``)."""
-    shard, sharding, device = table.shard, table.sharding, table.device
-    group, world_size, rank, stats = table.process_group, table.world_size, table.rank, table.stats
+def _concat(keys: list[Tensor], device: torch.device) -> Tensor:
+    if len(keys) == 1:
+        return keys[0]
+    return torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64, device=device)
+
+
+def _keep_for_backward(
+    tables: list[ShardedTable],
+    joint: JointSharding,
+    route: Route | None,
+    routes: list[Route] | None,
+    distinct: list[Tensor],
+    rows: list[Tensor],
+    read: list[FeatureIds],
+    mine: TableMajor,
+    runs: SortedKeys,
+) -> None:
+    """Each table's distinct rows in its output dtype (``rows``, in place), recorded for their gradient in grad mode.
+
+    Also counts each table's distinct ids and keeps the round's route as the table's last.
+    """
+    used = {f.part for f in read}
     recording = torch.is_grad_enabled()
-    flat, header, problem = read_ids(table, ids)
-    id_range = torch.stack(torch.aminmax(flat)) if flat.numel() else None
-    stats.ids_looked_up += flat.numel()
-    check = partial(check_headers, table, own_problem=problem)
 
-    if world_size == 1:  # nothing to exchange: check, then one gather
-        if id_range is not None:
-            low, high = id_range.tolist()  # the one host read
-            header = replace(header, id_min=low, id_max=high)
-        check(Headers.of(header))
-        record = table.pending.new_record(None, flat) if recording else None
-        return lookup_rows(table, shard, flat, ids.shape, record)
+    def occurrences(part: int) -> Callable[[], Tensor]:  # counted only if asked (duplicate_grads="mean")
+        return runs.counts if len(tables) == 1 else lambda: mine.split(runs.counts())[part]
 
-    runs = SortedKeys(sharding.key(flat), sharding.key_bound)
-    route = ids_to_owners(runs, sharding, header.fields(device, id_range), group, rank, stats, check)
-    runs.finish(sum(route.send_splits))
-    stats.unique_ids += len(runs.unique)
-    with torch.no_grad():
-        rows = shard.index_select(0, route.received)
-    rows = rows_to_requesters(rows, route, group, world_size, rank, stats)
-    if route.records:
-        table.pending.route = route
-    record = table.pending.new_record(route, runs.unique, runs.perm, runs.offsets) if recording else None
-    return lookup_rows(table, rows, runs.inverse(), ids.shape, record)
+    for part, (table, table_keys) in enumerate(zip(tables, distinct)):
+        table.stats.unique_ids += len(table_keys)
+        if route is not None and route.records:
+            table.pending.route = routes[part]
+        if not (recording and part in used):
+            rows[part] = distinct_rows(table, rows[part], None)
+            continue
+        local = table_keys  # one table: the joint keys are the table's own
+        if len(tables) > 1:
+            local = joint.local_of_key(table_keys) - joint.offsets[part]
+            if route is not None:  # the table's own owner-major keys
+                local = joint.owner_of_key(table_keys) * table.sharding.block_size + local
+        record = table.pending.new_record(routes[part] if route is not None else None, local, occurrences=occurrences(part))
+        rows[part] = distinct_rows(table, rows[part], record)
 
 
-def lookup_rows(table: ShardedTable, source: Tensor, index: Tensor, shape: torch.Size, record: LookupRecord | None) -> Tensor:
-    """``source.index_select(0, index)`` shaped like the ids, in the table's ``output_dtype``; differentiable through ``record`` if given."""
-    dtype = table.output_dtype or source.dtype
+def distinct_rows(table: ShardedTable, rows: Tensor, record: LookupRecord | None) -> Tensor:
+    """A table's distinct rows of a lookup in its output dtype; differentiable through ``record`` if given."""
+    dtype = table.output_dtype or rows.dtype
     if record is None:
-        return source.index_select(0, index).to(dtype).view(*shape, table.embedding_dim)
-    token = torch.empty(0, device=source.device, requires_grad=True)
-    return _Lookup.apply(token, source, index, record, dtype).view(*shape, table.embedding_dim)
+        return rows.to(dtype)
+    return _DistinctRows.apply(torch.empty(0, device=rows.device, requires_grad=True), rows, record, dtype)
 
 
-def serve_lookups(tables: list[LookupUnit]) -> int:
+def expand(table: ShardedTable, rows: Tensor, record: LookupRecord | None, index: Tensor, shape: torch.Size) -> Tensor:
+    """Stage 5 of one table's lookup: its distinct rows at ``index`` (one per id), shaped like the ids (``shape``)."""
+    return distinct_rows(table, rows, record).index_select(0, index).view(*shape, table.embedding_dim)
+
+
+def _outputs(
+    unit: LookupUnit, read: list[FeatureIds], rows: list[Tensor], mine: TableMajor, runs: SortedKeys
+) -> dict[str, Tensor]:
+    """Stage 5: each feature's rows (``index_select`` from its table's distinct rows) or pooled bags."""
+    tables = unit.table_list
+    within = mine.within_table(runs.inverse().to(torch.int64))
+    positions = within.split([len(f.ids) for f in read]) if len(read) != 1 else [within]
+    out = {}
+    for feature, position in zip(read, positions):
+        table_rows = rows[feature.part]
+        tables[feature.part].stats.ids_looked_up += len(feature.ids)
+        mode = unit.feature_pooling[feature.index]
+        if mode == "none" and len(tables) == len(read) == 1 and table_rows.requires_grad:  # a table on its own
+            out[feature.name] = _Expand.apply(table_rows, position, runs.perm, runs.offsets).view(
+                *feature.shape, table_rows.shape[1]
+            )
+        elif mode == "none":
+            out[feature.name] = table_rows.index_select(0, position).view(*feature.shape, table_rows.shape[1])
+        else:
+            weights = feature.weights.to(table_rows.dtype) if feature.weights is not None else None
+            out[feature.name] = pool(table_rows, position, feature.offsets, mode, weights)
+    return out
+
+
+def serve(unit: LookupUnit, route: Route) -> None:
+    """Answer the other ranks' lookup round of ``unit`` on a rank with no lookups of its own (stage 2 only)."""
+    joint = unit.joint_sharding
+    check_round(unit, route.headers)
+    if joint.num_parts == 1:
+        mine = theirs = None
+    else:
+        device_recv = parts_received(route.received, route.recv_splits, joint)
+        route.recv_parts = device_recv.cpu()  # a host read: this rank is idle
+        nothing = torch.zeros(joint.world_size, joint.num_parts, dtype=torch.int64)
+        route.send_parts, route.device_parts = nothing, (nothing.to(device_recv.device), device_recv)
+        mine, theirs = TableMajor(route.send_parts, route.device_parts[0]), TableMajor(route.recv_parts, device_recv)
+    routes = table_routes(route, joint, theirs)
+    rows_from_owners(unit.table_list, route, mine, theirs, routes, unit.wire_dtype, unit.stats)
+    if route.records:
+        for table, table_route in zip(unit.table_list, routes):
+            table.pending.route = table_route
+
+
+def serve_lookups(units: list[Serving]) -> int:
     """Answer the other ranks' lookups until every rank of the group has called this.
 
     A Join for lookups: a rank that has run out of batches (uneven validation, test or predict
     loaders) calls this and keeps serving the rows it owns to ranks that still have batches,
     taking part in each of their lookup rounds with no ids of its own. Returns, with the number
-    of rounds served, once every rank is serving. ``tables`` are the lookup units: tables (at
-    least one: a collection's tables are among them), then any collections; ``tables[i]`` must
-    have ``table_index == i`` (a collection ``unit_index == i``) on every rank (the strategy sets them).
+    of rounds served, once every rank is serving. ``units`` are the module's tables (at least
+    one: a collection's tables are among them), then any collections; ``units[i]`` must have
+    ``table_index == i`` (a collection ``unit_index == i``) on every rank (the strategy sets them).
+    Each has ``serve(route)``.
 
     Collective: every rank of the group must call it once it has no lookups left to make.
     """
-    first: ShardedTable | None = tables[0] if tables else None  # type: ignore[assignment]  # a table: tables come first
+    first: ShardedTable | None = units[0] if units else None  # type: ignore[assignment]  # a table: tables come first
     if first is None or first.world_size == 1:
         return 0
     rounds = 0
@@ -204,72 +273,5 @@ def serve_lookups(tables: list[LookupUnit]) -> int:
         active = route.headers.active_units()
         if not active:
             return rounds
-        tables[active[0]].serve(route)  # a table's round, or a collection's (all its tables)
+        units[active[0]].serve(route)  # a table's round, or a collection's (all its tables)
         rounds += 1
-
-
-def serve_rows(table: ShardedTable, route: Route) -> None:
-    """Stage 2 on a rank that looks up nothing in this round: send the rows the others asked for."""
-    check_headers(table, route.headers)
-    with torch.no_grad():
-        rows = table.shard.index_select(0, route.received)
-    rows_to_requesters(rows, route, table.process_group, table.world_size, table.rank, table.stats)
-    if route.records:
-        table.pending.route = route
-
-
-def check_one_unit(headers: Headers, name: str) -> None:
-    """Raise, on every rank alike, if the active ranks looked up different tables or collections in one round."""
-    units = headers.active_units()
-    if len(units) > 1 or len(headers.active_stages()) > 1:
-        raise RuntimeError(
-            f"Ranks looked up different tables in the same round (lookup units {units}, this rank: {name}). "
-            f"HINT: every rank must call its SparseEmbeddings and collections in the same order, every step, "
-            f"also with empty ids."
-        )
-
-
-def check_headers(table: ShardedTable, headers: Headers, own_problem: str | None = None) -> None:
-    """Raise, on every rank alike, if any rank's header shows bad input or a different table.
-
-    ``own_problem``: this rank's own account of its bad input, added to the message on this rank.
-    The lowest rank with an error code is reported, else the lowest with an id out of range.
-    """
-    check_one_unit(headers, table.name)
-    rank = headers.first(headers.column("error") != OK)
-    if rank is not None:
-        h = headers[rank]
-        where = "this rank" if rank == table.rank else f"rank {rank}"
-        if h.error == NOT_A_TENSOR:
-            kind = own_problem if rank == table.rank and own_problem else code_name(h.detail, ID_SOURCE_TYPES, "another type")
-            raise TypeError(
-                f"{table.name} got ids of type {kind} on {where}; ids must be a torch.Tensor of integers. "
-                f"HINT: wrap them in torch.tensor(...)."
-            )
-        if h.error == BAD_DTYPE:
-            raise TypeError(
-                f"{table.name} got ids of dtype {code_name(h.dtype, ID_SOURCE_DTYPES)} on {where}; ids must be integers "
-                f"(int64, int32, ... or unsigned). HINT: convert them with ids.long()."
-            )
-        if h.error == UNREADABLE:
-            detail = f": {own_problem}" if rank == table.rank and own_problem else ""
-            raise RuntimeError(
-                f"{table.name} could not read the ids on {where} (a {code_name(h.detail, ID_DEVICES)} tensor of dtype "
-                f"{code_name(h.dtype, ID_SOURCE_DTYPES)}{detail}). HINT: pass ids that hold data, on the CPU or on the table's "
-                f"device ({table.device})."
-            )
-        raise RuntimeError(f"{table.name}: rank {rank} reported error code {h.error}.")
-    rank = headers.first((headers.column("id_min") < 0) | (headers.column("id_max") >= table.num_embeddings))
-    if rank is not None:
-        h = headers[rank]
-        where = "this rank" if rank == table.rank else f"rank {rank}"
-        if h.id_min < 0 and code_name(h.dtype, ID_SOURCE_DTYPES) == "torch.uint64":
-            raise IndexError(
-                f"{table.name} got an id of 2**63 or more (dtype torch.uint64) on {where}; valid ids are "
-                f"0..{table.num_embeddings - 1}. HINT: remap ids into range or enlarge the table."
-            )
-        value = h.id_min if h.id_min < 0 else h.id_max
-        raise IndexError(
-            f"{table.name} got id {value} on {where}; valid ids are 0..{table.num_embeddings - 1} "
-            f"(num_embeddings={table.num_embeddings}). HINT: remap ids into range or enlarge the table."
-        )

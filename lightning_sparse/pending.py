@@ -14,6 +14,8 @@ so that the optimizer can send that lookup's gradients back the way its ids came
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -28,8 +30,9 @@ class LookupRecord:
     ``keys`` are the distinct rows' owner-major keys, ascending: the order in which the lookup
     sent its ids along ``route``; ``grad`` is ``[len(keys), dim]`` in that order. A lookup that
     did not deduplicate (one rank) is made with its ids as ``keys`` and no ``perm``/``offsets``;
-    its first backward sorts them. A lookup of a collection (which pools from the distinct rows)
-    is made with ``occurrences`` (how often each distinct row was read): its backward already
+    its first backward sorts them. A lookup that hands its backward the gradient of its distinct
+    rows (the lookup engine's) is made with ``occurrences``: how often each distinct row was read,
+    or a function that counts them when asked (only ``duplicate_grads="mean"`` asks); its backward
     receives one gradient row per key.
     """
 
@@ -43,7 +46,7 @@ class LookupRecord:
         perm: Tensor | None,
         offsets: Tensor | None,
         bound: int | None = None,
-        occurrences: Tensor | None = None,
+        occurrences: Tensor | Callable[[], Tensor] | None = None,
     ) -> None:
         self.route, self.keys, self.perm, self.offsets, self.bound = route, keys, perm, offsets, bound
         self.occurrences = occurrences
@@ -73,6 +76,8 @@ class LookupRecord:
 
     def counts(self) -> Tensor:
         """How often the lookup read each distinct row."""
+        if callable(self.occurrences):
+            self.occurrences = self.occurrences()
         if self.occurrences is not None:
             return self.occurrences
         ends = self.offsets.new_empty(len(self.offsets))
@@ -95,7 +100,7 @@ class PendingGrads:
         perm: Tensor | None = None,
         offsets: Tensor | None = None,
         bound: int | None = None,
-        occurrences: Tensor | None = None,
+        occurrences: Tensor | Callable[[], Tensor] | None = None,
     ) -> LookupRecord:
         """A record of one lookup; without ``perm``/``offsets`` its backward sorts ``keys`` (all below ``bound``)."""
         return LookupRecord(self, route, keys, perm, offsets, bound, occurrences)

@@ -156,3 +156,27 @@ def test_a_bf16_dynamic_table_returns_the_requested_dtype_and_tracks_fp32():
         assert torch.equal(half_ids, ids) and len(ids) == 64
         ratio = (half_moved.norm() / moved.norm()).item()  # stochastic rounding: 1.03; to nearest: 0.44 (stalls)
         assert least < ratio < most, (stochastic_rounding, ratio)
+
+
+def test_a_collection_returns_each_tables_output_dtype():
+    """A collection's features, plain and pooled, come in their table's output_dtype, and train as the table alone does."""
+
+    def bf16_table() -> ls.SparseEmbedding:
+        return ls.SparseEmbedding(50, 4, dtype=torch.bfloat16, output_dtype=torch.float32, seed=3)
+
+    table, alone = bf16_table(), bf16_table()
+    collection = ls.SparseEmbeddingCollection(
+        {"t": table, "u": ls.SparseEmbedding(20, 4)}, features={"a": "t", "bag": "t", "u": "u"}, pooling={"bag": "sum"}
+    )
+    ids, bags = torch.tensor([1, 7, 7, 30]), torch.tensor([[1, 7], [7, 30]])
+    out = collection({"a": ids, "bag": bags, "u": torch.tensor([2])})
+    assert out["a"].dtype == out["bag"].dtype == out["u"].dtype == torch.float32
+    torch.testing.assert_close(out["a"], alone(ids), rtol=0, atol=0)
+    torch.testing.assert_close(out["bag"], alone(bags).sum(1))
+    optimizer, optimizer_alone = ls.SparseAdagrad([collection], lr=0.1), ls.SparseAdagrad([alone], lr=0.1)
+    (out["a"].sum() + 2 * out["bag"].sum()).backward()
+    (alone(ids).sum() + 2 * alone(bags).sum()).backward()
+    optimizer.step()
+    optimizer_alone.step()
+    assert table.shard.dtype == torch.bfloat16 and not torch.equal(table.shard, bf16_table().shard)
+    torch.testing.assert_close(table.shard, alone.shard, rtol=0, atol=0)

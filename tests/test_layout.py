@@ -1,4 +1,4 @@
-"""The package's layout: its import graph has no cycle, and no module imports another's private names."""
+"""The package's layout: its import graph has no cycle, no module imports another's private names, modules and classes stay small."""
 
 from __future__ import annotations
 
@@ -66,3 +66,20 @@ def test_no_module_imports_another_modules_private_names():
         if imported.startswith("_") and target != name
     ]
     assert not private, "\n".join(private)
+
+
+# A newcomer reads a module in one sitting and a class as one job: the sizes the house keeps to.
+MAX_MODULE_LINES, MAX_CLASS_LINES = 300, 250
+
+
+def test_modules_and_classes_stay_small():
+    too_big = []
+    for name, path in sorted(_modules().items()):
+        source = path.read_text()
+        lines = len(source.splitlines())
+        if lines > MAX_MODULE_LINES:
+            too_big.append(f"module {name}: {lines} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_big.append(f"class {name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not too_big, f"over {MAX_MODULE_LINES} lines per module or {MAX_CLASS_LINES} per class: {too_big}"

@@ -30,7 +30,6 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_sparse.alltoall import ExchangeStats
-from lightning_sparse.collection import SparseEmbeddingCollection
 from lightning_sparse.dynamic import DynamicEmbedding
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.grads_exchange import IncomingGrads, OutgoingGrads, grads_to_owners
@@ -45,10 +44,9 @@ DUPLICATE_GRADS = ("sum", "mean")
 class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
     """Base class of the sparse optimizers: a ``torch.optim.Optimizer`` over SparseEmbedding tables.
 
-    Built from SparseEmbedding modules and SparseEmbeddingCollections (whose tables it takes),
-    or param-group dicts whose ``"params"`` are those; ``param_groups`` then hold the tables' shards, so LR schedulers,
-    ``state_dict()`` and ``load_state_dict()`` work as for any torch optimizer. Optimizer state
-    is sharded like the tables: each rank holds the state of its own rows.
+    Built from SparseEmbedding modules and SparseEmbeddingCollections (whose tables it takes), or param-group dicts
+    whose ``"params"`` are those; ``param_groups`` then hold the tables' shards, so LR schedulers, ``state_dict()`` and
+    ``load_state_dict()`` work as for any torch optimizer. Optimizer state is sharded like the tables.
 
     ``step()`` and ``zero_grad()`` act when called. ``step()`` is a collective: every rank of the
     tables' process group must call it, also a rank whose batch used no table.
@@ -82,8 +80,9 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
     # ------------------------------------------------------------------ torch.optim API
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         tables = param_group["params"]
-        tables = [tables] if isinstance(tables, (SparseEmbedding, SparseEmbeddingCollection)) else list(tables)
-        tables = [t for entry in tables for t in (entry.table_list if isinstance(entry, SparseEmbeddingCollection) else [entry])]
+        tables = [tables] if hasattr(tables, "lookup_unit") else list(tables)
+        # A table's lookup unit lists the table itself; a collection's, all of its tables.
+        tables = [t for entry in tables for t in (entry.lookup_unit.table_list if hasattr(entry, "lookup_unit") else [entry])]
         for table in tables:
             if not isinstance(table, SparseEmbedding):
                 raise TypeError(

@@ -11,7 +11,7 @@ Layout of a checkpoint (``path`` is a link to a data directory, see ``files.py``
                                             tensor's shape, dtype and bands (loads with weights_only=True)
         checksums.json                      CRC-32 of every file above, and what it holds
 
-``<key>`` is the name the tensor would have in one flat checkpoint: ``state_dict.users.weight``,
+``<key>`` (defined in ``contents.py``) is the name the tensor would have in one flat checkpoint: ``state_dict.users.weight``,
 ``optimizer_1.state.0.exp_avg``. Each per-row tensor is stored in global row order, so a
 checkpoint loads on any number of ranks and under either sharding scheme (``rows.py``).
 

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.alltoall import exchange_counts, exchange_values
+from lightning_sparse.checkpoint.contents import module_key
 from lightning_sparse.checkpoint.rows import RowStore, move_rows
 from lightning_sparse.dynamic import DynamicEmbedding
 from lightning_sparse.dynamic_state import SLOT_STATE
@@ -50,7 +51,7 @@ def place_ids(path: Path, store: RowStore, prefix: str, table: DynamicEmbedding,
     """Steps 1 and 2: read the saved slots, send the held ids to their owners, restore them there. Collective."""
     columns = []
     for name in SLOT_STATE:
-        key = f"state_dict.{prefix}{name}"
+        key = module_key(prefix + name)
         like = torch.empty(0, dtype=getattr(torch, entry(key)["dtype"]), device=table.device)
         columns.append(torch.cat([block for _, block in store.blocks(key, table, entry(key), load(key), like)]))
     keys, used, last_used, requests = columns

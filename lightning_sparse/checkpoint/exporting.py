@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_sparse.checkpoint.contents import MODULE, module_name
 from lightning_sparse.checkpoint.files import ROWS_DIR
 from lightning_sparse.checkpoint.reading import dcp_load, load_meta, stored_tensors, verify
 from lightning_sparse.checkpoint.rows import export_rows
@@ -35,9 +36,9 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> list[tuple[str, t
 
     with tempfile.TemporaryDirectory(dir=Path(out).resolve().parent) as scratch:
         for flat, item in sorted(stored_tensors(path, meta).items()):
-            if not flat.startswith("state_dict."):
+            key = module_name(flat)
+            if key is None:  # an optimizer's state: not part of an export
                 continue
-            key = flat[len("state_dict.") :]
             numel = int(torch.Size(item.shape).numel())
             if numel:
                 target = torch.from_file(os.path.join(scratch, f"{len(state)}.bin"), shared=True, size=numel, dtype=item.dtype)
@@ -47,7 +48,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> list[tuple[str, t
             if flat in rows:
                 export_rows(path / ROWS_DIR, flat, rows[flat], target, load(f"tensor {key}"))
             else:
-                load(f"tensor {key}")({"state_dict": {key: target}}, path)
+                load(f"tensor {key}")({MODULE: {key: target}}, path)
             state[key] = target
         for prefix in [key[: -len(SLOT_STATE[0])] for key in state if key.endswith(SLOT_STATE[0])]:
             _ids_and_rows(state, prefix)

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.optim import Optimizer
 
 from lightning_sparse import checkpoint
+from lightning_sparse.checkpoint.contents import MODULE, optimizer_key
 from lightning_sparse.optim.base import SparseOptimizer
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
 def write(path: Path, module: nn.Module, optimizers: list[Optimizer], contents: dict[str, Any]) -> None:
     """Write ``contents`` (Lightning's checkpoint dict; its ``optimizer_states`` follow ``optimizers``) sharded. Collective."""
     contents = dict(contents)
-    dense, rest = checkpoint.split_tensors({"state_dict": contents.pop("state_dict", {})})
+    dense, rest = checkpoint.split_tensors({MODULE: contents.pop("state_dict", {})})
     dense = dense or {}
     optimizer_states = contents.pop("optimizer_states", None)
     meta = {**contents, "state_dict_rest": (rest or {}).get("state_dict", {})}
@@ -51,7 +52,7 @@ def write(path: Path, module: nn.Module, optimizers: list[Optimizer], contents: 
         meta["optimizer_states_rest"] = []
         for index, state in enumerate(optimizer_states):
             state_tensors, state_rest = checkpoint.split_tensors(state)
-            dense[f"optimizer_{index}"] = state_tensors or {}
+            dense[optimizer_key(index)] = state_tensors or {}
             meta["optimizer_states_rest"].append(state_rest or {})
         sparse = {i: opt for i, opt in enumerate(optimizers) if isinstance(opt, SparseOptimizer)}
         meta["sparse_optimizers"] = sorted(sparse)
@@ -79,6 +80,6 @@ def read_optimizer(path: Path, index: int, module: nn.Module, optimizer: Optimiz
         checkpoint.load_sparse_optimizer(path, index, optimizer, rest["param_groups"], meta)
         return
     state = get_optimizer_state_dict(module, optimizer)
-    checkpoint.load_tensors(path, {f"optimizer_{index}": {"state": state["state"]}}, f"the state of {type(optimizer).__name__}")
+    checkpoint.load_tensors(path, {optimizer_key(index): {"state": state["state"]}}, f"the state of {type(optimizer).__name__}")
     state["param_groups"] = rest["param_groups"]
     set_optimizer_state_dict(module, optimizer, state)

@@ -14,7 +14,17 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_sparse.checkpoint.contents import dense_module_state, is_distributed, tables
+from lightning_sparse.checkpoint.contents import (
+    MODULE,
+    dense_module_state,
+    is_distributed,
+    module_key,
+    optimizer_key,
+    optimizer_rows,
+    optimizer_state_key,
+    table_rows,
+    tables,
+)
 from lightning_sparse.checkpoint.dynamic_rows import place_ids, read_placed
 from lightning_sparse.checkpoint.files import FORMAT, METADATA_FILE, ROWS_DIR, first_damaged, read_checksums
 from lightning_sparse.checkpoint.rows import RowStore
@@ -164,17 +174,17 @@ def load_module(path: str | os.PathLike, module: nn.Module, strict: bool = True,
     dense = {k: v for k, v in dense_module_state(module).items() if isinstance(v, Tensor)}
     if strict:
         for key, value in dense.items():
-            _check(stored, f"state_dict.{key}", tuple(value.shape), path, f"tensor {key}")
-    dense = {k: v for k, v in dense.items() if f"state_dict.{k}" in stored}
+            _check(stored, module_key(key), tuple(value.shape), path, f"tensor {key}")
+    dense = {k: v for k, v in dense.items() if module_key(k) in stored}
     store = RowStore(path / ROWS_DIR, is_distributed())
     for prefix, table in tables(module):  # tables first: the bulk of a checkpoint
-        key, what = f"state_dict.{prefix}weight", f"table {table.name}"
-        _check_rows(stored, key, table, (table.embedding_dim,), path, what)
+        rows = table_rows(prefix, table)[0]  # its slot state (a dynamic table) is read by _place_dynamic
+        _check_rows(stored, rows.key, table, (table.embedding_dim,), path, rows.what)
         if isinstance(table, DynamicEmbedding):
             _place_dynamic(path, store, entries, prefix, table)
-        _read_rows(path, store, entries[key], key, table, table.shard, what)
+        _read_rows(path, store, entries[rows.key], rows.key, table, rows.rows, rows.what)
     if dense:
-        dcp_load({"state_dict": dense}, path, path, "the dense tensors", is_distributed())
+        dcp_load({MODULE: dense}, path, path, "the dense tensors", is_distributed())
     for prefix, table in tables(module):
         if isinstance(table, DynamicEmbedding) and f"{prefix}{CLOCK}" in dense:
             table.slots.clock = int(dense[f"{prefix}{CLOCK}"])
@@ -191,19 +201,18 @@ def load_sparse_optimizer(path: str | os.PathLike, index: int, optimizer: Sparse
     stored = stored_tensors(path, meta)
     current = optimizer.state_dict()  # the optimizer's own state tensors, not copies
     store, counters = RowStore(path / ROWS_DIR, is_distributed()), {}
-    for p_index, table in enumerate(optimizer.tables):
+    for rows in optimizer_rows(index, optimizer, current["state"]):
+        _check_rows(stored, rows.key, rows.table, tuple(rows.rows.shape[1:]), path, rows.what)
+        _read_rows(path, store, meta["row_tensors"][rows.key], rows.key, rows.table, rows.rows, rows.what)
+    for p_index, table in enumerate(optimizer.tables):  # the 0-d counters ride with the dense tensors
         for name, value in current["state"].get(p_index, {}).items():
-            key, what = f"optimizer_{index}.state.{p_index}.{name}", f"optimizer state {name!r} of table {table.name}"
             if value.dim() == 0:
-                _check(stored, key, (), path, what)
+                what = f"optimizer state {name!r} of table {table.name}"
+                _check(stored, optimizer_state_key(index, p_index, name), (), path, what)
                 counters.setdefault(p_index, {})[name] = value.clone()
-                continue
-            _check_rows(stored, key, table, tuple(value.shape[1:]), path, what)
-            _read_rows(path, store, meta["row_tensors"][key], key, table, value, what)
     if counters:
-        dcp_load(
-            {f"optimizer_{index}": {"state": counters}}, path, path, f"the step counters of optimizer {index}", is_distributed()
-        )
+        dcp_load({optimizer_key(index): {"state": counters}}, path, path, f"the step counters of optimizer {index}",
+                 is_distributed())  # fmt: skip
     for p_index, entry in counters.items():
         current["state"][p_index].update(entry)
     optimizer.load_state_dict({"state": current["state"], "param_groups": param_groups})

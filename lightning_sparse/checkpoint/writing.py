@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_sparse.checkpoint.contents import is_distributed, iter_row_tensors
+from lightning_sparse.checkpoint.contents import is_distributed, row_tensors
 from lightning_sparse.checkpoint.files import (
     FORMAT,
     METADATA_FILE,
@@ -48,20 +48,20 @@ def save(
     sparse_optimizers = sparse_optimizers or {}
     data = new_data_directory(path)
     distributed = is_distributed()
-    store, row_tensors = RowStore(data / ROWS_DIR, distributed), {}
+    store, entries = RowStore(data / ROWS_DIR, distributed), {}
     try:
         with collective(f"saving checkpoint {path}"), torch.no_grad():
-            for key, table, local in iter_row_tensors(module, sparse_optimizers):
-                row_tensors[key] = store.save(key, table, local)
+            for item in row_tensors(module, sparse_optimizers):
+                entries[item.key] = {**store.save(item.key, item.table, item.rows), "what": item.what}
             dcp.save(dense or {}, checkpoint_id=data, no_dist=not distributed)
             rank = dist.get_rank() if distributed else 0
             if rank == 0:
-                torch.save({**(meta or {}), "format": FORMAT, "row_tensors": row_tensors}, data / METADATA_FILE)
-            entries = record_checksums(data, rank, _describer(data, row_tensors, dist.get_world_size() if distributed else 1))
-            gathered = [entries]
+                torch.save({**(meta or {}), "format": FORMAT, "row_tensors": entries}, data / METADATA_FILE)
+            checksums = record_checksums(data, rank, _describer(data, entries, dist.get_world_size() if distributed else 1))
+            gathered = [checksums]
             if distributed:
                 gathered = [None] * dist.get_world_size() if rank == 0 else None
-                dist.gather_object(entries, gathered, dst=0)  # every rank's files are on disk
+                dist.gather_object(checksums, gathered, dst=0)  # every rank's files are on disk
             if rank == 0:
                 write_checksums(data, {name: entry for part in gathered for name, entry in part.items()})
             if distributed:
@@ -80,10 +80,7 @@ def _describer(data: Path, row_tensors: dict[str, dict[str, Any]], world_size: i
     """What a file of the data directory holds, in words (for checksum errors)."""
 
     def what(key: str) -> str:
-        entry = row_tensors[key]
-        if key.startswith("state_dict."):
-            return f"table {entry['table']} ({key})"
-        return f"optimizer state {key.rsplit('.', 1)[-1]!r} of table {entry['table']} ({key})"
+        return f"{row_tensors[key]['what']} ({key})"
 
     def describe(path: Path) -> str:
         parts = path.relative_to(data).parts

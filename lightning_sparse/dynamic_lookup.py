@@ -19,7 +19,8 @@ from lightning_sparse.features import Problem, read_ids
 from lightning_sparse.grouping import SortedKeys
 from lightning_sparse.hashing import HashSharding, mix
 from lightning_sparse.header import OK, Headers, LookupHeader
-from lightning_sparse.lookup import expand, serve
+from lightning_sparse.lookup import serve
+from lightning_sparse.outputs import expand
 from lightning_sparse.verdict import check_round
 
 # ``LookupHeader.stage`` of a round that turns ids into rows (a collection's dynamic tables), and of one

@@ -6,7 +6,7 @@ learns every rank's verdict on its input, and every rank raises the same error.
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -54,10 +54,14 @@ class LookupHeader:
 
     def fields(self, device: torch.device, id_range: Tensor | None = None) -> Tensor:
         """The fields after ``count`` as an int64 tensor; ``id_range`` (device ``[min, max]``) fills ``id_min``/``id_max``."""
-        fields = host_tensor(astuple(self)[1:], torch.int64, device)
+        fields = host_tensor(self.values()[1:], torch.int64, device)
         if id_range is not None:
             fields[self.slot("id_min") : self.slot("id_max") + 1] = id_range
         return fields
+
+    def values(self) -> tuple[int, ...]:
+        """All fields in order, ``count`` first (``dataclasses.astuple`` without its deep copies: this is per lookup)."""
+        return tuple(self.__dict__.values())
 
     @classmethod
     def slot(cls, name: str) -> int:
@@ -78,7 +82,7 @@ class Headers:
     @classmethod
     def of(cls, header: LookupHeader) -> Headers:
         """One rank's header as the headers of a one-rank round."""
-        return cls(torch.tensor([astuple(header)], dtype=torch.int64))
+        return cls(torch.tensor([header.values()], dtype=torch.int64))
 
     def __len__(self) -> int:
         return len(self.table)

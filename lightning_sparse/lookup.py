@@ -35,7 +35,6 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_sparse.exchange import Route, ids_to_owners, parts_received
@@ -43,12 +42,12 @@ from lightning_sparse.features import FeatureIds, Problem, read_ids
 from lightning_sparse.grouping import SortedKeys
 from lightning_sparse.header import OK, Headers, LookupHeader
 from lightning_sparse.joint_rows import TableMajor, rows_from_owners, table_routes
+from lightning_sparse.outputs import distinct_rows, expand_rows, gather
 from lightning_sparse.pooling import pool
 from lightning_sparse.units import LookupUnit, OneTable, ShardedTable
-from lightning_sparse.verdict import check_round, write_verdicts
+from lightning_sparse.verdict import check_round, one_feature_header, write_verdicts
 
 if TYPE_CHECKING:
-    from lightning_sparse.pending import LookupRecord
     from lightning_sparse.sharding import JointSharding
 
 
@@ -56,41 +55,6 @@ class Serving(Protocol):
     """A table or a collection, as :func:`serve_lookups` answers its rounds."""
 
     def serve(self, route: Route) -> None: ...
-
-
-class _DistinctRows(torch.autograd.Function):
-    """The distinct rows of one table, as they came back, in its output dtype; backward hands their gradient to the record.
-
-    The gradient arrives in the output dtype (e.g. float32 from a bf16 table) and is summed so.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, token: Tensor, rows: Tensor, record: LookupRecord, dtype: torch.dtype) -> Tensor:
-        ctx.record = record
-        return rows.to(dtype) if rows.dtype != dtype else rows.view_as(rows)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None]:
-        ctx.record.add_grad(grad)
-        return None, None, None, None
-
-
-class _Expand(torch.autograd.Function):
-    """``rows.index_select(0, inverse)`` for a feature that holds all of its table's ids in the round.
-
-    Backward is the segment sum of the round's sort (``perm``, ``offsets``): one ``F.embedding_bag``
-    gives ``[distinct rows, dim]``, with no scatter (autograd's ``index_select`` backward).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, rows: Tensor, inverse: Tensor, perm: Tensor, offsets: Tensor) -> Tensor:
-        ctx.save_for_backward(perm, offsets)
-        return rows.index_select(0, inverse)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        perm, offsets = ctx.saved_tensors
-        return F.embedding_bag(perm, grad.contiguous(), offsets, mode="sum"), None, None, None
 
 
 def lookup_ids(unit: OneTable, ids: Any) -> Tensor:
@@ -111,10 +75,12 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
     device, world_size, group, rank = first.device, first.world_size, first.process_group, first.rank
     header = LookupHeader(table=unit.unit_index, record=int(torch.is_grad_enabled()), error=problem.error, part=problem.part,
                           detail=problem.detail, dtype=problem.dtype)  # fmt: skip
-    fields = header.fields(device)
+    fields = one_feature_header(header, read, bad_offsets).fields(device)
     if problem.error == OK and read:
         write_verdicts(fields, read, bad_offsets, tables)
     one_table = len(tables) == 1  # then its own sharding makes the joint keys, with fewer ops
+    if world_size == 1 and one_table and len(read) == 1 and unit.feature_pooling[read[0].index] == "none":
+        return _one_rank_one_table(unit, read[0], fields, problem)
     keys = [(first.sharding.key if one_table else partial(joint.key, f.part))(f.ids.clamp(0, tables[f.part].num_embeddings - 1))
             for f in read]  # fmt: skip
     runs = SortedKeys(_concat(keys, device), joint.key_bound)
@@ -147,6 +113,15 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
                     for part, (table, keys) in enumerate(zip(tables, distinct))]  # fmt: skip
     _keep_for_backward(tables, joint, route, routes if route is not None else None, distinct, rows, read, mine, runs)
     return _outputs(unit, read, rows, mine, runs)
+
+
+def _one_rank_one_table(unit: LookupUnit, feature: FeatureIds, fields: Tensor, problem: Problem) -> dict[str, Tensor]:
+    """One rank, one table: nothing to exchange or deduplicate. The verdict (the one host read), then one gather."""
+    check_round(unit, Headers.of(LookupHeader(0, *fields.tolist())), problem)
+    table = unit.table_list[0]
+    table.stats.ids_looked_up += len(feature.ids)
+    record = table.pending.new_record(None, feature.ids) if torch.is_grad_enabled() else None
+    return {feature.name: gather(table, feature.ids, record).view(*feature.shape, table.embedding_dim)}
 
 
 def _concat(keys: list[Tensor], device: torch.device) -> Tensor:
@@ -192,19 +167,6 @@ def _keep_for_backward(
         rows[part] = distinct_rows(table, rows[part], record)
 
 
-def distinct_rows(table: ShardedTable, rows: Tensor, record: LookupRecord | None) -> Tensor:
-    """A table's distinct rows of a lookup in its output dtype; differentiable through ``record`` if given."""
-    dtype = table.output_dtype or rows.dtype
-    if record is None:
-        return rows.to(dtype)
-    return _DistinctRows.apply(torch.empty(0, device=rows.device, requires_grad=True), rows, record, dtype)
-
-
-def expand(table: ShardedTable, rows: Tensor, record: LookupRecord | None, index: Tensor, shape: torch.Size) -> Tensor:
-    """Stage 5 of one table's lookup: its distinct rows at ``index`` (one per id), shaped like the ids (``shape``)."""
-    return distinct_rows(table, rows, record).index_select(0, index).view(*shape, table.embedding_dim)
-
-
 def _outputs(
     unit: LookupUnit, read: list[FeatureIds], rows: list[Tensor], mine: TableMajor, runs: SortedKeys
 ) -> dict[str, Tensor]:
@@ -218,7 +180,7 @@ def _outputs(
         tables[feature.part].stats.ids_looked_up += len(feature.ids)
         mode = unit.feature_pooling[feature.index]
         if mode == "none" and len(tables) == len(read) == 1 and table_rows.requires_grad:  # a table on its own
-            out[feature.name] = _Expand.apply(table_rows, position, runs.perm, runs.offsets).view(
+            out[feature.name] = expand_rows(table_rows, position, runs.perm, runs.offsets).view(
                 *feature.shape, table_rows.shape[1]
             )
         elif mode == "none":

@@ -10,6 +10,7 @@ at fault. So bad input is an exception on every rank, never a hang, and the grou
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -53,7 +54,12 @@ def write_verdicts(fields: Tensor, read: list[FeatureIds], bad_offsets: Tensor |
     device = fields.device
     zero = torch.zeros(2, dtype=torch.int64, device=device)
     ranges = [torch.stack(torch.aminmax(f.ids)) if len(f.ids) else zero for f in read]
-    ranges = torch.stack(ranges) if len(ranges) > 1 else ranges[0].view(1, 2)  # [F, (min, max)]
+    if len(read) == 1 and bad_offsets is None:  # one feature (a table's lookup): fewer ops, its range always in
+        low, high = ranges[0]
+        fields[_ID_RANGE] = ranges[0]
+        fields[_ERROR] = ((low < 0) | (high >= tables[read[0].part].num_embeddings)) * OUT_OF_RANGE
+        return  # ``part`` and ``dtype`` are the feature's: the caller put them in the header (see one_feature_header)
+    ranges = torch.stack(ranges)  # [F, (min, max)]
     # Per feature: its table's size, then (position + 1, dtype code): the + 1 makes "no feature" -1 below.
     facts = torch.tensor([(tables[f.part].num_embeddings, f.index + 1, f.dtype) for f in read], device=device)
     codes = torch.where((ranges[:, 0] < 0) | (ranges[:, 1] >= facts[:, 0]), OUT_OF_RANGE, OK)
@@ -65,13 +71,25 @@ def write_verdicts(fields: Tensor, read: list[FeatureIds], bad_offsets: Tensor |
     fields.index_copy_(0, _VERDICT_SLOTS.to(device), summary)
 
 
+_ERROR = LookupHeader.slot("error")
+_ID_RANGE = slice(LookupHeader.slot("id_min"), LookupHeader.slot("id_max") + 1)
+
 # Where write_verdicts puts (error, part, dtype, id_min, id_max) in the header fields, and the shift of ``part``.
 _VERDICT_SLOTS = torch.tensor([LookupHeader.slot(name) for name in ("error", "part", "dtype", "id_min", "id_max")])
 _PART_SHIFT = torch.tensor([0, 1, 0, 0, 0])
 
 
+def one_feature_header(header: LookupHeader, read: list[FeatureIds], bad_offsets: Tensor | None) -> LookupHeader:
+    """For a lookup of one feature, the header with its position and dtype, which :func:`write_verdicts` then leaves alone."""
+    if len(read) != 1 or bad_offsets is not None or header.error != OK:
+        return header
+    return replace(header, part=read[0].index, dtype=read[0].dtype)
+
+
 def check_one_unit(headers: Headers, name: str) -> None:
     """Raise, on every rank alike, if the active ranks looked up different tables or collections in one round."""
+    if len(headers) == 1:  # one rank agrees with itself
+        return
     units = headers.active_units()
     if len(units) > 1 or len(headers.active_stages()) > 1:
         raise RuntimeError(

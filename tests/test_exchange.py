@@ -25,7 +25,8 @@ class HostReads(TorchFunctionMode):
 
     On the CPU every tensor is on the host, so the mode tells the two apart as a GPU would:
     tensors copied out with ``.cpu()`` or created without a ``device`` are host tensors, and so
-    is every result of an operation on host tensors only; reading those costs no sync.
+    is every result of an operation on host tensors only; reading those costs no sync. A host
+    tensor that an in-place operation writes device values into becomes a device tensor.
     """
 
     def __init__(self, ignore: list[torch.Tensor] = (), follows: HostReads | None = None) -> None:
@@ -44,6 +45,8 @@ class HostReads(TorchFunctionMode):
         if name in HOST_READS and not on_host and not (args and id(args[0]) in self._ignore):
             self.calls.append(name)
         out = func(*args, **kwargs)
+        if not on_host and args and isinstance(args[0], torch.Tensor) and (name == "__setitem__" or name.endswith("_")):
+            self._host.pop(id(args[0]), None)  # device values written into it: reading it now syncs
         if name == "cpu" or on_host or (name in CREATIONS and not tensors and kwargs.get("device") is None):
             for t in out if isinstance(out, (list, tuple)) else [out]:
                 if isinstance(t, torch.Tensor):

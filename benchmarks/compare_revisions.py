@@ -68,15 +68,17 @@ def _one_table_steps(batch: int, steps: int, seed: int) -> list[float]:
 
 
 def _collection_steps(steps: int, seed: int) -> dict[str, list[float]]:
-    import torch
-
     import collection as workload  # benchmarks/collection.py: the 26-table workload
+    import torch
 
     rows = workload.cardinalities(ROWS)
     batches = workload.make_batches(rows, 2048, 4, seed=seed)
     proj = torch.randn(workload.DIM, generator=torch.Generator().manual_seed(0))
     out = {}
-    for name, build in (("collection, 2 ranks", workload.build_collection), ("26 separate tables, 2 ranks", workload.build_separate)):
+    for name, build in (
+        ("collection, 2 ranks", workload.build_collection),
+        ("26 separate tables, 2 ranks", workload.build_separate),
+    ):
         step, times = build(rows), []
         for i in range(steps + 2):
             torch.distributed.barrier()

@@ -1,9 +1,10 @@
 """SparseEmbedding: a row-sharded table whose lookups travel to the rows' owners.
 
-This module holds the table: its arguments, where its rows live (``materialize``), the shard
-itself and its state dict. A lookup is in ``lightning_sparse/lookup.py``; the gradients it
-leaves for the optimizer in ``lightning_sparse/pending.py``; the optimizer step in
-``lightning_sparse/optim/base.py``.
+This module holds the table: its arguments, its initial rows and its forward. Where its rows
+live (``materialize``, the shard) is in ``shard_placement.py``, its state dicts in
+``shard_state.py``. A lookup is the engine's (``lookup.py``: the table as a collection of one);
+the gradients it leaves for the optimizer are in ``pending.py``; the optimizer step in
+``optim/base.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The input of a collection: one entry per feature, dense ids or jagged bags, read without raising.
+"""The input of a lookup, read without raising: a table's ids, or a collection's features.
 
-A feature's ids come as
+A table's ids are any integer tensor (:func:`read_ids`: the one feature of a unit of one). A
+collection's features come one entry per feature, and a feature's ids come as
 
 * a tensor of ids: one output row per id with ``pooling="none"``, shaped like the ids; with a
   pooling mode, a 2-D ``[bags, ids per bag]`` tensor is a batch of equal bags (as for
@@ -12,7 +13,7 @@ A feature's ids come as
   it is not a dependency).
 
 Reading never raises: a problem becomes an error code and the feature's position in the
-lookup header (:class:`~lightning_sparse.exchange.LookupHeader`), so that every rank raises the
+lookup header (:class:`~lightning_sparse.header.LookupHeader`), so that every rank raises the
 same error in the same round. Checks that need the values (offsets that do not fit the values)
 are made on the device and ride in the header too, with no host read.
 """

@@ -13,8 +13,8 @@ from torch import Tensor
 
 from lightning_sparse.alltoall import host_tensor
 
-# Error codes a rank reports in its lookup header; every rank raises the same error for them.
-# OUT_OF_RANGE, BAD_INPUT and BAD_OFFSETS are used by collections, whose header names the feature (``part``).
+# Error codes a rank reports in its lookup header; every rank raises the same error for them
+# (lightning_sparse/verdict.py). The header names the feature an error is about (``part``).
 OK, BAD_DTYPE, NOT_A_TENSOR, UNREADABLE, OUT_OF_RANGE, BAD_INPUT, BAD_OFFSETS = 0, 1, 2, 3, 4, 5, 6
 
 
@@ -24,14 +24,14 @@ class LookupHeader:
 
     ``count`` differs per destination (the ids sent to it); the other fields are the same in
     every row a rank sends. ``error`` is a code (``OK``, ``BAD_DTYPE``, ``NOT_A_TENSOR``,
-    ``UNREADABLE``; for a collection also ``OUT_OF_RANGE``, ``BAD_INPUT`` and ``BAD_OFFSETS``)
-    with an argument in ``detail``; ``dtype`` names the dtype of the ids it was
-    given; ``id_min``/``id_max`` let every rank check every rank's ids against the table (both 0
-    when a rank has none); ``table`` and ``active`` let a rank that has run out of batches
+    ``UNREADABLE``, ``OUT_OF_RANGE``, ``BAD_INPUT``, ``BAD_OFFSETS``) with an argument in
+    ``detail``; ``dtype`` names the dtype of the ids it was given; ``id_min``/``id_max`` are the
+    range of the ids (of the feature at fault, or of a lookup's only feature; 0 when there is
+    none), for the message; ``table`` and ``active`` let a rank that has run out of batches
     answer the others (``serve_lookups``) and catch ranks that call tables out of order;
     ``record`` says the rank records the lookup for a gradient (grad mode is on); ``most`` is
     the largest ``count`` the rank sends to anyone, which sizes the next round; ``part`` names
-    the feature of a collection that an error is about (``-1``: none); ``stage`` tells a round
+    the feature that an error is about (``-1``: none); ``stage`` tells a round
     that looks up rows (0) from one that turns a dynamic table's ids into rows (1) and from one
     that sends a dynamic table's ids and gets their rows back (2, :mod:`lightning_sparse.dynamic`),
     so that a rank serving others knows which round it is in.

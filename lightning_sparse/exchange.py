@@ -139,6 +139,7 @@ def ids_to_owners(
         rows[:, 1 + LookupHeader.slot("most")] = counts.max()
         recv = torch.empty(world_size * (width + slots), dtype=torch.int64, device=device)
         parts = getattr(sharding, "num_parts", 0)
+        parts = 0 if parts == 1 else parts  # one table: its ids per rank are the counts themselves (below)
         with collective("all-to-all of lookup ids"):
             dist.all_to_all_single(recv, send, group=group)
             recv = recv.view(world_size, width + slots)
@@ -173,6 +174,9 @@ def ids_to_owners(
     route = Route(on_host[:world_size], headers.table[:, 0], received, headers)
     if parts:
         route.send_parts, route.recv_parts, route.device_parts = send_parts, recv_parts, device_parts
+    elif getattr(sharding, "num_parts", 0) == 1:
+        route.send_parts, route.recv_parts = route.send_counts.view(-1, 1), route.recv_counts.view(-1, 1)
+        route.device_parts = (counts.view(-1, 1), recv[:, :1])
     return route
 
 

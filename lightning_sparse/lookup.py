@@ -31,7 +31,6 @@ host read for the verdict.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -78,24 +77,18 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
     fields = one_feature_header(header, read, bad_offsets).fields(device)
     if problem.error == OK and read:
         write_verdicts(fields, read, bad_offsets, tables)
-    one_table = len(tables) == 1  # then its own sharding makes the joint keys, with fewer ops
-    if world_size == 1 and one_table and len(read) == 1 and unit.feature_pooling[read[0].index] == "none":
+    if world_size == 1 and len(tables) == len(read) == 1 and unit.feature_pooling[read[0].index] == "none":
         return _one_rank_one_table(unit, read[0], fields, problem)
-    keys = [(first.sharding.key if one_table else partial(joint.key, f.part))(f.ids.clamp(0, tables[f.part].num_embeddings - 1))
-            for f in read]  # fmt: skip
+    keys = [joint.key(f.part, f.ids.clamp(0, tables[f.part].num_embeddings - 1)) for f in read]
     runs = SortedKeys(_concat(keys, device), joint.key_bound)
 
     def check(headers: Headers) -> None:
         check_round(unit, headers, problem)
 
     if world_size > 1:
-        # One table: its own sharding makes the same keys, and the route needs no per-table counts.
-        route = ids_to_owners(runs, first.sharding if one_table else joint, fields, group, rank, unit.stats, check)
-        if one_table:
-            mine, theirs = TableMajor(route.send_counts.view(-1, 1), route.send_counts), None
-        else:
-            mine = TableMajor(route.send_parts, route.device_parts[0])
-            theirs = TableMajor(route.recv_parts, route.device_parts[1])
+        route = ids_to_owners(runs, joint, fields, group, rank, unit.stats, check)
+        mine = TableMajor(route.send_parts, route.device_parts[0])
+        theirs = TableMajor(route.recv_parts, route.device_parts[1])
     else:  # nothing to exchange: one host read for the verdict and the ids per table
         below = runs.counts_below(joint.part_boundaries(device))
         per_table = (below[1:] - below[:-1]).view(1, -1)

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FULL = {
     "single_process": dict(rows=1_000_000, dim=64, batch=65536, rounds=5, steps_per_round=4, threads=2),
     "distributed": dict(rows_list=[100_000, 1_000_000, 4_000_000], batches=[4096, 65536], methods=list(distributed.METHODS)),
-    "gpu": dict(rows=4_000_000, dim=64, batch=262_144),
+    "gpu": dict(steps=40, warmup=5),  # the workloads of gpu.WORKLOADS
     "collection": dict(max_rows=1_000_000, batch=2048, rounds=5, steps_per_round=3),
     # (W, None): 1-D over W ranks; (W, G): 2-D, sharded over groups of G ranks, replicated W / G times.
     "scale": dict(
@@ -75,7 +75,7 @@ QUICK = {
         max_steps=10,
         warmup=2,
     ),  # fmt: skip
-    "gpu": dict(rows=100_000, dim=64, batch=4096),
+    "gpu": dict(workloads=[dict(rows=100_000, dim=64, batch=4096)], steps=5, warmup=2),
     "collection": dict(max_rows=20_000, batch=256, rounds=2, steps_per_round=2),
     "scale": dict(
         worlds=[(8, None), (256, None), (256, 32)], workloads=["26 tables"], batch=128, rows_cap=1000, steps=2, in_process=True
@@ -174,14 +174,12 @@ def _rerun(section: str, plan: dict, out: Path, page: Path | None) -> int:
 
 
 def _measure_gpu(doc: dict, plan: dict) -> None:
-    """The GPU measurements, into ``doc``: the one-process step, the dynamic table's step and the update kernels."""
+    """The GPU measurements, into ``doc``: the one-process step against torch's (gpu.py) and the dynamic table's step."""
     import gpu
 
-    cuda = single_process.run(**plan["single_process"], with_fbgemm=False, device="cuda")
-    doc["single_process"] = [s for s in doc.get("single_process", []) if s["device"] != "cuda"] + [cuda]
+    doc["gpu"] = gpu.run(**plan["gpu"])
     dyn = {**plan["dynamic"], "two_ranks": False, "distinct": 0, "device": "cuda"}
     doc.setdefault("dynamic", {}).setdefault("step", {})["one process, GPU"] = dynamic.run(**dyn)["step"]["one process"]
-    doc["gpu"] = gpu.run(**plan["gpu"])
 
 
 # glibc gives freed buffers back to the system and page-faults new ones in; these keep them, as

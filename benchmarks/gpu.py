@@ -1,64 +1,219 @@
-"""One GPU: the update kernels' achieved bandwidth against a measured device-to-device copy.
+"""One GPU: a one-process training step of lightning_sparse against torch's own sparse and dense paths, in one run.
 
-Each optimizer's step must read and write the touched rows of the table and of its state once,
-and read their gradient once: ``rows x (2 x (row + state bytes) + gradient bytes)``. Achieved
-bandwidth is that many bytes divided by the time of ``update`` (the kernel alone, on rows and
-gradients prepared beforehand), timed with CUDA events. The reference is ``dst.copy_(src)`` of
-a buffer of the same size (read + write), the best a memory-bound kernel can do.
+Workloads: a 1M x 64 float32 table with 65,536 ids per step and a 10M x 128 table with 262,144,
+each with ids drawn skewed (``N * u**4``) and uniform (``N * u``). Every method trains the same
+batches with the same loss (the bench's projection loss); a step is forward + backward +
+optimizer step + zero_grad, timed with CUDA events, the median of ``steps`` after ``warmup``:
+
+* ``ours/<family>``: SparseEmbedding with SparseAdagrad, SparseRowWiseAdagrad, SparseAdam with
+  global bias correction (torch.optim.SparseAdam's), and Adagrad on a bf16 table (stochastic
+  rounding, float32 lookups): ``adagrad_bf16``;
+* ``torch_sparse/<family>``: ``nn.Embedding(sparse=True)`` with torch.optim.Adagrad or SparseAdam;
+* ``torch_dense/<family>``: ``nn.Embedding`` with Adagrad (foreach) or Adam (fused);
+* ``lookup``: ours in grad mode (forward only), ours under ``no_grad`` (which waits for its id
+  check: one host read), and ``F.embedding``.
+
+Per workload also: CUDA kernels per step (torch.profiler, one step, the loss's own kernels
+counted apart), host syncs per step (``torch.cuda.set_sync_debug_mode("warn")``), and the fused
+update kernel alone against a device copy of the bytes it must move (each touched row and its
+state read and written, each id's gradient row, key and position read once); for the first
+workload a profile summary of our Adagrad step.
+
+On a CPU (``device="cpu"``, the tests' smoke run) the same code runs with wall-clock timing and
+without the profiler counts.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
+import time
+import warnings
 from collections.abc import Callable
 
 import torch
-from single_process import STATE_BYTES, make_ids
+import torch.nn.functional as F
+from torch import nn
+
+WORKLOADS = [dict(rows=1_000_000, dim=64, batch=65_536), dict(rows=10_000_000, dim=128, batch=262_144)]
+DRAWS = {"skewed": lambda u: u**4, "uniform": lambda u: u}
+OURS = {
+    "adagrad": ("SparseAdagrad", dict(lr=0.1), {}),
+    "rowwise_adagrad": ("SparseRowWiseAdagrad", dict(lr=0.1), {}),
+    "adam": ("SparseAdam", dict(lr=1e-3, bias_correction="global"), {}),
+    "adagrad_bf16": ("SparseAdagrad", dict(lr=0.1), dict(dtype=torch.bfloat16, output_dtype=torch.float32)),
+}
+TORCH_SPARSE = {"adagrad": lambda w: torch.optim.Adagrad([w], lr=0.1), "adam": lambda w: torch.optim.SparseAdam([w], lr=1e-3)}
+TORCH_DENSE = {
+    "adagrad": lambda w: torch.optim.Adagrad([w], lr=0.1, foreach=True),
+    "adam": lambda w: torch.optim.Adam([w], lr=1e-3, fused=w.is_cuda),
+}
+# Per touched row, the state bytes the update reads and writes beside the row (float32).
+STATE_BYTES = {"sgd": lambda d: 0, "adagrad": lambda d: 4 * d, "rowwise_adagrad": lambda d: 4, "adam": lambda d: 8 * d}
 
 
-def _cuda_ms(fn: Callable[[], object], repeat: int) -> float:
+def make_batches(rows: int, batch: int, draw: str, count: int, device: torch.device) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [(rows * DRAWS[draw](torch.rand(batch, generator=gen))).long().clamp_(max=rows - 1).to(device) for _ in range(count)]
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    return ((out @ proj) - target).pow(2).mean()
+
+
+def _median_ms(fn: Callable[[int], object], steps: int, warmup: int, device: torch.device) -> float:
+    for i in range(warmup):
+        fn(i)
     times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    for i in range(steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(i)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn(i)
+            times.append(1e3 * (time.perf_counter() - begin))
     return statistics.median(times)
 
 
-def run(rows: int, dim: int, batch: int, repeat: int = 20) -> dict:
-    from lightning_sparse.optim import functional as F
+def _counts(fn: Callable[[int], object], device: torch.device) -> dict:
+    """CUDA kernels (and copies) of one call and the host syncs it makes; {} on a CPU."""
+    if device.type != "cuda":
+        return {}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
 
-    device = torch.device("cuda")
-    touched = torch.unique(make_ids(rows, batch, count=1)[0]).to(device)
-    grad = torch.randn(len(touched), dim, device=device)
-    table = torch.randn(rows, dim, device=device)
-    dense = [torch.zeros(rows, dim, device=device) for _ in range(2)]
-    per_row = torch.zeros(rows, device=device)
-    steps = torch.zeros(rows, dtype=torch.int64, device=device)
-    kernels = {
-        "sgd": lambda g: F.sgd_(table, touched, g, lr=0.1, weight_decay=0.0),
-        "adagrad": lambda g: F.adagrad_(table, dense[0], touched, g, clr=0.1, weight_decay=0.0, eps=1e-10),
-        "rowwise_adagrad": lambda g: F.rowwise_adagrad_(table, per_row, touched, g, lr=0.1, weight_decay=0.0, eps=1e-10),
-        "adam_global": lambda g: F.adam_(table, dense[0], dense[1], touched, g, step=3, lr=1e-3, beta1=0.9, beta2=0.999,
-                                         eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False),
-        "adam_row": lambda g: F.adam_(table, dense[0], dense[1], touched, g, step=steps.index_select(0, touched).add_(1),
-                                      lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False),
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(0)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    return {"kernels": len(kernels), "syncs": len(syncs), "profile": prof}
+
+
+def _methods(rows: int, dim: int, device: torch.device):
+    """(name, family, builder) per method; a builder returns (step(i), lookup(i) or None, teardown objects)."""
+    import lightning_sparse as ls
+
+    for family, (cls, kwargs, table_kwargs) in OURS.items():
+
+        def build(cls=cls, kwargs=kwargs, table_kwargs=table_kwargs):
+            emb = ls.SparseEmbedding(rows, dim, init=ls.init.zeros(), device=device, **table_kwargs)
+            return emb, getattr(ls, cls)([emb], **kwargs)
+
+        yield f"ours/{family}", family, build
+    for kind, makers in (("torch_sparse", TORCH_SPARSE), ("torch_dense", TORCH_DENSE)):
+        for family, make in makers.items():
+
+            def build(make=make, sparse=kind == "torch_sparse"):
+                emb = nn.Embedding(rows, dim, sparse=sparse, device=device)
+                nn.init.zeros_(emb.weight)
+                return emb, make(emb.weight)
+
+            yield f"{kind}/{family}", family, build
+
+
+def _update_bandwidth(rows: int, dim: int, batch: torch.Tensor, steps: int, device: torch.device) -> list[dict]:
+    """The fused update kernel alone on one batch's prepared runs, against a device copy of the bytes it moves."""
+    from lightning_sparse.kernels import UpdateRule, sort_runs, update_rows
+
+    runs = sort_runs(batch, rows)
+    values = torch.randn(len(batch), dim, device=device)
+    distinct = len(torch.unique(batch))
+    table = torch.zeros(rows, dim, device=device)
+    state = torch.zeros(rows, dim, device=device)
+    rules = {
+        "adagrad": UpdateRule("adagrad", 0.1, state=(state, None, None), eps=1e-10),
+        "rowwise_adagrad": UpdateRule("rowwise_adagrad", 0.1, state=(None, None, state[:, 0].contiguous()), eps=1e-10),
+        "adam": UpdateRule("adam", 1e-3, state=(state, torch.zeros_like(state), None), eps=1e-8, betas=(0.9, 0.999),
+                           step_size=1e-3),
     }  # fmt: skip
-    results = []
-    for family, kernel in kernels.items():
-        moved = len(touched) * (2 * (4 * dim + STATE_BYTES[family](dim)) + 4 * dim)
-        for _ in range(3):
-            kernel(grad.clone())
-        copies = [grad.clone() for _ in range(repeat)]
-        it = iter(copies)
-        ms = _cuda_ms(lambda kernel=kernel, it=it: kernel(next(it)), repeat)
-        src = torch.empty(moved // 2 // 4 + 1, device=device)
+    out = []
+    for family, rule in rules.items():
+        moved = distinct * 2 * (4 * dim + STATE_BYTES[family](dim)) + len(batch) * (4 * dim + 4 + 8)
+        ms = _median_ms(lambda i, rule=rule: update_rows(runs, values, table, rule), steps, 3, device)
+        src = torch.empty(moved // 8 + 1, device=device)  # a copy reads and writes: moved / 2 bytes each way
         dst = torch.empty_like(src)
-        copy_ms = _cuda_ms(lambda dst=dst, src=src: dst.copy_(src), repeat)
-        results.append({"family": family, "rows": len(touched), "bytes": moved, "update_ms": ms,
-                        "update_gbps": moved / ms / 1e6, "copy_gbps": 2 * src.numel() * 4 / copy_ms / 1e6})  # fmt: skip
-        results[-1]["fraction_of_copy"] = results[-1]["update_gbps"] / results[-1]["copy_gbps"]
-    return {"device_name": torch.cuda.get_device_name(), "table_rows": rows, "dim": dim, "batch": batch, "results": results}
+        copy_ms = _median_ms(lambda i, dst=dst, src=src: dst.copy_(src), steps, 3, device)
+        out.append({"family": family, "distinct_rows": distinct, "bytes": moved, "update_ms": ms, "copy_ms": copy_ms,
+                    "update_gbps": moved / ms / 1e6, "copy_gbps": 2 * src.numel() * 4 / copy_ms / 1e6})  # fmt: skip
+        out[-1]["fraction_of_copy"] = out[-1]["update_gbps"] / out[-1]["copy_gbps"]
+    return out
+
+
+def measure(rows: int, dim: int, batch: int, draw: str, steps: int, warmup: int, device: torch.device, profile: bool) -> dict:
+    """One workload with one draw of ids: every method's step, the lookups, counts, the update's bandwidth."""
+    batches = make_batches(rows, batch, draw, 4, device)
+    gen = torch.Generator().manual_seed(1)
+    proj = torch.randn(dim, generator=gen).to(device)
+    targets = [torch.randn(batch, generator=gen).to(device) for _ in batches]
+    result = {"rows": rows, "dim": dim, "batch": batch, "ids": draw, "distinct": len(torch.unique(batches[0])),
+              "step_ms": {}, "kernels": {}, "syncs": {}}  # fmt: skip
+    loss_only = torch.zeros(batch, dim, device=device, requires_grad=True)
+    counted = _counts(lambda i: _loss(loss_only, targets[i % 4], proj).backward(), device)
+    result["loss_kernels"] = counted.get("kernels")
+    for name, _family, build in _methods(rows, dim, device):
+        emb, opt = build()
+
+        def step(i, emb=emb, opt=opt):
+            _loss(emb(batches[i % 4]), targets[i % 4], proj).backward()
+            opt.step()
+            opt.zero_grad()
+
+        result["step_ms"][name] = _median_ms(step, steps, warmup, device)
+        counted = _counts(step, device)
+        if counted:
+            result["kernels"][name], result["syncs"][name] = counted["kernels"], counted["syncs"]
+            if profile and name == "ours/adagrad":
+                table = counted["profile"].key_averages().table(sort_by="cuda_time_total", row_limit=10)
+                result["profile_ours_adagrad"] = table.splitlines()
+        if name == "ours/adagrad":
+            result["lookup_ms"] = {"ours, grad mode": _median_ms(lambda i, emb=emb: emb(batches[i % 4]), steps, warmup, device)}
+            with torch.no_grad():
+                result["lookup_ms"]["ours, no_grad"] = _median_ms(lambda i, emb=emb: emb(batches[i % 4]), steps, warmup, device)
+        if name == "torch_sparse/adagrad":
+            with torch.no_grad():
+                lookup = lambda i, emb=emb: F.embedding(batches[i % 4], emb.weight)  # noqa: E731
+                result["lookup_ms"]["torch F.embedding"] = _median_ms(lookup, steps, warmup, device)
+        del emb, opt, step
+        _release(device)
+    result["update"] = _update_bandwidth(rows, dim, batches[0], steps, device)
+    _release(device)
+    return result
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run(workloads: list[dict] | None = None, draws: tuple[str, ...] = ("skewed", "uniform"), steps: int = 40,
+        warmup: int = 5, device: str = "cuda") -> dict:  # fmt: skip
+    """Every workload with every draw of ids; the first also gives a profile summary."""
+    where = torch.device(device)
+    results = []
+    for index, workload in enumerate(workloads or WORKLOADS):
+        for draw in draws:
+            results.append(measure(**workload, draw=draw, steps=steps, warmup=warmup, device=where,
+                                   profile=index == 0 and draw == draws[0]))  # fmt: skip
+    name = torch.cuda.get_device_name() if where.type == "cuda" else "CPU"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"device_name": name, "torch": torch.__version__, "triton": triton_version, "workloads": results}

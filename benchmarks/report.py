@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+import gpu_report
+
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 FAMILIES = ("sgd", "adagrad", "rowwise_adagrad", "adam_row", "adam_global")
 FAMILY_LABEL = {"sgd": "SGD", "adagrad": "Adagrad", "rowwise_adagrad": "row-wise Adagrad",
@@ -123,17 +125,7 @@ def targets(doc: dict) -> list[dict]:
         growth = max(r["peak_rss_mib_at_end"] - r["peak_rss_mib_at_10pct"] for r in stream["ranks"])
         add(f"2 ranks: {stream['config']['distinct']:,} distinct ids through capacity {stream['config']['capacity']:,}: "
             "peak RSS growth per rank after the first tenth of the stream", "flat (< 5 MiB)", growth, growth < 5, unit=" MiB")  # fmt: skip
-    gpu = doc.get("gpu", {})
-    for r in gpu.get("results", []):
-        add(
-            f"1 GPU: {FAMILY_LABEL[r['family']]} update bandwidth / device copy",
-            ">= 50%",
-            100 * r["fraction_of_copy"],
-            r["fraction_of_copy"] >= 0.5,
-            unit="%",
-        )
-    if "skipped" in gpu:
-        add("1 GPU: update bandwidth / device copy", ">= 50%", None, None)
+    gpu_report.targets(doc.get("gpu", {}), add)
     return out
 
 
@@ -183,17 +175,7 @@ def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
     lines += _half_markdown(doc.get("half", {}))
     if not doc.get("quick"):
         lines += _scaling_model_markdown(doc)
-    gpu = doc.get("gpu", {})
-    lines += ["", "### One GPU", ""]
-    if "skipped" in gpu:
-        lines.append(f"Not run: {gpu['skipped']}.")
-    else:
-        lines += [f"{gpu['device_name']}, table {_rows(gpu['table_rows'])} x {gpu['dim']}, {gpu['batch']} ids.", "",
-                  "| optimizer | touched rows | bytes the update must move | update (ms) | GB/s | copy GB/s | fraction |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-        for r in gpu["results"]:
-            lines.append(f"| {FAMILY_LABEL[r['family']]} | {r['rows']} | {_bytes(r['bytes'])} | {r['update_ms']:.3f} | "
-                         f"{r['update_gbps']:.0f} | {r['copy_gbps']:.0f} | {100 * r['fraction_of_copy']:.0f}% |")  # fmt: skip
+    lines += gpu_report.markdown(doc.get("gpu", {}))
     lines += [""] + [f"![{name}]({name})" for name in plots] + ["", f"Raw results: `{json_name}`."]
     return "\n".join(lines)
 

@@ -24,7 +24,8 @@ class ExchangeStats:
     """Running totals of what the sparse path sent, received and spent; reset by the reader.
 
     Bytes count what crossed to or from other ranks (headers included), not a rank's split to
-    itself; ``collectives`` counts the all-to-all calls.
+    itself; ``collectives`` counts the all-to-all calls. ``unique_ids`` may be a 0-d device
+    tensor: a one-process GPU step counts its distinct ids in its update kernel (see :meth:`on_device`).
     """
 
     bytes_sent: int = 0
@@ -40,8 +41,16 @@ class ExchangeStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def reset(self) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, type(getattr(self, name))())
+        for name, spec in self.__dataclass_fields__.items():
+            setattr(self, name, spec.default)
+
+    def on_device(self, name: str, device: torch.device) -> Tensor:
+        """Counter ``name`` as a 0-d int64 tensor on ``device``, for a kernel to add to (no host read until it is logged)."""
+        value = getattr(self, name)
+        if not isinstance(value, Tensor) or value.device != device:
+            value = torch.full((), value if not isinstance(value, Tensor) else int(value), dtype=torch.int64, device=device)
+            setattr(self, name, value)
+        return value
 
 
 def host_tensor(values: Sequence[int | float], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -20,7 +20,7 @@ from lightning_sparse.grouping import SortedKeys
 from lightning_sparse.hashing import HashSharding, mix
 from lightning_sparse.header import OK, Headers, LookupHeader
 from lightning_sparse.lookup import serve
-from lightning_sparse.outputs import expand
+from lightning_sparse.outputs import expand, gather
 from lightning_sparse.verdict import check_round
 
 # ``LookupHeader.stage`` of a round that turns ids into rows (a collection's dynamic tables), and of one
@@ -52,13 +52,15 @@ class DynamicLookupMixin:
         return self._keyed_lookup(ids)
 
     def _local_lookup(self, ids: Any) -> Tensor:
-        """One rank: the slots of the distinct ids, then the rows (the record keeps the sort for backward)."""
+        """One rank: the slots of the distinct ids, then the rows at each id's slot, as a SparseEmbedding of one rank reads them.
+
+        The gradient is recorded per id and summed at the step (:func:`~lightning_sparse.outputs.gather`),
+        in the same order as for a SparseEmbedding: both tables train alike, bit for bit.
+        """
         slots, runs = self._local_slots(ids)
         self.stats.ids_looked_up += len(runs.sorted)
-        with torch.no_grad():
-            rows = self._shard.index_select(0, slots)
-        record = self.pending.new_record(None, slots, occurrences=runs.counts) if torch.is_grad_enabled() else None
-        return expand(self, rows, record, runs.inverse(), ids.shape)
+        rows = gather(self, slots.index_select(0, runs.inverse()))
+        return rows.view(*ids.shape, self.embedding_dim)
 
     def _local_slots(self, ids: Any) -> tuple[Tensor, SortedKeys]:
         """One rank, the owner of every id: the slot of each distinct id (one sort of their keys), and the sort."""
@@ -85,7 +87,7 @@ class DynamicLookupMixin:
             # lookups other than the last go to their owners as any table's do.
             global_rows = sharding.owner_of_key(runs.unique) * self.rows_per_rank() + slots
             record = self.pending.new_record(route, global_rows, occurrences=runs.counts)
-        return expand(self, rows, record, runs.inverse(), ids.shape)
+        return expand(self, rows, record, runs, ids.shape)
 
     def _answer_rows(self, route: Route) -> Tensor:
         """The owner's side of a keyed round: slots for the keys received, then their rows and slots sent back. Collective.

@@ -22,6 +22,7 @@ from lightning_sparse.alltoall import ExchangeStats
 from lightning_sparse.exchange import Route
 from lightning_sparse.lookup import lookup_ids, serve
 from lightning_sparse.pending import PendingGrads
+from lightning_sparse.range_check import RangeCheck
 from lightning_sparse.rounding import HALF
 from lightning_sparse.shard_placement import ShardPlacementMixin
 from lightning_sparse.shard_state import ShardStateMixin
@@ -116,6 +117,7 @@ class SparseEmbedding(ShardPlacementMixin, ShardStateMixin, nn.Module):
         # ``.to()`` asks for; after, it is the shard itself (same tensor object for life).
         self._shard = torch.empty(0, embedding_dim, dtype=dtype, device=device)
         self.pending = PendingGrads()
+        self.range_check = RangeCheck()  # of one-process GPU lookups (range_check.py)
         self.stats = ExchangeStats()
         # Set by a strategy that shards this table: its position among the module's tables,
         # which every rank sends along with each lookup.

@@ -10,10 +10,9 @@ gradients and checkpoints group rows by owner with the same class.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-_INT32_LIMIT = 2**31 - 1
+from lightning_sparse.kernels import Runs, gpu_path, segment_sum, sort_runs, uses_triton
 
 
 class SortedKeys:
@@ -22,8 +21,9 @@ class SortedKeys:
     Sorting owner-major keys gives everything the sparse path needs from a batch: the distinct
     keys in ascending order (so grouped by owner), how many go to each owner
     (:meth:`counts_below`), where each input landed (:meth:`inverse`), and the runs a segment
-    sum adds up (:meth:`segment_sum`). Only :meth:`finish` may read the host (the number of
-    distinct keys), and not when the caller already knows it.
+    sum adds up (:meth:`segment_sum`, :func:`lightning_sparse.kernels.segment_sum`). Only
+    :meth:`finish` may read the host (the number of distinct keys), and not when the caller
+    already knows it. The sort is all the constructor does: the rest is computed when asked.
 
     >>> runs = SortedKeys(torch.tensor([7, 3, 7, 9])).finish()
     >>> runs.unique.tolist(), runs.inverse().tolist(), runs.counts().tolist()
@@ -34,24 +34,37 @@ class SortedKeys:
 
     def __init__(self, keys: Tensor, bound: int | None = None) -> None:
         """``bound``: all keys are below it. Below 2**31 the sort runs on int32 keys, a third faster."""
-        if bound is not None and bound <= _INT32_LIMIT and keys.dtype == torch.int64:
-            keys = keys.to(torch.int32)
-        self.sorted, self.perm = torch.sort(keys, stable=True)
-        is_first = torch.ones_like(self.sorted, dtype=torch.bool)
-        if len(keys) > 1:
-            torch.ne(self.sorted[1:], self.sorted[:-1], out=is_first[1:])
-        self.is_first = is_first  # where each run (distinct key) starts in sorted order
-        self._run = torch.cumsum(is_first, 0)  # 1 + index of the run each sorted position belongs to
+        self.runs: Runs = sort_runs(keys, bound)
+        self.sorted, self.perm = self.runs.keys, self.runs.perm
+        self._first: Tensor | None = None
+        self._run: Tensor | None = None
         self.unique = self.offsets = keys.new_empty(0, dtype=torch.int64)
+
+    @property
+    def is_first(self) -> Tensor:
+        """Where each run (distinct key) starts in sorted order."""
+        if self._first is None:
+            first = torch.ones_like(self.sorted, dtype=torch.bool)
+            if len(self.sorted) > 1:
+                torch.ne(self.sorted[1:], self.sorted[:-1], out=first[1:])
+            self._first = first
+        return self._first
+
+    def run_number(self) -> Tensor:
+        """For each sorted position, 1 + the index of its key among the distinct keys (non-decreasing: runs of their own)."""
+        if self._run is None:
+            self._run = torch.cumsum(self.is_first, 0)
+        return self._run
 
     def run_index(self) -> Tensor:
         """For each sorted position, the index of its key among the distinct keys."""
-        return self._run - 1
+        return self.run_number() - 1
 
     def counts_below(self, boundaries: Tensor) -> Tensor:
         """How many distinct keys are smaller than each boundary (no host read)."""
         positions = torch.searchsorted(self.sorted, boundaries.to(self.sorted.dtype))
-        return torch.cat([self._run.new_zeros(1), self._run]).index_select(0, positions)
+        run = self.run_number()
+        return torch.cat([run.new_zeros(1), run]).index_select(0, positions)
 
     def counts_in_blocks(self, blocks: Tensor, num_blocks: int) -> Tensor:
         """How many distinct keys fall in each of ``num_blocks`` blocks, given each sorted key's block (no host read).
@@ -70,7 +83,7 @@ class SortedKeys:
 
     def finish(self, num_unique: int | None = None) -> SortedKeys:
         """Materialize ``unique`` and ``offsets`` (where each run starts in sorted order)."""
-        if num_unique is not None and self.is_first.is_cuda:  # no host read for the output size
+        if num_unique is not None and gpu_path(self.is_first):  # no host read for the output size (slower on a CPU)
             self.offsets = torch.nonzero_static(self.is_first, size=num_unique).view(-1)
         else:
             self.offsets = torch.nonzero(self.is_first).view(-1)
@@ -86,9 +99,14 @@ class SortedKeys:
         ends = torch.cat([self.offsets[1:], self.offsets.new_full((1,), len(self.sorted))])
         return ends - self.offsets
 
-    def segment_sum(self, values: Tensor) -> Tensor:
-        """Add up the rows of ``values`` (one per input key) that share a key: ``[len(unique), width]``."""
-        return F.embedding_bag(self.perm, values.contiguous(), self.offsets, mode="sum")
+    def segment_sum(self, values: Tensor, weights: Tensor | None = None) -> Tensor:
+        """Add up the rows of ``values`` (one per input key) that share a key: ``[len(unique), width]``.
+
+        ``weights``: one per sorted position, for a weighted sum. After :meth:`finish`.
+        """
+        # Triton finds the runs from their numbers (run k + 1 sums into row k); plain torch takes the offsets.
+        by_run = Runs(self.run_number() if uses_triton(values) else self.sorted, self.perm)
+        return segment_sum(by_run, values, len(self.unique), shift=-1, weights=weights, offsets=self.offsets)
 
 
 def coalesce(keys: Tensor, values: Tensor, bound: int | None = None) -> tuple[Tensor, Tensor]:

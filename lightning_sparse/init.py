@@ -71,17 +71,26 @@ def hashes(global_ids: Tensor, columns: int, seed: int, blocks: int = 1) -> Tens
     golden ratio. Few tensor ops, in int32 in place (a row of a DynamicEmbedding is initialized as
     its id arrives, so this is on the training path).
     """
-    salt = _signed64(_hash32(seed & _MASK32) << 32 | _hash32((seed >> 32) & _MASK32 ^ 0x5BD1E995))
-    x = global_ids.to(torch.int64).view(-1, 1) * _signed64(0x9E3779B97F4A7C15) + salt
+    x = global_ids.to(torch.int64).view(-1, 1) * ROW_MULTIPLIER + seed_salt(seed)
     row_keys = (x ^ (x >> 32)).to(torch.int32)  # low ^ high 32 bits (the shift's sign copies fall outside them)
-    cols = torch.arange(blocks * columns, dtype=torch.int32, device=x.device).mul_(_int32(0x9E3779B9))
+    cols = torch.arange(blocks * columns, dtype=torch.int32, device=x.device).mul_(COLUMN_MULTIPLIER)
     return _hash32_(row_keys + cols.view(blocks, 1, columns))
+
+
+def seed_salt(seed: int) -> int:
+    """The int64 that :func:`hashes` adds to ``id * ROW_MULTIPLIER`` for ``seed`` (the Triton kernels hash alike)."""
+    return _signed64(_hash32(seed & _MASK32) << 32 | _hash32((seed >> 32) & _MASK32 ^ 0x5BD1E995))
 
 
 def _signed64(value: int) -> int:
     """A 64-bit pattern as the int64 that holds it."""
     value &= (1 << 64) - 1
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# The odd constants of :func:`hashes` (the golden ratio's bits), as the signed ints that hold them.
+ROW_MULTIPLIER = _signed64(0x9E3779B97F4A7C15)
+COLUMN_MULTIPLIER = _int32(0x9E3779B9)
 
 
 def _uniform01(global_ids: Tensor, embedding_dim: int, seed: int) -> Tensor:

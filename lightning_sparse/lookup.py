@@ -25,7 +25,9 @@ feature, named like the table, unpooled).
    backward communicates nothing.
 
 With one rank there is nothing to exchange: the same round without the all-to-alls, with one
-host read for the verdict.
+host read for the verdict. With one rank and one table there is nothing to deduplicate either:
+one gather at the ids, whose gradient rows the optimizer step sums (on a GPU with no host read
+at all, see :func:`_one_rank_one_table`).
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ from lightning_sparse.features import FeatureIds, Problem, read_ids
 from lightning_sparse.grouping import SortedKeys
 from lightning_sparse.header import OK, Headers, LookupHeader
 from lightning_sparse.joint_rows import TableMajor, rows_from_owners, table_routes
+from lightning_sparse.kernels import uses_triton
 from lightning_sparse.outputs import distinct_rows, expand_rows, gather
-from lightning_sparse.pooling import pool
+from lightning_sparse.pooling import pool, select
 from lightning_sparse.units import LookupUnit, OneTable, ShardedTable
-from lightning_sparse.verdict import check_round, one_feature_header, write_verdicts
+from lightning_sparse.verdict import check_round, one_feature_header, raise_if_out_of_range, write_verdicts
 
 if TYPE_CHECKING:
     from lightning_sparse.sharding import JointSharding
@@ -72,13 +75,13 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
     tables, joint = unit.table_list, unit.joint_sharding
     first = tables[0]
     device, world_size, group, rank = first.device, first.world_size, first.process_group, first.rank
+    if world_size == 1 and len(tables) == len(read) == 1 and unit.feature_pooling[read[0].index] == "none":
+        return {read[0].name: _one_rank_one_table(unit, read[0])}
     header = LookupHeader(table=unit.unit_index, record=int(torch.is_grad_enabled()), error=problem.error, part=problem.part,
                           detail=problem.detail, dtype=problem.dtype)  # fmt: skip
     fields = one_feature_header(header, read, bad_offsets).fields(device)
     if problem.error == OK and read:
         write_verdicts(fields, read, bad_offsets, tables)
-    if world_size == 1 and len(tables) == len(read) == 1 and unit.feature_pooling[read[0].index] == "none":
-        return _one_rank_one_table(unit, read[0], fields, problem)
     keys = [joint.key(f.part, f.ids.clamp(0, tables[f.part].num_embeddings - 1)) for f in read]
     runs = SortedKeys(_concat(keys, device), joint.key_bound)
 
@@ -108,13 +111,26 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
     return _outputs(unit, read, rows, mine, runs)
 
 
-def _one_rank_one_table(unit: LookupUnit, feature: FeatureIds, fields: Tensor, problem: Problem) -> dict[str, Tensor]:
-    """One rank, one table: nothing to exchange or deduplicate. The verdict (the one host read), then one gather."""
-    check_round(unit, Headers.of(LookupHeader(0, *fields.tolist())), problem)
+def _one_rank_one_table(unit: LookupUnit, feature: FeatureIds) -> Tensor:
+    """One rank, one table: nothing to exchange or deduplicate, one gather (:func:`~lightning_sparse.outputs.gather`).
+
+    On a CPU the ids are checked first (one host read). On a GPU the gather checks them on the
+    device and the error is raised later without a host read (:mod:`lightning_sparse.range_check`),
+    here for an earlier lookup's ids, or at once for a lookup without grad mode (no step to wait for).
+    """
     table = unit.table_list[0]
     table.stats.ids_looked_up += len(feature.ids)
-    record = table.pending.new_record(None, feature.ids) if torch.is_grad_enabled() else None
-    return {feature.name: gather(table, feature.ids, record).view(*feature.shape, table.embedding_dim)}
+    if not uses_triton(table.shard):
+        low, high = torch.stack(torch.aminmax(feature.ids)).tolist() if len(feature.ids) else (0, 0)
+        raise_if_out_of_range(unit, low, high, feature.dtype)
+        return gather(table, feature.ids).view(*feature.shape, table.embedding_dim)
+    check = table.range_check
+    raise_if_out_of_range(unit, *(check.failed(table.num_embeddings) or (0, 0)), check.dtype_code)
+    rows = gather(table, feature.ids)
+    check.dtype_code = feature.dtype
+    if not torch.is_grad_enabled():
+        raise_if_out_of_range(unit, *(check.failed(table.num_embeddings, wait=True) or (0, 0)), feature.dtype)
+    return rows.view(*feature.shape, table.embedding_dim)
 
 
 def _concat(keys: list[Tensor], device: torch.device) -> Tensor:
@@ -173,11 +189,9 @@ def _outputs(
         tables[feature.part].stats.ids_looked_up += len(feature.ids)
         mode = unit.feature_pooling[feature.index]
         if mode == "none" and len(tables) == len(read) == 1 and table_rows.requires_grad:  # a table on its own
-            out[feature.name] = expand_rows(table_rows, position, runs.perm, runs.offsets).view(
-                *feature.shape, table_rows.shape[1]
-            )
+            out[feature.name] = expand_rows(table_rows, position, runs).view(*feature.shape, table_rows.shape[1])
         elif mode == "none":
-            out[feature.name] = table_rows.index_select(0, position).view(*feature.shape, table_rows.shape[1])
+            out[feature.name] = select(table_rows, position).view(*feature.shape, table_rows.shape[1])
         else:
             weights = feature.weights.to(table_rows.dtype) if feature.weights is not None else None
             out[feature.name] = pool(table_rows, position, feature.offsets, mode, weights)

@@ -1,12 +1,12 @@
 """Pending row gradients: what a table's lookups received in backward, until a sparse optimizer takes them.
 
 Each differentiable lookup makes a :class:`LookupRecord`, owned by the autograd graph (the
-lookup's backward node holds it). Its backward sums the output's gradient per distinct row (a
-segment sum, ``F.embedding_bag``) and hands the record to the table's :class:`PendingGrads`.
-With one rank, the forward never deduplicated (nothing is exchanged), so the backward sorts
-the ids first. A lookup whose graph is freed without a backward (evaluation without
-``torch.no_grad()``) leaves nothing behind, so memory stays bounded by what has actually
-received a gradient.
+lookup's backward node holds it). Its backward hands the record the gradient of the rows the
+lookup returned, and the record joins the table's :class:`PendingGrads`. Nothing is summed in
+backward: the optimizer step sums the gradient rows that share a row, as it updates them (one
+sort and one segment sum, or the fused update kernel on a GPU). A lookup whose graph is freed
+without a backward (evaluation without ``torch.no_grad()``) leaves nothing behind, so memory
+stays bounded by what has actually received a gradient.
 
 The table also keeps the :class:`~lightning_sparse.exchange.Route` of its last recorded lookup,
 so that the optimizer can send that lookup's gradients back the way its ids came.
@@ -16,74 +16,65 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_sparse.exchange import Route
-from lightning_sparse.grouping import SortedKeys
 from lightning_sparse.rounding import HALF
 
 
 class LookupRecord:
-    """One differentiable lookup: what its backward needs, then the gradient of each distinct row it read.
+    """One differentiable lookup: its keys, then the gradient of the rows it returned.
 
-    ``keys`` are the distinct rows' owner-major keys, ascending: the order in which the lookup
-    sent its ids along ``route``; ``grad`` is ``[len(keys), dim]`` in that order. A lookup that
-    did not deduplicate (one rank) is made with its ids as ``keys`` and no ``perm``/``offsets``;
-    its first backward sorts them. A lookup that hands its backward the gradient of its distinct
-    rows (the lookup engine's) is made with ``occurrences``: how often each distinct row was read,
-    or a function that counts them when asked (only ``duplicate_grads="mean"`` asks); its backward
-    receives one gradient row per key.
+    Two kinds, by what the lookup returned:
+
+    * *distinct* (made with ``occurrences``): the lookup engine's record. ``keys`` are the
+      distinct rows' owner-major keys, ascending: the order in which the lookup sent its ids
+      along ``route``; ``grad`` is ``[len(keys), dim]`` in that order. ``occurrences`` is how
+      often each distinct row was read, or a function that counts them when asked (only
+      ``duplicate_grads="mean"`` asks).
+    * *per id* (no ``occurrences``): a one-process lookup that reads the shard at its ids
+      (:func:`lightning_sparse.outputs.gather`). ``keys`` are the rows of the ids (the lookup's
+      own copy: the caller may reuse its ids buffer), repeats included; ``grad`` is
+      ``[len(keys), dim]``, one row per id.
     """
 
-    __slots__ = ("route", "keys", "perm", "offsets", "bound", "occurrences", "grad", "_pending", "_listed", "__weakref__")
+    __slots__ = ("route", "keys", "occurrences", "grad", "_pending", "_listed", "__weakref__")
 
     def __init__(
         self,
         pending: PendingGrads,
         route: Route | None,
         keys: Tensor,
-        perm: Tensor | None,
-        offsets: Tensor | None,
-        bound: int | None = None,
         occurrences: Tensor | Callable[[], Tensor] | None = None,
     ) -> None:
-        self.route, self.keys, self.perm, self.offsets, self.bound = route, keys, perm, offsets, bound
-        self.occurrences = occurrences
+        self.route, self.keys, self.occurrences = route, keys, occurrences
         self.grad: Tensor | None = None
         self._pending = pending
         self._listed = False  # in ``pending.received``: its gradient has not been taken or zeroed
 
-    def add_grad(self, grad_output: Tensor) -> None:
-        """Called by the lookup's backward with the gradient of its ``[ids, dim]`` output (``[keys, dim]`` for a collection).
+    @property
+    def distinct(self) -> bool:
+        """Whether ``keys`` are distinct (one gradient row per distinct row), as the lookup engine records them."""
+        return self.occurrences is not None
 
-        A half-precision gradient is summed in float32 (the update's dtype for half tables).
+    def add_grad(self, grad_output: Tensor) -> None:
+        """Called by the lookup's backward with the gradient of its ``[len(keys), dim]`` rows.
+
+        A half-precision gradient is kept in float32 (the update's dtype for half tables).
         """
         if grad_output.dtype in HALF:
             grad_output = grad_output.float()
-        if self.occurrences is not None:
-            rows = grad_output
-        else:
-            if self.perm is None:
-                runs = SortedKeys(self.keys, self.bound).finish()
-                self.keys, self.perm, self.offsets = runs.unique, runs.perm, runs.offsets
-            rows = F.embedding_bag(self.perm, grad_output.contiguous(), self.offsets, mode="sum")  # [ids, dim] -> [rows, dim]
-        if self._listed:
-            self.grad.add_(rows)
+        if self._listed:  # out of place: the first gradient may be a tensor autograd also gave to others
+            self.grad = self.grad + grad_output
         else:  # the first backward, or one after a step or zero_grad took the previous gradient
-            self.grad, self._listed = rows, True
+            self.grad, self._listed = grad_output.contiguous(), True
             self._pending.received.append(self)
 
-    def counts(self) -> Tensor:
-        """How often the lookup read each distinct row."""
+    def counts(self) -> Tensor | None:
+        """How often the lookup read each distinct row; ``None`` for a record per id (each gradient row counts once)."""
         if callable(self.occurrences):
             self.occurrences = self.occurrences()
-        if self.occurrences is not None:
-            return self.occurrences
-        ends = self.offsets.new_empty(len(self.offsets))
-        ends[:-1] = self.offsets[1:]
-        ends[-1:] = len(self.perm)
-        return ends - self.offsets
+        return self.occurrences
 
 
 class PendingGrads:
@@ -94,25 +85,22 @@ class PendingGrads:
         self.route: Route | None = None
 
     def new_record(
-        self,
-        route: Route | None,
-        keys: Tensor,
-        perm: Tensor | None = None,
-        offsets: Tensor | None = None,
-        bound: int | None = None,
-        occurrences: Tensor | Callable[[], Tensor] | None = None,
+        self, route: Route | None, keys: Tensor, occurrences: Tensor | Callable[[], Tensor] | None = None
     ) -> LookupRecord:
-        """A record of one lookup; without ``perm``/``offsets`` its backward sorts ``keys`` (all below ``bound``)."""
-        return LookupRecord(self, route, keys, perm, offsets, bound, occurrences)
+        """A record of one lookup (see :class:`LookupRecord`: distinct with ``occurrences``, else one key per id)."""
+        return LookupRecord(self, route, keys, occurrences)
 
     def grads(self) -> list[Tensor]:
-        """The row gradients received so far (for inspection; see :meth:`scale`)."""
+        """The gradient rows received so far, one tensor per lookup (for inspection; see :meth:`scale`).
+
+        Rows are not summed yet: a lookup's record per id has one row per id (see :class:`LookupRecord`).
+        """
         return [record.grad for record in self.received]
 
     def scale(self, factor: float) -> None:
         """Multiply every received gradient by ``factor`` (e.g. to unscale a mixed-precision loss scale)."""
-        for record in self.received:
-            record.grad.mul_(factor)
+        for record in self.received:  # out of place, as in add_grad
+            record.grad = record.grad * factor
 
     def zero_grad(self) -> None:
         """Drop the gradients received so far. Lookups still awaiting their backward are unaffected."""

@@ -1,7 +1,10 @@
-"""Pooling a feature's bags from the distinct rows a lookup brought back, without an ``[ids, dim]`` tensor.
+"""Reading a feature's ids from the distinct rows a lookup brought back: selected one per id, or pooled per bag.
 
 ``pooling="sum"``/``"mean"`` (and per-id weights) as ``nn.EmbeddingBag`` computes them, forward
-and backward, over the distinct rows of the lookup round (see :mod:`lightning_sparse.lookup`).
+and backward, over the distinct rows of the lookup round (see :mod:`lightning_sparse.lookup`),
+without an ``[ids, dim]`` tensor; ``pooling="none"`` for a feature that shares its table with
+others selects one row per id (:func:`select`). Both backwards sum the gradients that reach each
+distinct row with one sort of the ids' rows and :func:`lightning_sparse.kernels.segment_sum`.
 """
 
 from __future__ import annotations
@@ -12,16 +15,44 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_sparse.kernels import Runs, segment_sum
+
+
+def _sum_by_row(position: Tensor, grad: Tensor, num_rows: int, source: Tensor | None, weights: Tensor | None) -> Tensor:
+    """``[num_rows, dim]``: for each row, the sum over the ids at it (``position``) of their gradient rows.
+
+    Id ``i`` contributes ``grad[source[i]]`` (``source``: the bag of each id; ``None``: ``i``),
+    times ``weights[i]`` if given.
+    """
+    order = torch.argsort(position, stable=True)
+    rows = source.index_select(0, order) if source is not None else order
+    sorted_weights = weights.index_select(0, order) if weights is not None else None
+    return segment_sum(Runs(position.index_select(0, order), rows), grad, num_rows, weights=sorted_weights)
+
+
+class _Select(torch.autograd.Function):
+    """``rows.index_select(0, position)``, with a deterministic backward (a sorted segment sum, not atomic adds)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, position: Tensor) -> Tensor:
+        ctx.save_for_backward(position)
+        ctx.num_rows = len(rows)
+        return rows.index_select(0, position)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (position,) = ctx.saved_tensors
+        return _sum_by_row(position, grad, ctx.num_rows, None, None), None
+
 
 class _Pool(torch.autograd.Function):
     """Bags pooled from distinct rows, both ways without an ``[ids, dim]`` tensor.
 
     Forward is ``F.embedding_bag`` over the distinct rows. Backward is the same operation
     turned around: each distinct row's gradient is a weighted sum of the gradients of the bags
-    that hold it, so one ``F.embedding_bag`` over the bags' gradients, with the ids sorted by
-    row, gives ``[distinct rows, dim]`` directly (weights: the per-id weights, or ``1 / bag
-    length`` for ``"mean"``). Per-id weights that need a gradient go through ``F.embedding_bag``'s
-    own backward instead (see :func:`pool`).
+    that hold it (weights: the per-id weights, or ``1 / bag length`` for ``"mean"``), summed
+    with the ids sorted by row. Per-id weights that need a gradient go through
+    ``F.embedding_bag``'s own backward instead (see :func:`pool`).
     """
 
     @staticmethod
@@ -38,10 +69,12 @@ class _Pool(torch.autograd.Function):
         scale = weights
         if ctx.mode == "mean":
             scale = (1 / lengths.clamp(min=1).to(grad.dtype)).index_select(0, bag)
-        order = torch.argsort(position, stable=True)
-        starts = torch.searchsorted(position.index_select(0, order), torch.arange(ctx.num_rows, device=grad.device))
-        return F.embedding_bag(bag.index_select(0, order), grad.contiguous(), starts, mode="sum",
-                               per_sample_weights=None if scale is None else scale.index_select(0, order)), None, None, None, None  # fmt: skip
+        return _sum_by_row(position, grad.contiguous(), ctx.num_rows, bag, scale), None, None, None, None
+
+
+def select(rows: Tensor, position: Tensor) -> Tensor:
+    """One row per id: ``rows[position]``, differentiable with respect to ``rows``."""
+    return _Select.apply(rows, position) if rows.requires_grad else rows.index_select(0, position)
 
 
 def pool(rows: Tensor, position: Tensor, offsets: Tensor, mode: str, weights: Tensor | None) -> Tensor:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from lightning_sparse.init import hashes
+from lightning_sparse.init import hashes, seed_salt
 
 if TYPE_CHECKING:
     from lightning_sparse.sharding import RowSharding
@@ -68,10 +68,19 @@ def rounding_noise(global_rows: Tensor, columns: int, seed: int, step: int) -> T
     Each 32-bit hash (:func:`lightning_sparse.init.hashes`) gives two columns, its low and high
     16 bits, so half as many are computed.
     """
-    stream = ((seed & 0xFFFFFFFF) << 32 | (step & 0xFFFFFFFF)) ^ _SALT
-    bits = hashes(global_rows, -(-columns // 2), stream)[0]
+    bits = hashes(global_rows, -(-columns // 2), noise_stream(seed, step))[0]
     noise = torch.cat([bits & 0xFFFF, (bits >> 16) & 0xFFFF], dim=1)
     return noise[:, :columns] if noise.shape[1] != columns else noise
+
+
+def noise_stream(seed: int, step: int) -> int:
+    """The hash seed of a table's draws at its ``step``-th update."""
+    return ((seed & 0xFFFFFFFF) << 32 | (step & 0xFFFFFFFF)) ^ _SALT
+
+
+def noise_salt(seed: int, step: int) -> int:
+    """The salt the Triton update kernel hashes with to draw what :func:`rounding_noise` draws (see ``init.hashes``)."""
+    return seed_salt(noise_stream(seed, step))
 
 
 class RoundedTable(Protocol):

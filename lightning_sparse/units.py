@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from lightning_sparse.alltoall import ExchangeStats
     from lightning_sparse.pending import PendingGrads
+    from lightning_sparse.range_check import RangeCheck
     from lightning_sparse.sharding import RowSharding
 
 
@@ -33,6 +34,7 @@ class ShardedTable(Protocol):
     embedding_dim: int
     output_dtype: torch.dtype | None
     pending: PendingGrads
+    range_check: RangeCheck
     stats: ExchangeStats
 
     @property

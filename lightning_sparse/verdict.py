@@ -146,3 +146,9 @@ def _error(unit: Subject, h: LookupHeader, rank: int, own: bool, words: str | No
         return ValueError(f"{subject} got input it cannot use on {where}: "
                           f"{words or f'HINT: the error raised on rank {rank} names the problem and its fix'}")  # fmt: skip
     return RuntimeError(f"{unit.name}: rank {rank} reported error code {h.error}.")
+
+
+def raise_if_out_of_range(unit: Subject, low: int, high: int, dtype: int) -> None:
+    """Raise the out-of-range error of a one-rank lookup of one table whose ids ranged over ``low..high`` (host values)."""
+    if low < 0 or high >= unit.table_list[0].num_embeddings:
+        check_round(unit, Headers.of(LookupHeader(error=OUT_OF_RANGE, id_min=low, id_max=high, part=0, dtype=dtype)))

@@ -5,6 +5,12 @@ os.environ.setdefault("DGLBACKEND", "pytorch")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (tests/test_kernels.py): set before
+# triton is imported. With a GPU they compile, and the CPU-tensor kernel tests are skipped.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from rank_pool import RankPool  # noqa: E402
 
 # Start-up hooks for the child processes of some tests (the exit stress script, the hung-rank test), never for this one.

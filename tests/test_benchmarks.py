@@ -76,3 +76,26 @@ def test_scale_rounds_interleave_layouts_and_keep_the_median_round(monkeypatch):
     assert by_world[8]["step_ms"] == 90.0 and by_world[8]["call"] == 1  # the median round's whole record
     assert by_world[64]["step_ms"] == 110.0 and by_world[64]["step_ms_rounds"] == [300.0, 100.0, 110.0]
     assert section["rounds"] == 3
+
+
+def test_gpu_benchmark_runs_the_gpu_path_and_reports_every_target(monkeypatch):
+    """benchmarks/gpu.py on CPU through Triton's interpreter (timings meaningless): every method, lookup and target."""
+    from lightning_sparse.kernels import backend
+
+    if not (backend.interpreting() and backend.triton_available()):
+        pytest.skip("needs triton's interpreter")
+    monkeypatch.setenv(backend.ENV, "triton")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu
+    import gpu_report
+
+    doc = gpu.run([dict(rows=2000, dim=8, batch=256)], draws=("skewed",), steps=2, warmup=1, device="cpu")
+    (workload,) = doc["workloads"]
+    assert set(workload["step_ms"]) == {"ours/adagrad", "ours/rowwise_adagrad", "ours/adam", "ours/adagrad_bf16",
+                                        "torch_sparse/adagrad", "torch_sparse/adam", "torch_dense/adagrad", "torch_dense/adam"}  # fmt: skip
+    assert set(workload["lookup_ms"]) == {"ours, grad mode", "ours, no_grad", "torch F.embedding"}
+    assert [u["family"] for u in workload["update"]] == ["adagrad", "rowwise_adagrad", "adam"]
+    found = []
+    gpu_report.targets(doc, lambda name, goal, value, met, unit="x": found.append(name))
+    assert len(found) == 9  # 5 step ratios, the lookup, 3 update bandwidths (no profiler counts on a CPU)
+    assert "**0.002M x 8, 256 ids, skewed ids**" in "\n".join(gpu_report.markdown(doc))

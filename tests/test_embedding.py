@@ -159,9 +159,11 @@ def _bad_lookup(bad_rank, bad_ids, device="cpu"):
     elif isinstance(bad_ids, torch.Tensor) and bad_ids.device.type != "meta" and bad_ids.dtype != torch.uint64:
         bad_ids = bad_ids.to(device)
     ids = bad_ids if rank == bad_rank else torch.tensor([1, 2], device=device)
+    opt = ls.SparseSGD([emb], lr=0.1)
     start = time.monotonic()
-    try:
-        emb(ids)
+    try:  # on a CPU, or on several ranks, the lookup raises; one GPU checks the ids on the device, and the step raises
+        emb(ids).sum().backward()
+        opt.step()
     except (IndexError, TypeError, RuntimeError) as err:
         return type(err).__name__, str(err), time.monotonic() - start
     return None

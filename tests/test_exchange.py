@@ -7,51 +7,15 @@ import weakref
 
 import pytest
 import torch
+from host_reads import HostReads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rank_pool import DEVICES
-from torch.overrides import TorchFunctionMode
+from test_kernels import KERNEL_DEVICES
 
 import lightning_sparse as ls
 from lightning_sparse.grouping import SortedKeys, coalesce, transpose_blocks, transposed_places
 from lightning_sparse.sharding import JointSharding, RowSharding
-
-HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "equal", "cpu"}
-CREATIONS = {"tensor", "zeros", "ones", "empty", "full", "arange"}
-
-
-class HostReads(TorchFunctionMode):
-    """Counts calls that copy a device tensor's values to the host (a device sync on a GPU).
-
-    On the CPU every tensor is on the host, so the mode tells the two apart as a GPU would:
-    tensors copied out with ``.cpu()`` or created without a ``device`` are host tensors, and so
-    is every result of an operation on host tensors only; reading those costs no sync. A host
-    tensor that an in-place operation writes device values into becomes a device tensor.
-    """
-
-    def __init__(self, ignore: list[torch.Tensor] = (), follows: HostReads | None = None) -> None:
-        """``follows``: the mode of an earlier phase, whose host tensors (e.g. a route's splits) stay host tensors."""
-        super().__init__()
-        self.calls: list[str] = []
-        self._ignore = {id(t) for t in ignore}
-        self._host: dict[int, torch.Tensor] = dict(follows._host) if follows else {}  # id -> tensor, kept alive
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
-        on_host = bool(tensors) and all(id(t) in self._host for t in tensors)
-        if name in HOST_READS and not on_host and not (args and id(args[0]) in self._ignore):
-            self.calls.append(name)
-        out = func(*args, **kwargs)
-        if not on_host and args and isinstance(args[0], torch.Tensor) and (name == "__setitem__" or name.endswith("_")):
-            self._host.pop(id(args[0]), None)  # device values written into it: reading it now syncs
-        if name == "cpu" or on_host or (name in CREATIONS and not tensors and kwargs.get("device") is None):
-            for t in out if isinstance(out, (list, tuple)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    self._host[id(t)] = t
-        return out
 
 
 # ---------------------------------------------------------------- one sort
@@ -117,39 +81,50 @@ def test_block_transposes_match_slicing_block_by_block(data, rows, columns):
 
 # ---------------------------------------------------------------- collectives and host reads
 def _count_per_stage(accumulate: bool, device: str = "cpu"):
-    rank = torch.distributed.get_rank()
-    emb = ls.SparseEmbedding(1000, 8, device=device)
-    opt = ls.SparseAdagrad([emb], lr=0.1)
-    ids = torch.arange(rank, 1000, 7, device=device)
-    lookups = 2 if accumulate else 1
-    emb(ids).sum().backward()  # the first round sizes the id slots of the next ones
-    opt.step()
-    emb.stats.reset()
-    opt.stats.reset()
-    with HostReads() as forward_reads:
-        outs = [emb(ids + i) for i in range(lookups)]
-    with HostReads(follows=forward_reads) as backward_reads:
-        sum(out.sum() for out in outs).backward()
-    with HostReads(ignore=[opt.state[emb.shard]["step"]], follows=backward_reads) as step_reads:
+    """Collectives and host reads per stage, on the GPU's code path (Triton, through its interpreter on CPU)."""
+    import os
+
+    from lightning_sparse.kernels import backend
+
+    os.environ[backend.ENV] = "triton"
+    try:
+        rank = torch.distributed.get_rank()
+        emb = ls.SparseEmbedding(1000, 8, device=device)
+        opt = ls.SparseAdagrad([emb], lr=0.1)
+        ids = torch.arange(rank, 1000, 7, device=device)
+        lookups = 2 if accumulate else 1
+        emb(ids).sum().backward()  # the first round sizes the id slots of the next ones
         opt.step()
-    return (emb.stats.collectives, opt.stats.collectives, len(forward_reads.calls), len(backward_reads.calls),
-            len(step_reads.calls), opt.stats.bytes_sent)  # fmt: skip
+        emb.stats.reset()
+        opt.stats.reset()
+        with HostReads() as forward_reads:
+            outs = [emb(ids + i) for i in range(lookups)]
+        with HostReads(follows=forward_reads) as backward_reads:
+            sum(out.sum() for out in outs).backward()
+        with HostReads(ignore=[opt.state[emb.shard]["step"]], follows=backward_reads) as step_reads:
+            opt.step()
+    finally:
+        del os.environ[backend.ENV]
+    return (emb.stats.collectives, opt.stats.collectives, forward_reads.calls, backward_reads.calls, step_reads.calls,
+            opt.stats.bytes_sent)  # fmt: skip
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_collectives_and_host_reads_per_stage(rank_pools, device):
+    """Several ranks read the host only for split sizes: a lookup for its headers (the ids' sizes), a step for the
+    routed round's control codes (whether a general round follows), the general round for its header."""
     # One lookup: headers with ids, then rows; the step sends the gradients back along the lookup's route.
     for lookup_collectives, step_collectives, forward_reads, backward_reads, step_reads, _sent in rank_pools(2, device).run(
         _count_per_stage, False, device
     ):
         assert (lookup_collectives, step_collectives) == (2, 1)
-        assert (forward_reads, backward_reads, step_reads) == (1, 0, 1)
+        assert (forward_reads, backward_reads, step_reads) == (["cpu"], [], ["cpu"])
     # Two lookups before a step: the first lookup's gradients take the general round (header + values).
     for lookup_collectives, step_collectives, forward_reads, _backward_reads, step_reads, _sent in rank_pools(2, device).run(
         _count_per_stage, True, device
     ):
         assert (lookup_collectives, step_collectives) == (4, 3)
-        assert (forward_reads, step_reads) == (2, 2)
+        assert (forward_reads, step_reads) == (["cpu", "cpu"], ["cpu", "cpu"])
 
 
 def _growing_lookups(device: str = "cpu"):
@@ -178,8 +153,9 @@ def test_id_slots_follow_the_batch_and_overflow_stays_exact(rank_pools, device):
 def _one_rank_reads():
     emb = ls.SparseEmbedding(50, 4)
     opt = ls.SparseAdam([emb], lr=0.1)
+    ids = torch.tensor([3, 1, 3, 49], device="cpu")  # data: on the device (see HostReads)
     with HostReads() as forward_reads:
-        out = emb(torch.tensor([3, 1, 3, 49], device="cpu"))  # data: on the device (see HostReads)
+        out = emb(ids)
     with HostReads(follows=forward_reads) as backward_reads:
         out.sum().backward()
     with HostReads(ignore=[opt.state[emb.shard]["step"]], follows=backward_reads) as step_reads:
@@ -187,8 +163,9 @@ def _one_rank_reads():
     return len(forward_reads.calls), len(backward_reads.calls), len(step_reads.calls)
 
 
-def test_one_rank_reads_the_host_once_per_lookup_and_never_in_the_step():
-    assert _one_rank_reads() == (1, 0, 0)  # the id range check
+def test_one_rank_on_a_cpu_reads_the_host_for_the_id_range_and_the_distinct_rows():
+    """The plain torch path: host reads cost nothing on a CPU. The GPU's path reads none (tests/test_gpu_path.py)."""
+    assert _one_rank_reads() == (1, 0, 1)  # the id range check; the number of distinct rows at the step
 
 
 def _routed_bytes():

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.embedding import SparseEmbedding
+from lightning_sparse.kernels import UpdateRule
 from lightning_sparse.optim import functional as F
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.rounding import RowWriter, compute_dtype
@@ -63,10 +64,14 @@ class SparseAdagrad(SparseOptimizer):
             "sum": torch.full_like(table.shard, group["initial_accumulator_value"], dtype=compute_dtype(table.dtype)),
         }
 
+    def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule:
+        return UpdateRule("adagrad", _clr(state, group), state=(state["sum"], None, None), weight_decay=group["weight_decay"],
+                          eps=group["eps"])  # fmt: skip
+
     def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
                write: RowWriter | None = None) -> None:  # fmt: skip
-        clr = group["lr"] / (1 + (int(state["step"]) - 1) * group["lr_decay"])
-        F.adagrad_(shard, state["sum"], rows, grad, clr=clr, weight_decay=group["weight_decay"], eps=group["eps"], write=write)
+        F.adagrad_(shard, state["sum"], rows, grad, clr=_clr(state, group), weight_decay=group["weight_decay"],
+                   eps=group["eps"], write=write)  # fmt: skip
 
 
 class SparseRowWiseAdagrad(SparseOptimizer):
@@ -108,8 +113,17 @@ class SparseRowWiseAdagrad(SparseOptimizer):
             ),
         }
 
+    def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule:
+        return UpdateRule("rowwise_adagrad", group["lr"], state=(None, None, state["sum"]),
+                          weight_decay=group["weight_decay"], eps=group["eps"])  # fmt: skip
+
     def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
                write: RowWriter | None = None) -> None:  # fmt: skip
         F.rowwise_adagrad_(
             shard, state["sum"], rows, grad, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], write=write
         )
+
+
+def _clr(state: dict[str, Tensor], group: dict[str, Any]) -> float:
+    """torch.optim.Adagrad's decayed learning rate at this step (``state["step"]``, a host counter: no device read)."""
+    return group["lr"] / (1 + (int(state["step"]) - 1) * group["lr_decay"])

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.embedding import SparseEmbedding
+from lightning_sparse.kernels import UpdateRule
 from lightning_sparse.optim import functional as F
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.rounding import RowWriter, compute_dtype
@@ -72,6 +73,16 @@ class SparseAdam(SparseOptimizer):
         if group["bias_correction"] == "row":
             state["row_step"] = torch.zeros(shard.shape[0], dtype=torch.int64, device=shard.device)
         return state
+
+    def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule:
+        beta1, beta2 = group["betas"]
+        row_bias, step = group["bias_correction"] == "row", int(state["step"])
+        return UpdateRule(
+            "adam", group["lr"], state=(state["exp_avg"], state["exp_avg_sq"], state.get("row_step")),
+            weight_decay=group["weight_decay"], decoupled_weight_decay=group["decoupled_weight_decay"], eps=group["eps"],
+            betas=(beta1, beta2), row_bias=row_bias,
+            step_size=0.0 if row_bias else F.adam_step_size(group["lr"], beta1, beta2, step),
+        )  # fmt: skip
 
     def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
                write: RowWriter | None = None) -> None:  # fmt: skip

@@ -1,19 +1,21 @@
-"""SparseOptimizer: the one place that exchanges pending row gradients and coalesces duplicates.
+"""SparseOptimizer: the one place that exchanges pending row gradients, sums them per row and updates.
 
 Subclasses declare their hyperparameters (validated in ``__init__``), the state of one table
-(``init_state``) and the arithmetic for the touched rows (``update``). ``step()`` here:
+(``init_state``), the arithmetic for the touched rows (``update``) and, for a GPU, the same
+step as the fused kernel applies it (``update_rule``). ``step()`` here:
 
-1. takes each table's pending gradients (:mod:`lightning_sparse.pending`): those of the table's
-   last lookup, already summed per distinct row in the order the lookup sent its ids, and any
-   others (several backward passes, a table looked up twice), which it coalesces by row;
-2. sends them to the rows' owners, all tables of the optimizer at once
-   (:func:`lightning_sparse.exchange.grads_to_owners`); the last lookup's rows go back along
-   its route, with no ids on the wire;
-3. on the owner, coalesces what arrived from several ranks (one sort and a segment sum) and
-   scales it: ``duplicate_grads="sum"`` (default) divides the sum by the world size (DDP's
-   scaling of dense gradients), ``"mean"`` divides by the number of occurrences over all ranks
-   (DGL's semantics);
-4. calls the subclass's ``update`` with only the touched rows and their state.
+1. takes each table's pending gradients (:mod:`lightning_sparse.pending`);
+2. with several ranks, sends them to the rows' owners, all tables of the optimizer at once
+   (:func:`lightning_sparse.grads_exchange.grads_to_owners`): the last lookup's rows go back
+   along its route, with no ids on the wire, others coalesced by row first;
+3. on the owner, sums the gradient rows that share a row (from several ranks, lookups, or the
+   ids of one lookup) and scales the sum: ``duplicate_grads="sum"`` (default) divides it by
+   the world size (DDP's scaling of dense gradients), ``"mean"`` by the number of occurrences
+   over all ranks (DGL's semantics);
+4. updates only the touched rows and their state. On a GPU, steps 3 and 4 are one sort and
+   one fused kernel (:func:`lightning_sparse.kernels.update_rows`): each row's gradient is
+   summed and applied in registers, with no host read; elsewhere, one sort and a segment sum,
+   then ``update``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
@@ -32,11 +33,13 @@ from torch.profiler import record_function
 from lightning_sparse.alltoall import ExchangeStats
 from lightning_sparse.dynamic import DynamicEmbedding
 from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.grads_exchange import IncomingGrads, OutgoingGrads, grads_to_owners
-from lightning_sparse.grouping import SortedKeys, coalesce
-from lightning_sparse.pending import LookupRecord
-from lightning_sparse.replicas import OwnedGrads, grads_over_replicas
-from lightning_sparse.rounding import HALF, compute_dtype, writer_for
+from lightning_sparse.grads_exchange import grads_to_owners
+from lightning_sparse.kernels import Runs, StochasticRounding, UpdateRule, sort_runs, update_rows, uses_triton
+from lightning_sparse.optim import row_grads
+from lightning_sparse.optim.row_grads import TableGrads
+from lightning_sparse.replicas import grads_over_replicas
+from lightning_sparse.rounding import HALF, compute_dtype, noise_salt, writer_for
+from lightning_sparse.verdict import raise_if_out_of_range
 
 DUPLICATE_GRADS = ("sum", "mean")
 
@@ -126,9 +129,17 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         for table in self.tables:
             table.zero_grad(set_to_none)
 
+    def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule | None:
+        """This step's update as the fused GPU kernel applies it (:class:`~lightning_sparse.kernels.UpdateRule`).
+
+        ``None`` (the default, e.g. for a subclass of one's own): the step sums the gradient rows
+        and calls :meth:`update`. Called after ``state["step"]`` has counted this step.
+        """
+        return None
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Exchange pending row gradients, coalesce, and update the touched rows. Collective."""
+        """Exchange pending row gradients, sum them per row, and update the touched rows. Collective."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -136,17 +147,17 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         entries = [(group, p) for group in self.param_groups for p in group["params"]]
         grads = self._grads_to_owners(entries)
         self._raise_if_not_finite(entries, grads)
+        self._raise_if_ids_were_out_of_range(entries)
         start = time.perf_counter()
         with record_function("lightning_sparse.update"):
-            for (group, p), (rows, grad, touched, _) in zip(entries, grads):
-                if not touched:
+            for (group, p), table_grads in zip(entries, grads):
+                if not table_grads.touched:
                     continue
                 state = self.state[p]
                 if "step" in state:
                     state["step"] += 1
-                if len(rows):
-                    write = writer_for(self._tables[p], int(state.get("step", 0)))  # a half table's rows: rounded
-                    self.update(p, rows, grad, state, group, **({"write": write} if write is not None else {}))
+                if len(table_grads.rows):
+                    self._apply(self._tables[p], state, group, table_grads)
             for _, p in entries:
                 table = self._tables[p]
                 if isinstance(table, DynamicEmbedding):
@@ -154,26 +165,48 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         self.stats.update_seconds += time.perf_counter() - start
         return loss
 
-    def _grads_to_owners(self, entries: list[tuple[dict[str, Any], Tensor]]) -> list[tuple[Tensor, Tensor, bool, list[int]]]:
-        """Per table: (distinct local rows this rank owns, their scaled gradient, touched on any rank, ranks with inf/NaN)."""
+    def _apply(self, table: SparseEmbedding, state: dict[str, Tensor], group: dict[str, Any], grads: TableGrads) -> None:
+        """Sum the table's gradient rows per row and update those rows: one fused kernel on a GPU, else sum then update."""
+        mean = group["duplicate_grads"] == "mean"
+        step = int(state.get("step", 0))
+        rule = self.update_rule(state, group) if uses_triton(table.shard) and _fusable(table) else None
+        if rule is None:
+            rows, grad = row_grads.summed(table, grads, mean)
+            write = writer_for(table, step)  # a half table's rows: rounded
+            self.update(table.shard, rows, grad, state, group, **({"write": write} if write is not None else {}))
+            return
+        runs = Runs(grads.rows) if grads.distinct else sort_runs(grads.rows, table.sharding.key_bound)
+        update_rows(
+            runs, grads.values, table.shard, rule, counts=grads.counts, mean=mean, divisor=table.world_size * table.replicas,
+            rounding=_rounding(table, step), verdict=table.range_check.device_verdict if grads.per_id else None,
+            unique=table.stats.on_device("unique_ids", table.device) if grads.per_id else None,
+        )  # fmt: skip
+
+    def _grads_to_owners(self, entries: list[tuple[dict[str, Any], Tensor]]) -> list[TableGrads]:
+        """Per table: its gradient rows on this rank, their owner (not summed yet)."""
         if not entries:
             return []
         tables = [self._tables[p] for _, p in entries]
-        mean = any(group["duplicate_grads"] == "mean" for group, _ in entries)
-        outgoing = [_outgoing(table, group["duplicate_grads"] == "mean", group.get("check_finite", False))
-                    for (group, _), table in zip(entries, tables)]  # fmt: skip
-        first, wire = tables[0], _wire_dtype([t.dtype for t in tables], mean)
+        means = [group["duplicate_grads"] == "mean" for group, _ in entries]
+        checks = [group.get("check_finite", False) for group, _ in entries]
+        first = tables[0]
+        if first.world_size == 1 and first.replicas == 1:  # nothing to exchange
+            return [row_grads.local_grads(table, mean, check) for table, mean, check in zip(tables, means, checks)]
+        outgoing = [row_grads.outgoing(table, mean, check) for table, mean, check in zip(tables, means, checks)]
+        wire = row_grads.wire_dtype([t.dtype for t in tables], any(means))
         incoming = grads_to_owners(outgoing, first.process_group, first.world_size, first.rank, wire, first.device, self.stats)
-        owned = [_coalesced(table, grads, out.width, wire) for table, grads, out in zip(tables, incoming, outgoing)]
+        owned = [row_grads.owned_grads(table, grads, mean, wire) for table, grads, mean in zip(tables, incoming, means)]
         if first.replicas > 1:  # 2-D sharding: sum each row's gradient over the replicas of the shard
+            summed = [row_grads.coalesced(table, grads) for table, grads in zip(tables, owned)]
             bounds = [table.sharding.block_size for table in tables]
-            owned = grads_over_replicas(owned, bounds, first.replica_group, first.replicas, self.stats)
-        return [(*_scaled(table, group["duplicate_grads"], grads), grads.touched, grads.nonfinite_ranks)
-                for (group, _), table, grads in zip(entries, tables, owned)]  # fmt: skip
+            summed = grads_over_replicas(summed, bounds, first.replica_group, first.replicas, self.stats)
+            owned = [row_grads.from_replicas(table, grads, mean) for table, grads, mean in zip(tables, summed, means)]
+        return owned
 
-    def _raise_if_not_finite(self, entries: list[tuple[dict[str, Any], Tensor]], grads: list[tuple]) -> None:
+    def _raise_if_not_finite(self, entries: list[tuple[dict[str, Any], Tensor]], grads: list[TableGrads]) -> None:
         """Every rank learned the same ranks from the exchange, so every rank raises alike (before any update)."""
-        bad = [(self._tables[p].name, ranks) for (_, p), (*_, ranks) in zip(entries, grads) if ranks]
+        bad = [(self._tables[p].name, table_grads.nonfinite_ranks) for (_, p), table_grads in zip(entries, grads)
+               if table_grads.nonfinite_ranks]  # fmt: skip
         if bad:
             where = "; ".join(f"{name} on rank(s) {ranks}" for name, ranks in bad)
             raise FloatingPointError(
@@ -181,6 +214,17 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
                 f"and the gradients were dropped. HINT: look for the source (the loss, the learning rate, an fp16 "
                 f"overflow: 16-mixed skips such steps by itself); catching this error and going on is safe."
             )
+
+    def _raise_if_ids_were_out_of_range(self, entries: list[tuple[dict[str, Any], Tensor]]) -> None:
+        """A one-process GPU lookup's bad ids, once the host has them (:mod:`lightning_sparse.range_check`): before any update.
+
+        The gradients were taken, so they are dropped, as a CPU lookup would have raised before making them.
+        """
+        for _, p in entries:
+            table = self._tables[p]
+            failed = table.range_check.failed(table.num_embeddings)
+            if failed is not None:
+                raise_if_out_of_range(table.lookup_unit, *failed, table.range_check.dtype_code)
 
     def full_state_dict(self) -> dict[str, Any]:
         """``state_dict()`` with every per-row state tensor gathered into global row order.
@@ -233,68 +277,16 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
                     )
 
 
-def _outgoing(table: SparseEmbedding, mean: bool, check_finite: bool = False) -> OutgoingGrads:
-    """A table's pending gradients, taken and laid out for ``grads_to_owners``.
-
-    The last lookup's gradient rows go as they are (routed); the others are coalesced by row
-    first, with one sort, which also groups them by owner.
-    """
-    route, routed, others = table.pending.take()
-    out = OutgoingGrads(route, _values(routed, mean) if routed is not None else None, table.embedding_dim + mean)
-    if others:
-        if len(others) == 1:  # already distinct and ascending
-            keys, values = others[0].keys, _values(others[0], mean)
-        else:
-            runs = SortedKeys(torch.cat([record.keys for record in others]), table.sharding.key_bound).finish()
-            keys, values = runs.unique, runs.segment_sum(torch.cat([_values(record, mean) for record in others]))
-        below = torch.searchsorted(keys, table.sharding.key_boundaries(table.device))
-        out.others = (table.sharding.local_of_key(keys), values, below[1:] - below[:-1])
-    if check_finite:
-        flags = [(~torch.isfinite(v)).any() for v in (out.routed, out.others[1] if out.others else None) if v is not None]
-        out.nonfinite = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=table.device)
-    return out
+def _fusable(table: SparseEmbedding) -> bool:
+    """Whether the fused kernel covers the table's dtype: float32, bf16, and fp16 rounded to nearest."""
+    return table.dtype in (torch.float32, torch.bfloat16) or (table.dtype == torch.float16 and table.stochastic_rounding is False)
 
 
-def _coalesced(table: SparseEmbedding, grads: IncomingGrads, width: int, wire: torch.dtype) -> OwnedGrads:
-    """The received gradient rows of a table, coalesced by row: ``[rows, width]`` in the wire dtype, not scaled yet."""
-    bad = grads.nonfinite_ranks
-    if bad and table.world_size > 1:  # group ranks -> global ranks
-        bad = [dist.get_global_rank(table.process_group, r) for r in bad]
-    if not grads.rows:
-        return OwnedGrads(grads_empty_rows(table), table.shard.new_empty(0, width, dtype=wire), grads.touched, bad)
-    if grads.distinct:
-        rows, values = grads.rows[0], grads.values[0]
-    else:  # a row may have come from several ranks or lookups
-        rows, values = (torch.cat(pieces) if len(pieces) > 1 else pieces[0] for pieces in (grads.rows, grads.values))
-        rows, values = coalesce(rows, values, table.sharding.block_size)
-    return OwnedGrads(rows, values.to(wire), grads.touched, bad)
-
-
-def _scaled(table: SparseEmbedding, duplicate_grads: str, grads: OwnedGrads) -> tuple[Tensor, Tensor]:
-    """(local rows, gradient in the table's dtype): the sum over all ranks divided by their number, or by the occurrences."""
-    rows, values = grads.rows, grads.values.to(compute_dtype(table.dtype))
-    if not len(rows):
-        return rows, values[:, : table.embedding_dim]
-    if duplicate_grads == "mean":
-        return rows, values[:, :-1] / values[:, -1:]
-    ranks = table.world_size * table.replicas  # every rank of the job, as DDP averages dense gradients
-    return rows, values / ranks if ranks > 1 else values
-
-
-def _values(record: LookupRecord, mean: bool) -> Tensor:
-    """A record's gradient rows, with each row's occurrence count as a last column for ``"mean"``."""
-    if not mean:
-        return record.grad
-    return torch.cat([record.grad, record.counts().to(record.grad.dtype).unsqueeze(1)], dim=1)
-
-
-def _wire_dtype(dtypes: list[torch.dtype], mean: bool) -> torch.dtype:
-    """One dtype for all tables' gradients on the wire; at least float32 when occurrence counts ride along."""
-    wire = torch.float32 if mean else compute_dtype(dtypes[0])
-    for dtype in dtypes:
-        wire = torch.promote_types(wire, compute_dtype(dtype))
-    return wire
-
-
-def grads_empty_rows(table: SparseEmbedding) -> Tensor:
-    return torch.empty(0, dtype=torch.int64, device=table.device)
+def _rounding(table: SparseEmbedding, step: int) -> StochasticRounding | None:
+    """A bf16 table's stochastic rounding at its ``step``-th update; local row ``r`` is global ``r * mul + add``."""
+    if table.dtype != torch.bfloat16 or table.stochastic_rounding is False:
+        return None
+    sharding, rank = table.sharding, table.rank
+    if sharding.scheme == "mod":
+        return StochasticRounding(noise_salt(table.seed, step), sharding.world_size, rank)
+    return StochasticRounding(noise_salt(table.seed, step), 1, rank * sharding.block_size)

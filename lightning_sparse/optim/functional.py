@@ -115,6 +115,10 @@ def adam_(
         denom = v.div_(1 - torch.pow(beta2, t)).sqrt_().add_(eps).mul_(1 - torch.pow(beta1, t))
         delta = m.div_(denom).mul_(-lr)
     else:
-        step_size = lr * (1 - beta2**step) ** 0.5 / (1 - beta1**step)
-        delta = m.div_(v.sqrt_().add_(eps)).mul_(-step_size)
+        delta = m.div_(v.sqrt_().add_(eps)).mul_(-adam_step_size(lr, beta1, beta2, step))
     _apply(param, rows, delta, values, write)
+
+
+def adam_step_size(lr: float, beta1: float, beta2: float, step: int) -> float:
+    """torch.optim.SparseAdam's step size at step ``step``: ``lr * sqrt(1 - beta2^t) / (1 - beta1^t)``."""
+    return lr * (1 - beta2**step) ** 0.5 / (1 - beta1**step)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.embedding import SparseEmbedding
+from lightning_sparse.kernels import UpdateRule
 from lightning_sparse.optim import functional as F
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.rounding import RowWriter
@@ -40,6 +41,9 @@ class SparseSGD(SparseOptimizer):
 
     def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
         return {"step": torch.zeros((), dtype=torch.int64)}
+
+    def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule:
+        return UpdateRule("sgd", group["lr"], weight_decay=group["weight_decay"])
 
     def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
                write: RowWriter | None = None) -> None:  # fmt: skip

@@ -1,0 +1,96 @@
+"""Which implementation runs a kernel: Triton on a GPU, plain torch elsewhere.
+
+Every kernel in this folder has two implementations of one contract: a Triton kernel, for
+CUDA tensors, and plain torch ops, for CPU tensors (fast there: ``index_select``,
+``F.embedding_bag``) and for a GPU without Triton. :func:`uses_triton` picks one per call.
+
+``LIGHTNING_SPARSE_KERNELS`` overrides the choice, for tests and A/B benchmarks:
+
+* ``torch``: plain torch everywhere, also on a GPU;
+* ``triton``: Triton everywhere, also for CPU tensors, which Triton runs only in its
+  interpreter (``TRITON_INTERPRET=1``, set before triton is imported): how the suite runs the
+  GPU's code path on a CPU, where it counts the path's ops and host reads.
+
+:data:`launches` counts Triton kernel launches, for the tests that count a step's kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+
+from torch import Tensor
+
+ENV = "LIGHTNING_SPARSE_KERNELS"
+CHOICES = ("auto", "torch", "triton")
+
+
+class Launches:
+    """Triton launches so far, and whether one is under way (the tests count the torch ops of a step apart from them:
+    Triton's interpreter runs torch ops of its own to move a kernel's arguments)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.running = False
+
+    @contextmanager
+    def launch(self) -> Iterator[None]:
+        """Around one kernel launch."""
+        self.count += 1
+        self.running = True
+        try:
+            yield
+        finally:
+            self.running = False
+
+
+launches = Launches()
+
+
+def choice() -> str:
+    """``LIGHTNING_SPARSE_KERNELS`` (default ``auto``: Triton for CUDA tensors when triton is installed)."""
+    value = os.environ.get(ENV, "auto")
+    if value not in CHOICES:
+        raise ValueError(f"Invalid {ENV}={value!r}. HINT: use one of {CHOICES}.")
+    return value
+
+
+@cache
+def triton_available() -> bool:
+    """Whether triton imports (it ships with torch's CUDA wheels; for CPU tests, ``pip install triton``)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in Triton's interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def uses_triton(tensor: Tensor) -> bool:
+    """Whether the kernels for ``tensor`` (a table's shard) run in Triton."""
+    wanted = choice()
+    if wanted == "torch":
+        return False
+    if wanted == "triton":
+        if not triton_available():
+            raise RuntimeError(f"{ENV}=triton but triton does not import. HINT: pip install triton.")
+        if not tensor.is_cuda and not interpreting():
+            raise RuntimeError(f"{ENV}=triton on CPU tensors needs Triton's interpreter. HINT: set TRITON_INTERPRET=1.")
+        return True
+    return tensor.is_cuda and triton_available()
+
+
+def gpu_path(tensor: Tensor) -> bool:
+    """Whether code for ``tensor`` takes the GPU's path: on a GPU, or Triton on CPU (the tests' stand-in for one).
+
+    Where the two differ only in what reads the host (``nonzero`` against ``nonzero_static``), a
+    CPU takes the faster of the two, a GPU the one without a host read.
+    """
+    return tensor.is_cuda or uses_triton(tensor)

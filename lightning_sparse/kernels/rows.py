@@ -1,0 +1,61 @@
+"""A table's rows at ids, with the id-range check on the device: the forward of a one-process lookup on a GPU.
+
+:func:`gather` reads ``table[ids]`` in one Triton kernel and checks the ids as it goes, without
+a host read: ids out of range are clamped for the read and widen ``verdict``, a ``[2]`` int64
+(the lowest id below 0 and the highest at or above the table's rows, else 0). The
+optimizer's fused update reads the verdict and updates nothing while it shows an id out of
+range (:func:`lightning_sparse.kernels.runs.update_rows`); the host raises the error once it
+has read it (:mod:`lightning_sparse.range_check`). With ``keys`` the kernel also writes the
+clamped ids, as int32 when the table has fewer than 2**31 rows: the lookup's own copy for its
+backward, so that a caller who changes its ids buffer in place cannot move the gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.kernels.backend import launches
+
+_INT32_LIMIT = 2**31 - 1
+_TILE = 1024  # values per program: [BLOCK_N, BLOCK_D] with 4 warps
+
+
+def key_dtype(num_rows: int) -> torch.dtype:
+    """The dtype of a lookup's keys for a table of ``num_rows`` rows: int32 while it can hold them (its sort is faster)."""
+    return torch.int32 if num_rows <= _INT32_LIMIT else torch.int64
+
+
+def gather(table: Tensor, ids: Tensor, out_dtype: torch.dtype, verdict: Tensor, keys: bool) -> tuple[Tensor, Tensor | None]:
+    """(``table[clamp(ids)]`` as ``[len(ids), dim]`` in ``out_dtype``, the clamped ids if ``keys``). Triton, no host read.
+
+    ``ids``: 1-D, int64 or int32. ``verdict`` widens to cover any id out of range (see the module).
+    """
+    from lightning_sparse.kernels import triton_runs as k
+
+    n, dim = len(ids), table.shape[1]
+    out = torch.empty(n, dim, dtype=out_dtype, device=table.device)
+    copy = torch.empty(n, dtype=key_dtype(table.shape[0]), device=table.device) if keys else None
+    if n:
+        block_n, block_d = tile(dim)
+        with launches.launch():
+            k.gather_rows[(-(-n // block_n),)](
+                ids, n, table, table.stride(0), table.shape[0], dim, out, out.stride(0), copy, verdict,
+                STORE_KEYS=keys, CHECK=True, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False,
+            )  # fmt: skip
+    return out, copy
+
+
+def tile(dim: int) -> tuple[int, int]:
+    """(ids per program, padded dim) of the gather for rows of ``dim``."""
+    block_d = max(16, 1 << (dim - 1).bit_length())
+    return max(1, _TILE // block_d), block_d
+
+
+def reference_gather(table: Tensor, ids: Tensor, out_dtype: torch.dtype, verdict: Tensor) -> tuple[Tensor, Tensor]:
+    """What :func:`gather` computes, in plain torch (the tests compare the two)."""
+    low, high = torch.aminmax(ids.to(torch.int64)) if len(ids) else (torch.zeros(()), torch.zeros(()))
+    verdict[0] = torch.minimum(verdict[0], low.clamp(max=0))
+    verdict[1] = torch.where(high >= table.shape[0], torch.maximum(verdict[1], high), verdict[1])
+    rows = ids.to(torch.int64).clamp(0, table.shape[0] - 1)
+    return table.index_select(0, rows).to(out_dtype), rows.to(key_dtype(table.shape[0]))

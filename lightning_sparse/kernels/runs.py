@@ -1,0 +1,188 @@
+"""Runs of equal keys: one sort, then each run summed (a segment sum) or applied to its table row (a fused update).
+
+A :class:`Runs` is the result of one stable sort of keys: the keys in order and ``perm``, the
+value row behind each sorted position. Every gradient the sparse path sums goes through
+:func:`segment_sum` (a lookup's distinct rows, pooled bags, gradients from several ranks), and
+the optimizer's update of a table from gradient rows that may repeat goes through
+:func:`update_rows`, which sums each run and updates its row in one pass, with no row gradient
+written to memory.
+
+Both run in Triton on a GPU (:mod:`lightning_sparse.kernels.triton_runs`) with no host read:
+the kernels find the runs from the keys. :func:`segment_sum` has a plain torch implementation
+(``F.embedding_bag``, fast on CPU); :func:`update_rows` is Triton only: on CPU the optimizer
+sums with :func:`segment_sum` and updates with :mod:`lightning_sparse.optim.functional`, the
+reference the Triton update is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_sparse.init import ROW_MULTIPLIER
+from lightning_sparse.kernels.backend import launches, uses_triton
+
+_INT32_LIMIT = 2**31 - 1
+FAMILIES = ("sum", "sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Values grouped by key: ``keys[i]`` is the key of value ``perm[i]`` (``perm`` ``None``: of value ``i``).
+
+    A run is a stretch of equal neighbouring keys: sorted keys (:func:`sort_runs`) make one run of
+    each distinct key; distinct keys are runs of one as they are, with no sort. Keys are never negative.
+    """
+
+    keys: Tensor
+    perm: Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def sort_runs(keys: Tensor, bound: int | None = None) -> Runs:
+    """One stable sort of ``keys`` (all below ``bound``: int32 keys sort faster, so they are sorted as int32 when they fit)."""
+    if bound is not None and bound <= _INT32_LIMIT and keys.dtype == torch.int64:
+        keys = keys.to(torch.int32)
+    ordered, perm = torch.sort(keys, stable=True)
+    return Runs(ordered, perm)
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """One optimizer family's step, as :func:`update_rows` applies it (see :mod:`lightning_sparse.optim.functional`).
+
+    ``lr`` is the step's learning rate (Adagrad's decayed ``clr``); ``step_size`` is global-bias
+    Adam's ``lr * sqrt(1 - beta2^t) / (1 - beta1^t)``. ``state`` holds the state tensors the
+    family reads: (per-element 1, per-element 2, per-row), ``None`` where unused.
+    """
+
+    family: str
+    lr: float
+    state: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False
+    eps: float = 0.0
+    betas: tuple[float, float] = (0.0, 0.0)
+    step_size: float = 0.0
+    row_bias: bool = False
+
+
+@dataclass(frozen=True)
+class StochasticRounding:
+    """Stochastic rounding of a bf16 table's new rows (:mod:`lightning_sparse.rounding`).
+
+    ``salt`` is the hash salt of the update's draws (``rounding.noise_salt``); a local row ``r``
+    is global row ``r * global_mul + global_add`` (the draws are a hash of global rows).
+    """
+
+    salt: int
+    global_mul: int = 1
+    global_add: int = 0
+
+
+def segment_sum(
+    runs: Runs,
+    values: Tensor,
+    num_out: int,
+    *,
+    shift: int = 0,
+    weights: Tensor | None = None,
+    offsets: Tensor | None = None,
+) -> Tensor:
+    """``[num_out, width]``: row ``k + shift`` is the sum of the values of the run of key ``k`` (zeros where no run).
+
+    ``weights`` (one per sorted position, like ``runs.perm``) make it a weighted sum. ``offsets`` (where each output row's run
+    starts; CPU only) spare the plain torch path a search. No host read.
+    """
+    if uses_triton(values):
+        out = values.new_zeros(num_out, values.shape[1], dtype=torch.float32 if values.dtype != torch.float64 else values.dtype)
+        if len(runs):
+            _launch(runs, values, family="sum", out=out, shift=shift, weights=weights)
+        return out.to(values.dtype) if out.dtype != values.dtype else out
+    if offsets is None:
+        wanted = torch.arange(-shift, num_out - shift, device=values.device, dtype=runs.keys.dtype)
+        offsets = torch.searchsorted(runs.keys, wanted)
+    perm = runs.perm if runs.perm is not None else torch.arange(len(runs), device=values.device)
+    return F.embedding_bag(perm, values.contiguous(), offsets, mode="sum", per_sample_weights=weights)
+
+
+def update_rows(
+    runs: Runs,
+    values: Tensor,
+    table: Tensor,
+    rule: UpdateRule,
+    *,
+    counts: Tensor | None = None,
+    mean: bool = False,
+    divisor: float = 1.0,
+    rounding: StochasticRounding | None = None,
+    verdict: Tensor | None = None,
+    unique: Tensor | None = None,
+) -> None:
+    """Apply ``rule`` to the table row of each run (its key) with the run's summed values as gradient. Triton only.
+
+    The gradient of a row is the sum of its run's ``values`` (``[n, dim]``), divided by the
+    number of occurrences (``mean``: ``counts`` per value, else 1 each) or by ``divisor``.
+    ``verdict`` (``[2]`` int64, the min and max id looked up; see :mod:`lightning_sparse.kernels.rows`):
+    when it shows an id out of range, nothing is updated. ``unique`` (int64 scalar) gains the
+    number of runs. No host read.
+    """
+    if rule.family not in FAMILIES[1:]:
+        raise ValueError(f"Invalid update family: {rule.family!r}. HINT: use one of {FAMILIES[1:]}.")
+    if len(runs):
+        _launch(runs, values, family=rule.family, table=table, rule=rule, counts=counts, mean=mean, divisor=divisor,
+                rounding=rounding, verdict=verdict, unique=unique)  # fmt: skip
+
+
+def tile(dim: int, elements: int) -> tuple[int, int]:
+    """(rows per tile, padded dim): tiles of about ``elements`` values."""
+    block_d = max(16, 1 << (dim - 1).bit_length())
+    return max(1, elements // block_d), block_d
+
+
+def _launch(runs: Runs, values: Tensor, *, family: str, out: Tensor | None = None, shift: int = 0,
+            weights: Tensor | None = None, counts: Tensor | None = None, mean: bool = False, divisor: float = 1.0,
+            table: Tensor | None = None, rule: UpdateRule | None = None, rounding: StochasticRounding | None = None,
+            verdict: Tensor | None = None, unique: Tensor | None = None) -> None:  # fmt: skip
+    from lightning_sparse.kernels import triton_runs as k
+
+    n, dim = len(runs), (table.shape[1] if table is not None else values.shape[1])
+    if values.stride(1) != 1:
+        values = values.contiguous()
+    rule = rule or UpdateRule("sum", 0.0)
+    beta1, beta2 = rule.betas
+    state1, state2, state_row = rule.state
+    scalars = dict(
+        lr=rule.lr, step_size=rule.step_size, weight_decay=rule.weight_decay, decay=1.0 - rule.lr * rule.weight_decay,
+        eps=rule.eps, beta1=beta1, beta2=beta2, one_minus_beta1=1.0 - beta1, one_minus_beta2=1.0 - beta2,
+        log2_beta1=math.log2(beta1) if beta1 > 0 else -math.inf, log2_beta2=math.log2(beta2) if beta2 > 0 else -math.inf,
+        salt=rounding.salt if rounding else 0, row_multiplier=ROW_MULTIPLIER, global_mul=rounding.global_mul if rounding else 1,
+        global_add=rounding.global_add if rounding else 0,
+    )  # fmt: skip
+    flags = dict(
+        FAMILY=FAMILIES.index(family), HAS_PERM=runs.perm is not None, HAS_WEIGHTS=weights is not None,
+        HAS_COUNTS=counts is not None, MEAN=mean, DIVIDE=(not mean) and divisor != 1.0, CHECK=verdict is not None,
+        COUNT_UNIQUE=unique is not None, WEIGHT_DECAY=rule.weight_decay != 0.0, DECOUPLED=rule.decoupled_weight_decay,
+        ROW_BIAS=rule.row_bias, LERP_FROM_END=1.0 - beta1 >= 0.5,
+        ROUNDING=k.STOCHASTIC_BF16 if rounding is not None else k.NEAREST, HOT_RUN=k.HOT,
+    )  # fmt: skip
+    args = (runs.keys, runs.perm, n, values, values.stride(0), weights, counts, counts.stride(0) if counts is not None else 0,
+            dim, float(dim), out, out.stride(0) if out is not None else 0, shift, float(divisor), table,
+            table.stride(0) if table is not None else 0, state1, state2, state_row,
+            table.shape[0] if table is not None else 0, verdict, unique)  # fmt: skip
+    block_s, block_d = tile(dim, 1024)
+    with launches.launch():
+        k.runs_cold[(-(-n // block_s),)](
+            *args, **scalars, **flags, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False
+        )
+    block_n, _ = tile(dim, 2048)
+    with launches.launch():
+        k.runs_hot[(-(-n // k.HOT),)](
+            *args, **scalars, **flags, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False
+        )

@@ -1,0 +1,268 @@
+"""Triton kernels over runs of equal keys: sum each run, then write the sum out or apply an optimizer to the run's row.
+
+The input is one sort's result: ``keys`` non-decreasing (runs of equal keys are the
+segments) and ``perm``, the value row behind each sorted position. A run starts where a key
+differs from the one before it, and ends where the next key differs: the kernels find both by
+reading the keys, so they need no segment count or offsets, and the host reads nothing.
+Grids are sized by the number of keys (an upper bound on the runs).
+
+Two kernels share the work, as FBGEMM's TBE backward splits it (warp per row, block per row):
+
+* :func:`runs_cold`: one lane per sorted position; a lane at the start of a run of at most
+  ``HOT`` keys sums it, walking it one position at a time (in order, so the sum is the same
+  as a sequential one);
+* :func:`runs_hot`: one program per ``HOT`` positions; the program at the first multiple of
+  ``HOT`` inside a run longer than ``HOT`` sums it in ``[BLOCK_N, dim]`` tiles.
+
+Each sum is then handed to :func:`apply_rows` (``FAMILY``): written to ``out[key + shift]``
+(``SUM``), or used as the gradient of table row ``key``, whose new value and optimizer state
+are computed in registers and written once. The arithmetic follows
+:mod:`lightning_sparse.optim.functional` operation by operation, with IEEE division and square
+root (``div_rn``, ``sqrt_rn``) as torch computes them. Hyperparameters arrive as the scalars
+torch would use (computed on the host in double precision, then float32).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+SUM, SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = 0, 1, 2, 3, 4
+# How new rows are written: in the table's dtype (rounded to nearest), or bf16 with stochastic rounding.
+NEAREST, STOCHASTIC_BF16 = 0, 1
+HOT = 32  # runs longer than this take a program of their own (runs_hot)
+
+
+@triton.jit
+def _lowbias32(x):
+    """Chris Wellons' lowbias32 on int32 holding 32 bits (lightning_sparse.init._hash32_, op for op)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 2146121005  # 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * -2073254261  # 0x846CA68B as int32
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+@triton.jit
+def _rounding_noise(global_rows, cols, half_columns, salt, row_multiplier):
+    """``[rows, cols]`` int32 in [0, 2**16): lightning_sparse.rounding.rounding_noise for these rows and columns."""
+    x = global_rows.to(tl.int64) * row_multiplier + salt
+    row_keys = (x ^ (x >> 32)).to(tl.int32)
+    low = cols < half_columns
+    column = tl.where(low, cols, cols - half_columns)
+    bits = _lowbias32(row_keys[:, None] + column[None, :] * -1640531527)  # 0x9E3779B9 as int32
+    return tl.where(low[None, :], bits & 0xFFFF, (bits >> 16) & 0xFFFF)
+
+
+@triton.jit
+def apply_rows(
+    rows, lane, g, cols, col_ok, dim, dim_f, table, stride_t, state1, state2, state_row,
+    lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
+    salt, row_multiplier, global_mul, global_add,
+    FAMILY: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, ROW_BIAS: tl.constexpr,
+    LERP_FROM_END: tl.constexpr, ROUNDING: tl.constexpr,
+):  # fmt: skip
+    """One optimizer step on table rows ``rows`` (``[S]``, lanes where ``lane``) with gradient ``g`` (``[S, BLOCK_D]``)."""
+    mask = lane[:, None] & col_ok[None, :]
+    rows = rows.to(tl.int64)
+    at = rows[:, None] * stride_t + cols[None, :]
+    row = tl.load(table + at, mask=mask, other=0.0).to(tl.float32)
+    if WEIGHT_DECAY:
+        if DECOUPLED:
+            row = row * decay  # AdamW: row *= 1 - lr * weight_decay
+        else:
+            g = g + weight_decay * row
+    if FAMILY == 1:  # SGD: row -= lr * g
+        delta = g * -lr
+    elif FAMILY == 2:  # Adagrad: sum += g^2; row -= clr * g / (sqrt(sum) + eps)
+        total = tl.load(state1 + at, mask=mask, other=0.0) + g * g
+        tl.store(state1 + at, total, mask=mask)
+        delta = tl.div_rn(g, tl.sqrt_rn(total) + eps) * -lr
+    elif FAMILY == 3:  # row-wise Adagrad: sum += mean(g^2); row -= lr * g / (sqrt(sum) + eps)
+        total = tl.load(state_row + rows, mask=lane, other=0.0) + tl.div_rn(tl.sum(g * g, axis=1), dim_f)
+        tl.store(state_row + rows, total, mask=lane)
+        delta = g * (tl.div_rn(1.0, tl.sqrt_rn(total) + eps) * -lr)[:, None]
+    else:  # Adam (lazy): m = lerp(m, g, 1 - beta1); v = beta2 v + (1 - beta2) g^2
+        m = tl.load(state1 + at, mask=mask, other=0.0)
+        v = tl.load(state2 + at, mask=mask, other=0.0)
+        if LERP_FROM_END:
+            m = g - (g - m) * (1.0 - one_minus_beta1)
+        else:
+            m = m + one_minus_beta1 * (g - m)
+        v = v * beta2 + one_minus_beta2 * (g * g)
+        tl.store(state1 + at, m, mask=mask)
+        tl.store(state2 + at, v, mask=mask)
+        if ROW_BIAS:  # each row's own step t: row -= lr * m_hat / (sqrt(v_hat) + eps)
+            t = tl.load(state_row + rows, mask=lane, other=0) + 1
+            tl.store(state_row + rows, t, mask=lane)
+            t = t.to(tl.float32)[:, None]
+            denom = (tl.sqrt_rn(tl.div_rn(v, 1.0 - tl.exp2(t * log2_beta2))) + eps) * (1.0 - tl.exp2(t * log2_beta1))
+            delta = tl.div_rn(m, denom) * -lr
+        else:  # one step for the table: step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t)
+            delta = tl.div_rn(m, tl.sqrt_rn(v) + eps) * -step_size
+    new = row + delta
+    if ROUNDING == 1:  # bf16, stochastic: add 16 random low bits, cut them
+        noise = _rounding_noise(rows * global_mul + global_add, cols, (dim + 1) // 2, salt, row_multiplier)
+        bits = (new.to(tl.int32, bitcast=True) + noise) & -65536
+        tl.store(table + at, bits.to(tl.float32, bitcast=True).to(table.dtype.element_ty), mask=mask)
+    else:
+        tl.store(table + at, new.to(table.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finish(
+    key, lane, acc, count, cols, col_ok, dim, dim_f, out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row,
+    lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
+    salt, row_multiplier, global_mul, global_add,
+    FAMILY: tl.constexpr, MEAN: tl.constexpr, DIVIDE: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
+    ROW_BIAS: tl.constexpr, LERP_FROM_END: tl.constexpr, ROUNDING: tl.constexpr,
+):  # fmt: skip
+    """A run's sum (``acc``, ``count`` values) scaled, then written out (SUM) or applied to table row ``key``."""
+    if MEAN:  # duplicate_grads="mean": divide by the occurrences
+        acc = tl.div_rn(acc, tl.where(lane, count, 1.0)[:, None])
+    elif DIVIDE:  # duplicate_grads="sum" on several ranks: divide by their number
+        acc = tl.div_rn(acc, divisor)
+    if FAMILY == 0:
+        at = (key + shift).to(tl.int64)[:, None] * stride_o + cols[None, :]
+        tl.store(out + at, acc.to(out.dtype.element_ty), mask=lane[:, None] & col_ok[None, :])
+    else:
+        apply_rows(key, lane, acc, cols, col_ok, dim, dim_f, table, stride_t, state1, state2, state_row,
+                   lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
+                   log2_beta1, log2_beta2, salt, row_multiplier, global_mul, global_add,
+                   FAMILY, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING)  # fmt: skip
+
+
+@triton.jit
+def runs_cold(
+    keys, perm, n, values, stride_v, weights, counts, stride_c, dim, dim_f,
+    out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row, num_rows, verdict, unique,
+    lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
+    salt, row_multiplier, global_mul, global_add,
+    FAMILY: tl.constexpr, HAS_PERM: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_COUNTS: tl.constexpr,
+    MEAN: tl.constexpr, DIVIDE: tl.constexpr, CHECK: tl.constexpr, COUNT_UNIQUE: tl.constexpr,
+    WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, ROW_BIAS: tl.constexpr, LERP_FROM_END: tl.constexpr,
+    ROUNDING: tl.constexpr, HOT_RUN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Runs of at most HOT_RUN keys: a lane per position, the lane at a run's start sums it in order."""
+    p = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    inside = p < n
+    key = tl.load(keys + p, mask=inside, other=-1)
+    starts = inside & (tl.load(keys + p - 1, mask=inside & (p > 0), other=-1) != key)
+    if COUNT_UNIQUE:  # distinct keys, for SparseStatsMonitor: one atomic per program, on the device
+        tl.atomic_add(unique, tl.sum(starts.to(tl.int64), axis=0))
+    far = tl.load(keys + p + HOT_RUN, mask=starts & (p + HOT_RUN < n), other=-1)
+    lane = starts & (far != key)
+    if CHECK:  # an id out of range since the verdict was cleared: no row is updated (lightning_sparse.kernels.rows)
+        lane = tl.where((tl.load(verdict) >= 0) & (tl.load(verdict + 1) < num_rows), lane, False)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+    acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    count = tl.zeros([BLOCK_S], dtype=tl.float32)
+    going = lane
+    step = 0
+    while tl.max(going.to(tl.int32), axis=0) > 0:
+        q = p + step
+        if HAS_PERM:
+            source = tl.load(perm + q, mask=going, other=0).to(tl.int64)
+        else:
+            source = q.to(tl.int64)
+        g = tl.load(values + source[:, None] * stride_v + cols[None, :], mask=going[:, None] & col_ok[None, :], other=0.0)
+        g = g.to(tl.float32)
+        if HAS_WEIGHTS:
+            g = g * tl.load(weights + q, mask=going, other=0.0).to(tl.float32)[:, None]
+        acc += g
+        if HAS_COUNTS:
+            count += tl.load(counts + source * stride_c, mask=going, other=0.0).to(tl.float32)
+        else:
+            count += going.to(tl.float32)
+        step += 1
+        going = going & (tl.load(keys + p + step, mask=going & (p + step < n), other=-1) == key)
+    _finish(key, lane, acc, count, cols, col_ok, dim, dim_f, out, stride_o, shift, divisor, table, stride_t, state1, state2,
+            state_row, lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
+            log2_beta1, log2_beta2, salt, row_multiplier, global_mul, global_add,
+            FAMILY, MEAN, DIVIDE, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING)  # fmt: skip
+
+
+@triton.jit
+def runs_hot(
+    keys, perm, n, values, stride_v, weights, counts, stride_c, dim, dim_f,
+    out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row, num_rows, verdict, unique,
+    lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
+    salt, row_multiplier, global_mul, global_add,
+    FAMILY: tl.constexpr, HAS_PERM: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_COUNTS: tl.constexpr,
+    MEAN: tl.constexpr, DIVIDE: tl.constexpr, CHECK: tl.constexpr, COUNT_UNIQUE: tl.constexpr,
+    WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, ROW_BIAS: tl.constexpr, LERP_FROM_END: tl.constexpr,
+    ROUNDING: tl.constexpr, HOT_RUN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Runs longer than HOT_RUN keys: the program at the run's first position that is a multiple of HOT_RUN sums it."""
+    q = tl.program_id(0) * HOT_RUN
+    key = tl.load(keys + q)
+    before = tl.load(keys + q - HOT_RUN, mask=q >= HOT_RUN, other=-1)
+    window = q - HOT_RUN + 1 + tl.arange(0, HOT_RUN)  # the run starts in here (else ``before`` is in it)
+    start = tl.min(tl.where(tl.load(keys + window, mask=window >= 0, other=-1) == key, window, q), axis=0)
+    far = tl.load(keys + start + HOT_RUN, mask=start + HOT_RUN < n, other=-1)
+    mine = (before != key) & (far == key)
+    if CHECK:
+        mine = mine & (tl.load(verdict) >= 0) & (tl.load(verdict + 1) < num_rows)
+    if mine:
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < dim
+        acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        count = tl.zeros([BLOCK_N], dtype=tl.float32)
+        first = start
+        more = 1
+        while more > 0:
+            pos = first + tl.arange(0, BLOCK_N)
+            take = (pos < n) & (tl.load(keys + pos, mask=pos < n, other=-1) == key)
+            if HAS_PERM:
+                source = tl.load(perm + pos, mask=take, other=0).to(tl.int64)
+            else:
+                source = pos.to(tl.int64)
+            g = tl.load(values + source[:, None] * stride_v + cols[None, :], mask=take[:, None] & col_ok[None, :], other=0.0)
+            g = g.to(tl.float32)
+            if HAS_WEIGHTS:
+                g = g * tl.load(weights + pos, mask=take, other=0.0).to(tl.float32)[:, None]
+            acc += g
+            if HAS_COUNTS:
+                count += tl.load(counts + source * stride_c, mask=take, other=0.0).to(tl.float32)
+            else:
+                count += take.to(tl.float32)
+            first += BLOCK_N
+            more = tl.min(take.to(tl.int32), axis=0)  # the whole tile was the run's: it may go on
+        one = tl.arange(0, 1)
+        _finish(key + one, one == 0, tl.sum(acc, axis=0)[None, :], tl.sum(count, axis=0) + tl.zeros([1], tl.float32),
+                cols, col_ok, dim, dim_f, out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row,
+                lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
+                log2_beta1, log2_beta2, salt, row_multiplier, global_mul, global_add,
+                FAMILY, MEAN, DIVIDE, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING)  # fmt: skip
+
+
+@triton.jit
+def gather_rows(
+    ids, n, table, stride_t, num_rows, dim, out, stride_o, keys, verdict,
+    STORE_KEYS: tl.constexpr, CHECK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """``out[i] = table[clamp(ids[i])]`` in out's dtype; ids out of range widen ``verdict`` (min, max) instead of raising.
+
+    With ``STORE_KEYS`` the clamped ids are also written to ``keys`` (the lookup's own copy, for backward).
+    """
+    p = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = p < n
+    ids_here = tl.load(ids + p, mask=inside, other=0).to(tl.int64)
+    if CHECK:  # atomics only when an id is out of range
+        low = tl.min(ids_here, axis=0)
+        high = tl.max(ids_here, axis=0)
+        if low < 0:
+            tl.atomic_min(verdict, low)
+        if high >= num_rows:
+            tl.atomic_max(verdict + 1, high)
+    rows = tl.minimum(tl.maximum(ids_here, 0), num_rows - 1)
+    if STORE_KEYS:
+        tl.store(keys + p, rows.to(keys.dtype.element_ty), mask=inside)
+    cols = tl.arange(0, BLOCK_D)
+    mask = inside[:, None] & (cols < dim)[None, :]
+    found = tl.load(table + rows[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
+    tl.store(out + p.to(tl.int64)[:, None] * stride_o + cols[None, :], found.to(out.dtype.element_ty), mask=mask)
+
+
+__all__ = ["triton", "runs_cold", "runs_hot", "gather_rows", "apply_rows"]

@@ -1,0 +1,85 @@
+"""Compile every kernel lightning_sparse launches for an H100 (sm_90) with the installed Triton; print JSON.
+
+Each entry: ``{"registers": per thread, "stack": bytes (spills)}``, from the cubin (``cuobjdump -res-usage``,
+shipped with Triton). No GPU needed. Run with ``TRITON_INTERPRET`` unset (tests/test_kernels.py does).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from lightning_sparse.kernels import rows as kernel_rows
+from lightning_sparse.kernels import runs as kernel_runs
+from lightning_sparse.kernels import triton_runs as k
+
+FLOATS = {"dim_f", "divisor", "lr", "step_size", "weight_decay", "decay", "eps", "beta1", "beta2", "one_minus_beta1",
+          "one_minus_beta2", "log2_beta1", "log2_beta2"}  # fmt: skip
+CASES = {  # family, the flags that change the code, the pointers' types (None: not passed)
+    "sgd": (1, {}, {"state1": None, "state2": None, "state_row": None}),
+    "adagrad": (2, {}, {"state2": None, "state_row": None}),
+    "adagrad, bf16, stochastic": (2, {"ROUNDING": 1}, {"table": "*bf16", "state2": None, "state_row": None}),
+    "rowwise_adagrad, mean": (3, {"MEAN": True, "HAS_COUNTS": True}, {"state1": None, "state2": None}),
+    "adam, per-row bias": (4, {"ROW_BIAS": True, "WEIGHT_DECAY": True}, {"state_row": "*i64"}),
+    "adamw, global bias": (4, {"WEIGHT_DECAY": True, "DECOUPLED": True}, {"state_row": None}),
+    "segment sum, weighted": (0, {"HAS_WEIGHTS": True, "CHECK": False, "COUNT_UNIQUE": False},
+                              {"table": None, "state1": None, "state2": None, "state_row": None, "verdict": None, "unique": None}),
+}  # fmt: skip
+
+
+def build(kernel, constexprs: dict, pointers: dict) -> dict:
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs or (name in pointers and pointers[name] is None):
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+        else:
+            signature[name] = "fp32" if name in FLOATS else "i64" if name in ("salt", "row_multiplier") else "i32"
+    values = {**constexprs, **{name: None for name, kind in pointers.items() if kind is None}}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=values), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "enable_fp_fusion": False})  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    registers, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+    return {"registers": int(registers), "stack": int(stack)}
+
+
+def main() -> dict:
+    builds = {}
+    for dim in (64, 128):
+        block_s, block_d = kernel_runs.tile(dim, 1024)
+        block_n, _ = kernel_runs.tile(dim, 2048)
+        for case, (family, flags, pointers) in CASES.items():
+            if dim == 128 and case == "segment sum, weighted":
+                continue  # the same code at a wider tile; keeps the run short
+            constexprs = dict(FAMILY=family, HAS_PERM=True, HAS_WEIGHTS=False, HAS_COUNTS=False, MEAN=False, DIVIDE=False,
+                              CHECK=True, COUNT_UNIQUE=True, WEIGHT_DECAY=False, DECOUPLED=False, ROW_BIAS=False,
+                              LERP_FROM_END=False, ROUNDING=0, HOT_RUN=k.HOT, BLOCK_D=block_d)  # fmt: skip
+            constexprs.update(flags)
+            types = {"keys": "*i32", "perm": "*i64", "values": "*fp32", "weights": "*fp32" if flags.get("HAS_WEIGHTS") else None,
+                     "counts": "*fp32" if flags.get("HAS_COUNTS") else None, "out": "*fp32" if family == 0 else None,
+                     "table": "*fp32", "state1": "*fp32", "state2": "*fp32", "state_row": "*fp32", "verdict": "*i64",
+                     "unique": "*i64", **pointers}  # fmt: skip
+            if dim == 64:
+                builds[f"{case}, dim {dim}, hot"] = build(k.runs_hot, {**constexprs, "BLOCK_N": block_n}, types)
+            builds[f"{case}, dim {dim}, cold"] = build(k.runs_cold, {**constexprs, "BLOCK_S": block_s}, types)
+    block_n, block_d = kernel_rows.tile(64)
+    gather = dict(STORE_KEYS=True, CHECK=True, BLOCK_N=block_n, BLOCK_D=block_d)
+    builds["gather, dim 64"] = build(k.gather_rows, gather, {"ids": "*i64", "table": "*fp32", "out": "*fp32", "keys": "*i32",
+                                                            "verdict": "*i64"})  # fmt: skip
+    return builds
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))

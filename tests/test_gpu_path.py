@@ -1,0 +1,151 @@
+"""A one-process step on the GPU's code path: no host read, a bounded number of ops, ids checked on the device.
+
+On CPU these run the Triton kernels through Triton's interpreter (``LIGHTNING_SPARSE_KERNELS=triton``):
+the same Python, the same torch ops and the same kernels as on a GPU, so the op count and the
+host reads seen here are the GPU's. On a GPU they run compiled, and the step also runs under
+``torch.cuda.set_sync_debug_mode("error")``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from host_reads import HostReads
+from test_kernels import KERNEL_DEVICES
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lightning_sparse as ls
+from lightning_sparse.kernels import backend
+
+# The most ops a one-process step of one table may take on the GPU's path, forward + backward + step
+# + zero_grad: aten ops that launch work on the device plus Triton launches (see the count test).
+MAX_STEP_OPS = 12
+NOT_KERNELS = {"empty", "empty_strided", "new_empty", "view", "_unsafe_view", "alias", "as_strided", "detach", "t", "expand",
+               "reshape", "slice", "select", "unsqueeze", "squeeze", "permute", "lift_fresh", "set_",
+               "_record_function_enter_new", "_record_function_exit"}  # fmt: skip
+
+
+class AtenOps(TorchDispatchMode):
+    """The aten ops that would launch device work, by name.
+
+    Left out: allocations, views and profiler labels (no kernel), ops on ``host`` tensors only (a
+    host counter), and ops while a Triton kernel launches (the interpreter moving its arguments).
+    """
+
+    def __init__(self, host: list[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self._host = {t.untyped_storage().data_ptr() for t in host}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        on_host = bool(tensors) and all(t.untyped_storage().data_ptr() in self._host for t in tensors)
+        if name not in NOT_KERNELS and not on_host and not backend.launches.running:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def gpu_path(monkeypatch):
+    monkeypatch.setenv(backend.ENV, "triton")
+
+
+def _table_and_ids(device: str, optimizer: str = "SparseAdagrad", **table_kwargs):
+    emb = ls.SparseEmbedding(1000, 16, seed=3, device=device, **table_kwargs)
+    opt = getattr(ls, optimizer)([emb], lr=0.1)
+    ids = (1000 * torch.rand(256, generator=torch.Generator().manual_seed(0)) ** 4).long().to(device)
+    return emb, opt, ids
+
+
+def _step(emb, opt, ids) -> None:
+    emb(ids).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("optimizer", ["SparseSGD", "SparseAdagrad", "SparseRowWiseAdagrad", "SparseAdam"])
+def test_a_one_process_step_reads_the_host_never(gpu_path, device, optimizer):
+    emb, opt, ids = _table_and_ids(device, optimizer)
+    _step(emb, opt, ids)  # the first step makes the table's buffers
+    with HostReads(ignore=[opt.state[emb.shard]["step"]]) as reads:
+        _step(emb, opt, ids)
+    assert reads.calls == []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _step(emb, opt, ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("optimizer", ["SparseAdagrad", "SparseAdam"])
+def test_a_one_process_step_takes_a_bounded_number_of_ops(gpu_path, device, optimizer):
+    """forward: the gather kernel and the verdict's copy to the host; backward: nothing to sum; step: one sort, 2 kernels."""
+    emb, opt, ids = _table_and_ids(device, optimizer)
+    grad = torch.ones(len(ids), 16, device=device)
+    emb(ids).backward(grad)
+    opt.step()
+    launches = backend.launches.count
+    with AtenOps(host=[opt.state[emb.shard]["step"]]) as aten:
+        emb(ids).backward(grad)  # the loss's own ops are the user's: a given gradient has none
+        opt.step()
+        opt.zero_grad()
+    triton = backend.launches.count - launches
+    assert len(aten.ops) + triton <= MAX_STEP_OPS, f"{len(aten.ops)} aten ops {aten.ops} + {triton} Triton launches"
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_ids_out_of_range_raise_at_the_step_and_update_nothing(gpu_path, device):
+    emb, opt, ids = _table_and_ids(device)
+    before = emb.full_weight().clone()
+    bad = ids.clone()
+    bad[7] = 1003
+    out = emb(bad)  # no host read: the ids are checked on the device
+    out.sum().backward()
+    with pytest.raises(IndexError, match=r"got id 1003 on this rank; valid ids are 0\.\.999 .*HINT"):
+        opt.step()
+    assert torch.equal(emb.full_weight(), before), "no row may change"
+    _step(emb, opt, ids)  # the error is reported once; training goes on
+    assert not torch.equal(emb.full_weight(), before)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_a_lookup_without_grad_raises_at_once(gpu_path, device):
+    emb, _, _ = _table_and_ids(device)
+    with torch.no_grad(), pytest.raises(IndexError, match=r"got id -4 on this rank"):
+        emb(torch.tensor([1, -4, 2], device=device))
+    assert emb(torch.tensor([1, 2], device=device)).shape == (2, 16)  # reported once
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_ids_changed_in_place_after_the_lookup_train_the_rows_looked_up(monkeypatch, kernels):
+    """A lookup keeps its own copy of the ids: a loader reusing its buffer cannot move the gradient."""
+    if kernels == "triton" and not (backend.interpreting() and backend.triton_available()):
+        pytest.skip("needs triton's interpreter")
+    monkeypatch.setenv(backend.ENV, kernels)
+    emb = ls.SparseEmbedding(20, 4, seed=1)
+    opt = ls.SparseSGD([emb], lr=1.0)
+    before = emb.full_weight().clone()
+    ids = torch.tensor([1, 2, 3])
+    out = emb(ids)
+    ids += 6
+    out.sum().backward()
+    opt.step()
+    changed = (emb.full_weight() != before).any(1).nonzero().view(-1).tolist()
+    assert changed == [1, 2, 3]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_a_one_table_step_counts_its_distinct_ids(monkeypatch, kernels):
+    if kernels == "triton" and not (backend.interpreting() and backend.triton_available()):
+        pytest.skip("needs triton's interpreter")
+    monkeypatch.setenv(backend.ENV, kernels)
+    emb = ls.SparseEmbedding(20, 4)
+    opt = ls.SparseSGD([emb], lr=1.0)
+    emb(torch.tensor([[4, 4, 9], [1, 4, 9]])).sum().backward()
+    opt.step()
+    assert (emb.stats.ids_looked_up, int(emb.stats.unique_ids)) == (6, 3)

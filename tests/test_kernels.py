@@ -1,0 +1,193 @@
+"""The Triton kernels against their plain torch references: on CPU through Triton's interpreter, on a GPU compiled.
+
+Each kernel is one contract with two implementations (lightning_sparse/kernels/backend.py). These
+tests call the Triton side directly and compare it with the reference the CPU path uses, at the
+tolerances of the parity tests; sizes are small (the interpreter runs a program at a time) but
+hold runs longer than the hot threshold, so both reduction kernels run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lightning_sparse.kernels import Runs, StochasticRounding, UpdateRule, backend, segment_sum, sort_runs, update_rows
+from lightning_sparse.kernels import rows as kernel_rows
+from lightning_sparse.optim import functional as F
+from lightning_sparse.rounding import noise_salt, rounding_noise, stochastic_round
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_DEVICES = [
+    pytest.param(
+        "cpu", marks=pytest.mark.skipif(not (INTERPRETING and backend.triton_available()), reason="needs triton's interpreter")
+    ),  # fmt: skip
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            INTERPRETING or not torch.cuda.is_available() or not backend.triton_available(), reason="needs CUDA and triton"
+        ),
+    ),  # fmt: skip
+]
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    monkeypatch.setenv(backend.ENV, "triton")
+
+
+def _skewed_keys(n: int, rows: int, seed: int) -> torch.Tensor:
+    """Ids as N * u**4: row 0 occurs far more often than the hot threshold, most rows once or twice."""
+    gen = torch.Generator().manual_seed(seed)
+    return (rows * torch.rand(n, generator=gen) ** 4).long()
+
+
+def _distinct(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference's view: distinct rows, their summed values (sequential order), their counts."""
+    rows, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(rows), values.shape[1], dtype=values.dtype).index_add_(0, inverse, values)
+    return rows, sums, counts
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_segment_sum_matches_a_sequential_sum(triton_kernels, device, weighted):
+    keys = _skewed_keys(400, 60, seed=1)
+    values = torch.randn(400, 5, generator=torch.Generator().manual_seed(2))
+    runs = sort_runs(keys.to(device), bound=60)
+    assert runs.keys.dtype == torch.int32  # keys below 2**31 sort as int32
+    weights = torch.rand(400, generator=torch.Generator().manual_seed(3)) if weighted else None
+    sorted_weights = weights.index_select(0, runs.perm.cpu()) if weighted else None
+    out = segment_sum(runs, values.to(device), 62, shift=1, weights=sorted_weights.to(device) if weighted else None)
+    expected = torch.zeros(62, 5).index_add_(0, keys + 1, values * (weights.unsqueeze(1) if weighted else 1))
+    assert int((torch.bincount(keys) > 32).sum()) >= 1, "the case must hold a run longer than the hot threshold"
+    torch.testing.assert_close(out.cpu(), expected)
+
+
+def _case(name: str, dim: int):
+    """(the kernel's rule, on state tensors of its own; the reference update, on copies of that state)."""
+    m, v, row_sum = torch.full((40, dim), 0.01), torch.full((40, dim), 0.02), torch.full((40,), 0.1)
+    steps = torch.full((40,), 3, dtype=torch.int64)
+    if name == "sgd":
+        return UpdateRule("sgd", 0.3), lambda t, r, g: F.sgd_(t, r, g, lr=0.3, weight_decay=0.0)
+    if name == "sgd_decay":
+        return UpdateRule("sgd", 0.3, weight_decay=0.1), lambda t, r, g: F.sgd_(t, r, g, lr=0.3, weight_decay=0.1)
+    if name == "adagrad":
+        rule = UpdateRule("adagrad", 0.2, state=(v, None, None), eps=1e-10, weight_decay=0.05)
+        v = v.clone()
+        return rule, lambda t, r, g: F.adagrad_(t, v, r, g, clr=0.2, weight_decay=0.05, eps=1e-10)
+    if name == "rowwise_adagrad":
+        rule = UpdateRule("rowwise_adagrad", 0.2, state=(None, None, row_sum), eps=1e-10)
+        row_sum = row_sum.clone()
+        return rule, lambda t, r, g: F.rowwise_adagrad_(t, row_sum, r, g, lr=0.2, weight_decay=0.0, eps=1e-10)
+    adam = dict(lr=0.01, eps=1e-8, weight_decay=0.1)
+    if name == "adam_row":
+        rule = UpdateRule("adam", 0.01, state=(m, v, steps), eps=1e-8, betas=(0.9, 0.999), row_bias=True, weight_decay=0.1)
+        m, v, steps = m.clone(), v.clone(), steps.clone()
+        return rule, lambda t, r, g: F.adam_(t, m, v, r, g, step=steps.index_select(0, r).add_(1), beta1=0.9, beta2=0.999,
+                                             decoupled_weight_decay=False, **adam)  # fmt: skip
+    assert name == "adamw_global"
+    rule = UpdateRule("adam", 0.01, state=(m, v, None), eps=1e-8, betas=(0.8, 0.99), weight_decay=0.1,
+                      decoupled_weight_decay=True, step_size=F.adam_step_size(0.01, 0.8, 0.99, 4))  # fmt: skip
+    m, v = m.clone(), v.clone()
+    return rule, lambda t, r, g: F.adam_(t, m, v, r, g, step=4, beta1=0.8, beta2=0.99, decoupled_weight_decay=True, **adam)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("case", ["sgd", "sgd_decay", "adagrad", "rowwise_adagrad", "adam_row", "adamw_global"])
+@pytest.mark.parametrize("scaling", ["sum", "mean", "divided"])
+def test_fused_update_matches_the_sum_then_the_functional_update(triton_kernels, device, case, scaling):
+    dim = 6
+    keys = _skewed_keys(300, 40, seed=4)
+    values = torch.randn(300, dim, generator=torch.Generator().manual_seed(5))
+    counts = torch.randint(1, 4, (300,), generator=torch.Generator().manual_seed(6)).float()
+    table = torch.randn(40, dim, generator=torch.Generator().manual_seed(7))
+    rule, reference = _case(case, dim)
+    on_device = UpdateRule(**{**rule.__dict__, "state": tuple(s.to(device) if s is not None else None for s in rule.state)})
+    fused = table.to(device, copy=True)
+    update_rows(sort_runs(keys.to(device), 40), values.to(device), fused, on_device,
+                counts=counts.to(device) if scaling == "mean" else None, mean=scaling == "mean",
+                divisor=3.0 if scaling == "divided" else 1.0)  # fmt: skip
+    rows, sums, _ = _distinct(keys, values)
+    if scaling == "mean":
+        sums = sums / torch.zeros(len(rows)).index_add_(0, torch.unique(keys, return_inverse=True)[1], counts).unsqueeze(1)
+    elif scaling == "divided":
+        sums = sums / 3
+    expected = table.clone()
+    reference(expected, rows, sums)
+    torch.testing.assert_close(fused.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_fused_update_of_distinct_rows_needs_no_sort(triton_kernels, device):
+    rows = torch.tensor([5, 2, 9, 0])
+    grad = torch.randn(4, 3)
+    table = torch.randn(10, 3)
+    fused = table.to(device, copy=True)
+    update_rows(Runs(rows.to(device)), grad.to(device), fused, UpdateRule("sgd", 0.5))
+    expected = table.clone()
+    F.sgd_(expected, rows, grad.clone(), lr=0.5, weight_decay=0.0)
+    torch.testing.assert_close(fused.cpu(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_bf16_rows_round_with_the_same_draws_as_the_reference(triton_kernels, device):
+    """SGD's arithmetic is exact in both, so the rounded rows must agree bit for bit: the hash is the same."""
+    keys = _skewed_keys(200, 30, seed=8)
+    values = torch.randn(200, 7, generator=torch.Generator().manual_seed(9)) * 1e-3
+    table = torch.randn(30, 7, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    seed, step, world, rank = 11, 5, 3, 2  # a "mod" table's rank 2 of 3: global row = local * 3 + 2
+    fused = table.to(device, copy=True)
+    update_rows(sort_runs(keys.to(device), 30), values.to(device), fused, UpdateRule("sgd", 0.1),
+                rounding=StochasticRounding(noise_salt(seed, step), world, rank))  # fmt: skip
+    rows, sums, _ = _distinct(keys, values)
+    new = table.index_select(0, rows).float().add_(sums.mul(-0.1))
+    noise = rounding_noise(rows * world + rank, 7, seed, step)
+    expected = table.clone().index_copy_(0, rows, stochastic_round(new, torch.bfloat16, noise))
+    assert not torch.equal(expected, table.clone().index_copy_(0, rows, new.to(torch.bfloat16))), "rounding must matter"
+    torch.testing.assert_close(fused.cpu(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_gather_reads_clamped_rows_and_widens_the_verdict(device, ids_dtype):
+    table = torch.randn(20, 5)
+    ids = torch.tensor([3, 19, 0, 3, 7], dtype=ids_dtype)
+    verdict = torch.zeros(2, dtype=torch.int64)
+    out, keys = kernel_rows.gather(table.to(device), ids.to(device), torch.float64, verdict.to(device), keys=True)
+    expected, expected_keys = kernel_rows.reference_gather(table, ids, torch.float64, verdict)
+    assert keys.dtype == torch.int32 and torch.equal(keys.cpu(), expected_keys)
+    torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
+    bad = torch.tensor([4, -2, 25, 21], dtype=ids_dtype)
+    device_verdict = torch.zeros(2, dtype=torch.int64, device=device)
+    out, _ = kernel_rows.gather(table.to(device), bad.to(device), torch.float32, device_verdict, keys=False)
+    assert device_verdict.tolist() == [-2, 25]
+    torch.testing.assert_close(out.cpu(), table[[4, 0, 19, 19]], rtol=0, atol=0)  # clamped for the read
+
+
+# ---------------------------------------------------------------- compiled for an H100, without one
+@pytest.fixture(scope="module")
+def h100_builds():
+    """Every kernel the package launches, compiled for sm_90 by the installed Triton (tests/scripts/compile_for_h100.py).
+
+    In a process of its own: Triton compiles nothing where it was imported to interpret.
+    """
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "compile_for_h100.py"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+@pytest.mark.skipif(not backend.triton_available(), reason="needs triton")
+def test_every_kernel_compiles_for_an_h100_without_spills(h100_builds):
+    """No GPU needed: the kernels compile for sm_90, with no spills and registers that leave room for occupancy."""
+    assert len(h100_builds) == 21  # 7 cases x (cold, hot) at dim 64, 6 cold at dim 128, the gather (see the script)
+    too_big = {name: build for name, build in h100_builds.items() if build["stack"] or build["registers"] > 128}
+    assert not too_big, too_big

@@ -15,15 +15,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_sparse.kernels import Runs, segment_sum
+from lightning_sparse.kernels import Runs, gpu_path, segment_sum
 
 
 def _sum_by_row(position: Tensor, grad: Tensor, num_rows: int, source: Tensor | None, weights: Tensor | None) -> Tensor:
     """``[num_rows, dim]``: for each row, the sum over the ids at it (``position``) of their gradient rows.
 
     Id ``i`` contributes ``grad[source[i]]`` (``source``: the bag of each id; ``None``: ``i``),
-    times ``weights[i]`` if given.
+    times ``weights[i]`` if given. One row per id on a CPU: ``index_add_``, which adds in order
+    there with no sort (on a GPU it adds with atomics, in no fixed order: the sorted sum instead).
     """
+    if source is None and weights is None and not gpu_path(grad):
+        return grad.new_zeros(num_rows, grad.shape[1]).index_add_(0, position, grad)
     order = torch.argsort(position, stable=True)
     rows = source.index_select(0, order) if source is not None else order
     sorted_weights = weights.index_select(0, order) if weights is not None else None

@@ -11,6 +11,7 @@ is gone says so. The host provides ``name``, ``num_embeddings``, ``sharding_sche
 from __future__ import annotations
 
 import weakref
+from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ class ShardPlacementMixin:
 
     @property
     def sharding(self) -> RowSharding:
-        return RowSharding(self.num_embeddings, self._world_size, self.sharding_scheme)
+        return _row_sharding(self.num_embeddings, self._world_size, self.sharding_scheme)
 
     @property
     def is_materialized(self) -> bool:
@@ -97,6 +98,9 @@ class ShardPlacementMixin:
         then materialized over W ranks keeps the rows each rank now owns (every rank must hold
         the same full table, as after loading the same state dict). Returns ``self``.
         """
+        if self._materialized and process_group is None and self._world_size == 1 and self._requested_group is None:
+            if not (dist.is_available() and dist.is_initialized()):  # a local table stays one (every `shard` read asks)
+                return self
         if process_group is not None:
             self._requested_group = weakref.ref(process_group)
             self._replica_group = weakref.ref(replica_group) if replica_group is not None else None
@@ -112,7 +116,8 @@ class ShardPlacementMixin:
         placed = weakref.ref(requested) if requested is not None else None
         if self._materialized:
             if (rank, world_size) == (self._rank, self._world_size):
-                self._group = placed
+                if self._group is not placed:  # (a weak reference to the same group is the same object)
+                    self._group = placed
                 return self
             if self._world_size != 1:
                 raise RuntimeError(
@@ -129,3 +134,9 @@ class ShardPlacementMixin:
             self._shard.data = self._initial_rows(global_ids)
             self._materialized = True
         return self
+
+
+@cache
+def _row_sharding(num_embeddings: int, world_size: int, scheme: str) -> RowSharding:
+    """One (frozen) RowSharding per placement: the step asks for it several times."""
+    return RowSharding(num_embeddings, world_size, scheme)

@@ -106,10 +106,48 @@ def test_ids_out_of_range_raise_at_the_step_and_update_nothing(gpu_path, device)
     bad[7] = 1003
     out = emb(bad)  # no host read: the ids are checked on the device
     out.sum().backward()
+    if device == "cuda":
+        torch.cuda.synchronize()  # the verdict's copy is on the host (else a later step raises: the next test)
     with pytest.raises(IndexError, match=r"got id 1003 on this rank; valid ids are 0\.\.999 .*HINT"):
         opt.step()
     assert torch.equal(emb.full_weight(), before), "no row may change"
     _step(emb, opt, ids)  # the error is reported once; training goes on
+    assert not torch.equal(emb.full_weight(), before)
+
+
+class _CopyInFlight:
+    """A CUDA event whose copy the GPU has not finished yet, until ``done``."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+@pytest.mark.skipif(not (backend.interpreting() and backend.triton_available()), reason="needs triton's interpreter")
+def test_bad_ids_not_yet_seen_by_the_host_leave_the_table_untouched_until_they_raise(gpu_path):
+    """A GPU far behind its host: the step cannot raise yet, so its update kernel skips the table (no host read)."""
+    emb, opt, ids = _table_and_ids("cpu")
+    _step(emb, opt, ids)
+    before = emb.full_weight().clone()
+    emb.range_check._event = event = _CopyInFlight()  # stands in for the GPU's event
+    bad = ids.clone()
+    bad[3] = -1
+    emb(bad).sum().backward()
+    opt.step()
+    _step(emb, opt, ids)  # still not on the host: this step must not touch the table either
+    assert torch.equal(emb.full_weight(), before)
+    event.done = True
+    with pytest.raises(IndexError, match=r"got id -1 on this rank"):
+        emb(ids)  # the next lookup that finds the copy done raises, once
+    _step(emb, opt, ids)
     assert not torch.equal(emb.full_weight(), before)
 
 

@@ -12,11 +12,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_sparse import compiled
 from lightning_sparse.alltoall import ExchangeStats
+from lightning_sparse.compiled import CompiledLookups
 from lightning_sparse.dynamic import rows_of_features
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.exchange import Route
-from lightning_sparse.features import POOLING, read_features
+from lightning_sparse.features import POOLING, JaggedIds, as_feature_dict, read_features
 from lightning_sparse.lookup import lookup, serve
 from lightning_sparse.sharding import JointSharding
 
@@ -57,7 +59,7 @@ class TableDict(nn.Module):
         return list(self._modules.items())
 
 
-class SparseEmbeddingCollection(nn.Module):
+class SparseEmbeddingCollection(CompiledLookups, nn.Module):
     """Several SparseEmbedding tables looked up together: all features of a batch in one exchange round.
 
     Args:
@@ -126,6 +128,7 @@ class SparseEmbeddingCollection(nn.Module):
         # Set by a strategy: this collection's position among the lookup units (tables, then collections).
         self.unit_index = -1
         self._joint: JointSharding | None = None
+        self.enable_compiled_lookups()
 
     # ------------------------------------------------------------------ placement
     @property
@@ -189,7 +192,36 @@ class SparseEmbeddingCollection(nn.Module):
         or a TorchRec ``KeyedJaggedTensor``. Collective: every rank of the group must call it
         (see the class docstring), in the same order as the other tables and collections of the
         group. Differentiable with respect to the rows (and per-id weights) when grad mode is on.
+        Under ``torch.compile`` the lookup is one opaque op (:mod:`lightning_sparse.compiled`).
         """
+        if torch.compiler.is_compiling():
+            given = as_feature_dict(features)
+            if given is not None and compiled.takes(given):
+                return dict(zip(given, compiled.lookup(self, given)))
+        return self.lookup_features(features)
+
+    def eager_lookup(self, features: Mapping[str, Any]) -> list[Tensor]:
+        """The compiled op's run-time work (:mod:`lightning_sparse.compiled`): the outputs, in the features' order."""
+        out = self.lookup_features(features)
+        return [out[name] for name in features]
+
+    def output_specs(self, features: Mapping[str, Any]) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
+        """The shape, dtype and device of each output of :meth:`forward` for ``features`` (the compiled op's fake kernel)."""
+        specs = []
+        for name, given in features.items():
+            index = self.feature_names.index(name) if name in self.feature_names else 0  # an unknown name raises at run time
+            table, mode = self.table_list[self.feature_parts[index]], self.feature_pooling[index]
+            if isinstance(given, JaggedIds):
+                rows = len(given.values) if mode == "none" else given.num_bags
+                shape = (rows,)
+            else:
+                shape = tuple(given.shape) if mode == "none" else (given.shape[0],)
+            specs.append(((*shape, table.embedding_dim), table.output_dtype or table.dtype, table.device))
+        return specs
+
+    @torch.compiler.disable
+    def lookup_features(self, features: Mapping[str, Any] | Any) -> dict[str, Tensor]:
+        """The eager lookup of :meth:`forward` (never traced by dynamo: see :mod:`lightning_sparse.compiled`)."""
         for table in self.table_list:
             table.check_first_lookup()
         self.materialize()

@@ -39,8 +39,9 @@ class DynamicLookupMixin:
                               detail=problem.detail, dtype=problem.dtype)  # fmt: skip
         return flat, header, problem
 
-    def forward(self, ids: Tensor) -> Tensor:
-        """Rows for ``ids`` (any shape, integer dtype, any value) -> ``[*ids.shape, embedding_dim]``.
+    @torch.compiler.disable
+    def lookup_rows(self, ids: Tensor) -> Tensor:
+        """Rows for ``ids`` (any shape, integer dtype, any value) -> ``[*ids.shape, embedding_dim]``: the eager ``forward``.
 
         Collective: every rank of the group must call it (with possibly empty ``ids``), in the
         same order as the other tables of the group. Ids without a row read zeros.

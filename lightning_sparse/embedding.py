@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_sparse import compiled
 from lightning_sparse import init as row_init
 from lightning_sparse.alltoall import ExchangeStats
+from lightning_sparse.compiled import CompiledLookups
 from lightning_sparse.exchange import Route
 from lightning_sparse.lookup import lookup_ids, serve
 from lightning_sparse.pending import PendingGrads
@@ -34,7 +36,7 @@ from lightning_sparse.units import OneTable
 _INIT_CHUNK_ELEMENTS = 1 << 16
 
 
-class SparseEmbedding(ShardPlacementMixin, ShardStateMixin, nn.Module):
+class SparseEmbedding(ShardPlacementMixin, ShardStateMixin, CompiledLookups, nn.Module):
     """An embedding table whose rows are sharded over the ranks of a process group.
 
     Args:
@@ -124,6 +126,7 @@ class SparseEmbedding(ShardPlacementMixin, ShardStateMixin, nn.Module):
         self.table_index = -1
         self._first_lookup_checked = False
         self.lookup_unit = OneTable(self)  # this table as a lookup unit of one (units.py)
+        self.enable_compiled_lookups()
 
     def _initial_rows(self, global_ids: Tensor) -> Tensor:
         """The rows a new shard starts with (a subclass may start them otherwise)."""
@@ -166,11 +169,27 @@ class SparseEmbedding(ShardPlacementMixin, ShardStateMixin, nn.Module):
         Collective: every rank of the group must call it (with possibly empty ``ids``), the same
         number of times and in the same order as the other tables it shares the group with.
         Differentiable with respect to the looked-up rows when grad mode is on; the gradient
-        waits for a sparse optimizer's ``step()`` and backward communicates nothing.
+        waits for a sparse optimizer's ``step()`` and backward communicates nothing. Under
+        ``torch.compile`` the lookup is one opaque op (:mod:`lightning_sparse.compiled`).
         """
+        if torch.compiler.is_compiling():
+            return compiled.lookup(self, ids)[0]
+        return self.lookup_rows(ids)
+
+    @torch.compiler.disable
+    def lookup_rows(self, ids: Tensor) -> Tensor:
+        """The eager lookup of :meth:`forward` (never traced by dynamo: see :mod:`lightning_sparse.compiled`)."""
         self.check_first_lookup()
         self.materialize()
         return lookup_ids(self.lookup_unit, ids)
+
+    def eager_lookup(self, ids: Tensor) -> list[Tensor]:
+        """The compiled op's run-time work (:mod:`lightning_sparse.compiled`): the eager lookup's output, as a list."""
+        return [self.lookup_rows(ids)]
+
+    def output_specs(self, ids: Tensor) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
+        """The shape, dtype and device of :meth:`forward`'s output for ``ids`` (the compiled op's fake kernel)."""
+        return [((*ids.shape, self.embedding_dim), self.output_dtype or self.dtype, self.device)]
 
     def serve(self, route: Route) -> None:
         """Answer a lookup round of this table made by other ranks (see :func:`~lightning_sparse.lookup.serve_lookups`)."""

@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DGLBACKEND", "pytorch")
@@ -10,6 +11,9 @@ import torch  # noqa: E402
 # triton is imported. With a GPU they compile, and the CPU-tensor kernel tests are skipped.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# torch.compile's on-disk caches of this run only (the ranks inherit it): a cache from an earlier checkout can hold
+# graphs compiled against another fake kernel of lightning_sparse's custom ops.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="lightning-sparse-inductor-"))
 
 from rank_pool import RankPool  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""One test per shim of lightning_sparse/lightning_compat.py: what each private reach assumes still holds."""
+"""One test per shim of lightning_sparse/lightning_compat.py and torch_compat.py: what each private reach assumes still holds."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_sparse import lightning_compat as compat
+from lightning_sparse import torch_compat
 
 
 def test_configure_optimizers_parses_what_the_hook_returns():
@@ -98,3 +99,21 @@ def test_grad_scaler_internals_the_sparse_skip_decision_uses():
     assert compat.loss_scale(scaler).item() == 4.0
     compat.update_scale(scaler, torch.zeros(1))  # growth_interval=1: grow
     assert compat.loss_scale(scaler).item() == 8.0
+
+
+@torch.library.custom_op("lightning_sparse_test::doubled_with_graph", mutates_args=())
+def _doubled_with_graph(x: torch.Tensor) -> torch.Tensor:
+    """Inside an op's implementation: does autograd record, without and with the shim? ``[without, with]``."""
+    leaf = x.detach().requires_grad_()
+    recorded = [(leaf * 2).view(-1).grad_fn is not None]
+    with torch_compat.autograd_in_custom_op():
+        out = (leaf * 2).view(-1)
+        out.sum().backward()
+        recorded.append(out.grad_fn is not None and bool((leaf.grad == 2).all()))
+    return torch.tensor(recorded)
+
+
+def test_autograd_records_inside_a_custom_op_only_with_the_shim():
+    """compiled.py runs the eager lookup and its backward inside custom ops: torch excludes autograd there."""
+    without, with_shim = torch.ops.lightning_sparse_test.doubled_with_graph(torch.ones(3, requires_grad=True)).tolist()
+    assert with_shim and not without

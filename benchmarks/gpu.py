@@ -19,6 +19,11 @@ update kernel alone against a device copy of the bytes it must move (each touche
 state read and written, each id's gradient row, key and position read once); for the first
 workload a profile summary of our Adagrad step.
 
+Then the many-tables workload: a collection of 26 tables (200k x 64 each, 16,384 ids per table
+per step, one unpooled feature each) with row-wise Adagrad and with Adagrad, against 26
+``nn.Embedding(sparse=True)`` tables with torch's Adagrad, and the kernels of a 2-table
+collection's step beside the 26-table one's.
+
 On a CPU (``device="cpu"``, the tests' smoke run) the same code runs with wall-clock timing and
 without the profiler counts.
 """
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 WORKLOADS = [dict(rows=1_000_000, dim=64, batch=65_536), dict(rows=10_000_000, dim=128, batch=262_144)]
+COLLECTION = dict(tables=26, rows=200_000, dim=64, batch=16_384)  # issue 32's many-tables workload
 DRAWS = {"skewed": lambda u: u**4, "uniform": lambda u: u}
 OURS = {
     "adagrad": ("SparseAdagrad", dict(lr=0.1), {}),
@@ -200,15 +206,64 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def measure_collection(tables: int, rows: int, dim: int, batch: int, steps: int, warmup: int, device: torch.device) -> dict:
+    """A collection of ``tables`` tables (one unpooled feature each, ``batch`` skewed ids per table per step) against as
+    many ``nn.Embedding(sparse=True)`` tables with torch's Adagrad; and the kernels of a 2-table collection's step."""
+    import lightning_sparse as ls
+
+    gen = torch.Generator().manual_seed(2)
+    batches = [
+        {f"t{t}": (rows * torch.rand(batch, generator=gen) ** 4).long().to(device) for t in range(tables)} for _ in range(4)
+    ]
+    result = {"tables": tables, "rows": rows, "dim": dim, "batch": batch, "step_ms": {}, "kernels": {}, "syncs": {}}
+    for name, optimizer in (("ours/rowwise_adagrad", "SparseRowWiseAdagrad"), ("ours/adagrad", "SparseAdagrad")):
+        for count in (tables, 2) if name == "ours/rowwise_adagrad" else (tables,):
+            collection = ls.SparseEmbeddingCollection(
+                {f"t{t}": ls.SparseEmbedding(rows, dim, init=ls.init.zeros(), device=device) for t in range(count)}
+            )
+            opt = getattr(ls, optimizer)([collection], lr=0.1)
+
+            def step(i, collection=collection, opt=opt, count=count):
+                out = collection({f"t{t}": batches[i % 4][f"t{t}"] for t in range(count)})
+                sum(v.sum() for v in out.values()).backward()
+                opt.step()
+                opt.zero_grad()
+
+            label = name if count == tables else f"{name}, 2 tables"
+            if count == tables:
+                result["step_ms"][label] = _median_ms(step, steps, warmup, device)
+            counted = _counts(step, device)
+            if counted:
+                result["kernels"][label], result["syncs"][label] = counted["kernels"], counted["syncs"]
+            del collection, opt, step
+            _release(device)
+    embeddings = [nn.Embedding(rows, dim, sparse=True, device=device) for _ in range(tables)]
+    opt = torch.optim.Adagrad([e.weight for e in embeddings], lr=0.1)
+
+    def torch_step(i, embeddings=embeddings, opt=opt):
+        sum(e(batches[i % 4][f"t{t}"]).sum() for t, e in enumerate(embeddings)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    result["step_ms"]["torch_sparse/adagrad"] = _median_ms(torch_step, steps, warmup, device)
+    counted = _counts(torch_step, device)
+    if counted:
+        result["kernels"]["torch_sparse/adagrad"], result["syncs"]["torch_sparse/adagrad"] = counted["kernels"], counted["syncs"]
+    del embeddings, opt
+    _release(device)
+    return result
+
+
 def run(workloads: list[dict] | None = None, draws: tuple[str, ...] = ("skewed", "uniform"), steps: int = 40,
-        warmup: int = 5, device: str = "cuda") -> dict:  # fmt: skip
-    """Every workload with every draw of ids; the first also gives a profile summary."""
+        warmup: int = 5, device: str = "cuda", collection: dict | None = None) -> dict:  # fmt: skip
+    """Every workload with every draw of ids (the first also gives a profile summary), then the many-tables workload."""
     where = torch.device(device)
     results = []
     for index, workload in enumerate(workloads or WORKLOADS):
         for draw in draws:
             results.append(measure(**workload, draw=draw, steps=steps, warmup=warmup, device=where,
                                    profile=index == 0 and draw == draws[0]))  # fmt: skip
+    many = measure_collection(**(collection or COLLECTION), steps=steps, warmup=warmup, device=where)
     name = torch.cuda.get_device_name() if where.type == "cuda" else "CPU"
     try:
         import triton
@@ -216,4 +271,4 @@ def run(workloads: list[dict] | None = None, draws: tuple[str, ...] = ("skewed",
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    return {"device_name": name, "torch": torch.__version__, "triton": triton_version, "workloads": results}
+    return {"device_name": name, "torch": torch.__version__, "triton": triton_version, "workloads": results, "collection": many}

@@ -12,7 +12,8 @@ Add = Callable[..., None]
 
 
 def targets(gpu: dict, add: Add) -> None:
-    """Add each GPU target, per workload and draw of ids."""
+    """Add each GPU target, per workload and draw of ids, then the many-tables ones."""
+    collection_targets(gpu, add)
     if "workloads" not in gpu:
         for name in ("Adagrad step / torch sparse Adagrad", "update bandwidth / device copy"):
             add(f"1 GPU: {name}", "see docs/benchmarks.md", None, None)
@@ -43,6 +44,23 @@ def targets(gpu: dict, add: Add) -> None:
             kernels = w["kernels"]["ours/adagrad"] - w["loss_kernels"]
             add(f"{where}: CUDA kernels of an Adagrad step, the loss's apart", f"<= {MAX_KERNELS}", kernels,
                 kernels <= MAX_KERNELS, unit="")  # fmt: skip
+
+
+def collection_targets(gpu: dict, add: Add) -> None:
+    """Issue 32's many-tables targets."""
+    many = gpu.get("collection")
+    if not many:
+        return
+    where = f"1 GPU, {many['tables']} tables of {many['rows'] / 1e3:g}k x {many['dim']}"
+    _ratio(add, f"{where}: collection step (row-wise Adagrad) / {many['tables']} torch sparse tables (Adagrad)", "<= 0.2x",
+           many["step_ms"], "ours/rowwise_adagrad", "torch_sparse/adagrad", 0.2)  # fmt: skip
+    kernels = many.get("kernels", {})
+    if "ours/rowwise_adagrad" in kernels and "ours/rowwise_adagrad, 2 tables" in kernels:
+        ratio = kernels["ours/rowwise_adagrad"] / kernels["ours/rowwise_adagrad, 2 tables"]
+        add(f"{where}: kernels of a step / a 2-table collection's", "<= 1.2x", ratio, ratio <= 1.2)
+    if "ours/rowwise_adagrad" in many.get("syncs", {}):
+        syncs = many["syncs"]["ours/rowwise_adagrad"]
+        add(f"{where}: host syncs in a collection step", "0", syncs, syncs == 0, unit="")
 
 
 def _ratio(add: Add, name: str, goal: str, times: dict, ours: str, theirs: str, most: float) -> None:
@@ -85,4 +103,13 @@ def markdown(gpu: dict) -> list[str]:
         if w.get("profile_ours_adagrad"):
             lines += ["", "<details><summary>Profile of our Adagrad step</summary>", "", "```",
                       *w["profile_ours_adagrad"], "```", "", "</details>"]  # fmt: skip
+    many = gpu.get("collection")
+    if many:
+        lines += ["", f"**{many['tables']} tables of {many['rows'] / 1e3:g}k x {many['dim']}, {many['batch']:,} ids per table "
+                      "per step** (one collection, or as many torch tables)", "",
+                  "| method | step (ms) | kernels | host syncs |", "|---|---:|---:|---:|"]  # fmt: skip
+        for name in sorted(set(many["step_ms"]) | set(many.get("kernels", {}))):
+            ms = many["step_ms"].get(name)
+            lines.append(f"| {name} | {f'{ms:.3f}' if ms is not None else '-'} | {many['kernels'].get(name, 'n/a')} | "
+                         f"{many['syncs'].get(name, 'n/a')} |")  # fmt: skip
     return lines

@@ -6,13 +6,14 @@ the lookup itself is the engine's (:mod:`lightning_sparse.lookup`), as for a sin
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_sparse import compiled
+from lightning_sparse import compiled, joint_lookup
 from lightning_sparse.alltoall import ExchangeStats
 from lightning_sparse.compiled import CompiledLookups
 from lightning_sparse.dynamic import rows_of_features
@@ -20,6 +21,8 @@ from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.exchange import Route
 from lightning_sparse.features import POOLING, JaggedIds, as_feature_dict, read_features
 from lightning_sparse.lookup import lookup, serve
+from lightning_sparse.pending import PendingGrads
+from lightning_sparse.range_check import RangeCheck
 from lightning_sparse.sharding import JointSharding
 
 
@@ -128,7 +131,20 @@ class SparseEmbeddingCollection(CompiledLookups, nn.Module):
         # Set by a strategy: this collection's position among the lookup units (tables, then collections).
         self.unit_index = -1
         self._joint: JointSharding | None = None
+        self.pending = PendingGrads()  # a round's gradient over all tables, on one GPU (joint_lookup.py)
+        self.range_check = RangeCheck()
+        self._link_tables()
         self.enable_compiled_lookups()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy links its own tables (weak references do not pickle)
+        super().__setstate__(state)
+        self._link_tables()
+
+    def _link_tables(self) -> None:
+        """Tell each table that this collection holds it: the optimizer finds the collection's rounds through them."""
+        for table in self.table_list:
+            table.joint_units = [r for r in table.joint_units if r() is not None and any(t is table for t in r().table_list)]
+            table.joint_units.append(weakref.ref(self))
 
     # ------------------------------------------------------------------ placement
     @property
@@ -226,6 +242,11 @@ class SparseEmbeddingCollection(CompiledLookups, nn.Module):
             table.check_first_lookup()
         self.materialize()
         first = self.table_list[0]
+        if joint_lookup.takes(self):  # one GPU: every feature in one kernel, when the input is well-formed
+            given = as_feature_dict(features)
+            out = joint_lookup.lookup(self, given) if given is not None else None
+            if out is not None:
+                return out
         read, problem, bad_offsets = read_features(features, self.feature_names, self.feature_parts, self.feature_pooling,
                                                    first.device)  # fmt: skip
         read = rows_of_features(self.table_list, read)  # dynamic tables: ids to rows first, a round per table

@@ -120,6 +120,7 @@ class SparseEmbedding(ShardPlacementMixin, ShardStateMixin, CompiledLookups, nn.
         self._shard = torch.empty(0, embedding_dim, dtype=dtype, device=device)
         self.pending = PendingGrads()
         self.range_check = RangeCheck()  # of one-process GPU lookups (range_check.py)
+        self.joint_units: list[weakref.ref] = []  # the collections that hold it (their rounds on one GPU: joint_lookup.py)
         self.stats = ExchangeStats()
         # Set by a strategy that shards this table: its position among the module's tables,
         # which every rank sends along with each lookup.
@@ -127,6 +128,9 @@ class SparseEmbedding(ShardPlacementMixin, ShardStateMixin, CompiledLookups, nn.
         self._first_lookup_checked = False
         self.lookup_unit = OneTable(self)  # this table as a lookup unit of one (units.py)
         self.enable_compiled_lookups()
+
+    def __getstate__(self) -> dict[str, Any]:  # weak references do not pickle: a collection links itself again
+        return {**self.__dict__, "joint_units": []}
 
     def _initial_rows(self, global_ids: Tensor) -> Tensor:
         """The rows a new shard starts with (a subclass may start them otherwise)."""

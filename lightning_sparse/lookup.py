@@ -125,11 +125,11 @@ def _one_rank_one_table(unit: LookupUnit, feature: FeatureIds) -> Tensor:
         raise_if_out_of_range(unit, low, high, feature.dtype)
         return gather(table, feature.ids).view(*feature.shape, table.embedding_dim)
     check = table.range_check
-    raise_if_out_of_range(unit, *(check.failed(table.num_embeddings) or (0, 0)), check.dtype_code)
+    raise_if_out_of_range(unit, *(check.failed(table.num_embeddings) or (0, 0))[:2], check.dtype_code)
     rows = gather(table, feature.ids)
     check.dtype_code = feature.dtype
     if not torch.is_grad_enabled():
-        raise_if_out_of_range(unit, *(check.failed(table.num_embeddings, wait=True) or (0, 0)), feature.dtype)
+        raise_if_out_of_range(unit, *(check.failed(table.num_embeddings, wait=True) or (0, 0))[:2], feature.dtype)
     return rows.view(*feature.shape, table.embedding_dim)
 
 

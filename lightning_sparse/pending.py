@@ -38,7 +38,7 @@ class LookupRecord:
       ``[len(keys), dim]``, one row per id.
     """
 
-    __slots__ = ("route", "keys", "occurrences", "grad", "_pending", "_listed", "__weakref__")
+    __slots__ = ("route", "keys", "occurrences", "sources", "weights", "tables", "grad", "_pending", "_listed", "__weakref__")
 
     def __init__(
         self,
@@ -48,6 +48,11 @@ class LookupRecord:
         occurrences: Tensor | Callable[[], Tensor] | None = None,
     ) -> None:
         self.route, self.keys, self.occurrences = route, keys, occurrences
+        # A collection's lookup on one GPU (lightning_sparse.joint_lookup) records its ids' keys over all its tables:
+        # key i's gradient is grad[sources[i]] * weights[i] (a bag's), and ``tables`` lists the tables it touched.
+        self.sources: Tensor | None = None
+        self.weights: Tensor | None = None
+        self.tables: list[int] | None = None
         self.grad: Tensor | None = None
         self._pending = pending
         self._listed = False  # in ``pending.received``: its gradient has not been taken or zeroed

@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_sparse import lightning_compat as compat
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.faults import collective
+from lightning_sparse.optim.joint import units_with_rounds
 
 
 class SparseMixedPrecision(MixedPrecision):
@@ -53,10 +54,11 @@ class SparseMixedPrecision(MixedPrecision):
         """Divide the pending gradients of ``tables`` by their loss scale; 1.0 if any rank found inf/NaN. Collective."""
         device = tables[0].device if tables else torch.device(self.device)
         found = torch.zeros(1, device=device)
-        for table in tables:
+        pendings = [table.pending for table in tables] + [unit.pending for unit in units_with_rounds(tables)]
+        for pending in pendings:  # the tables', and their collections' rounds on one GPU
             if self._inv_scale is not None:
-                table.pending.scale(self._inv_scale.to(table.device))
-            for grad in table.pending_grads():
+                pending.scale(self._inv_scale.to(device))
+            for grad in pending.grads():
                 found = torch.maximum(found, (~torch.isfinite(grad)).any().float())
         with collective("all-reduce of the 16-mixed overflow flag"):
             if dist.is_available() and dist.is_initialized():

@@ -26,20 +26,25 @@ from torch import Tensor
 
 
 class RangeCheck:
-    """One table's verdict on the ids of its GPU lookups: ``[lowest id < 0, highest id >= rows]`` (0 where none)."""
+    """A lookup unit's verdict on the ids of its GPU lookups.
+
+    A table's: ``[lowest id < 0, highest id >= rows]`` (0 where none). A collection's
+    (:mod:`lightning_sparse.kernels.bags`): ``[-1 if any input was bad, 0]``, then per feature
+    its error code and id range; its first two read like a table's of one row.
+    """
 
     def __init__(self) -> None:
         self._verdict: Tensor | None = None
         self._host: Tensor | None = None  # pinned: the copy never blocks
         self._event: torch.cuda.Event | None = None
         self._unread = False  # a copy was started and has not been read
-        self.dtype_code = -1  # the dtype of the ids last looked up (for the message)
+        self.dtype_code: int | dict[int, int] = -1  # the dtype of the ids last looked up (a collection's: per feature)
 
-    def verdict(self, device: torch.device) -> Tensor:
+    def verdict(self, device: torch.device, size: int = 2) -> Tensor:
         """The device verdict (made on first use; the gather and the update kernels read and widen it)."""
-        if self._verdict is None or self._verdict.device != device:
-            self._verdict = torch.zeros(2, dtype=torch.int64, device=device)
-            self._host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        if self._verdict is None or self._verdict.device != device or len(self._verdict) != size:
+            self._verdict = torch.zeros(size, dtype=torch.int64, device=device)
+            self._host = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
             self._event = torch.cuda.Event() if device.type == "cuda" else None
         return self._verdict
 
@@ -55,8 +60,8 @@ class RangeCheck:
             self._event.record()
         self._unread = True
 
-    def failed(self, num_rows: int, wait: bool = False) -> tuple[int, int] | None:
-        """``(lowest, highest)`` id if the copy shows an id out of range; ``None`` if it does not, or is not done yet.
+    def failed(self, num_rows: int, wait: bool = False) -> list[int] | None:
+        """The verdict's values if the copy shows bad input (``[lowest, highest, ...]``); ``None`` if not, or not done yet.
 
         ``wait``: wait for the copy (a host read; for a lookup without a step to protect). A
         failure read here clears the verdict: it is reported once.
@@ -68,8 +73,8 @@ class RangeCheck:
                 return None
             self._event.synchronize()
         self._unread = False
-        low, high = self._host.tolist()  # pinned host memory, copied before the event: no device read
-        if low >= 0 and high < num_rows:
+        values = self._host.tolist()  # pinned host memory, copied before the event: no device read
+        if values[0] >= 0 and values[1] < num_rows:
             return None
         self._verdict.zero_()
-        return low, high
+        return values

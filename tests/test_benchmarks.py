@@ -89,7 +89,8 @@ def test_gpu_benchmark_runs_the_gpu_path_and_reports_every_target(monkeypatch):
     import gpu
     import gpu_report
 
-    doc = gpu.run([dict(rows=2000, dim=8, batch=256)], draws=("skewed",), steps=2, warmup=1, device="cpu")
+    doc = gpu.run([dict(rows=2000, dim=8, batch=256)], draws=("skewed",), steps=2, warmup=1, device="cpu",
+                  collection=dict(tables=3, rows=500, dim=8, batch=64))  # fmt: skip
     (workload,) = doc["workloads"]
     assert set(workload["step_ms"]) == {"ours/adagrad", "ours/rowwise_adagrad", "ours/adam", "ours/adagrad_bf16",
                                         "torch_sparse/adagrad", "torch_sparse/adam", "torch_dense/adagrad", "torch_dense/adam"}  # fmt: skip
@@ -97,5 +98,6 @@ def test_gpu_benchmark_runs_the_gpu_path_and_reports_every_target(monkeypatch):
     assert [u["family"] for u in workload["update"]] == ["adagrad", "rowwise_adagrad", "adam"]
     found = []
     gpu_report.targets(doc, lambda name, goal, value, met, unit="x": found.append(name))
-    assert len(found) == 9  # 5 step ratios, the lookup, 3 update bandwidths (no profiler counts on a CPU)
+    assert len(found) == 10  # 5 step ratios, the lookup, 3 update bandwidths, the collection's (no profiler counts on a CPU)
+    assert set(doc["collection"]["step_ms"]) == {"ours/rowwise_adagrad", "ours/adagrad", "torch_sparse/adagrad"}
     assert "**0.002M x 8, 256 ids, skewed ids**" in "\n".join(gpu_report.markdown(doc))

@@ -15,6 +15,7 @@ import torch
 
 from lightning_sparse.kernels import Runs, StochasticRounding, UpdateRule, backend, segment_sum, sort_runs, update_rows
 from lightning_sparse.kernels import rows as kernel_rows
+from lightning_sparse.kernels.runs import TableSet, table_entries
 from lightning_sparse.optim import functional as F
 from lightning_sparse.rounding import noise_salt, rounding_noise, stochastic_round
 
@@ -66,32 +67,36 @@ def test_segment_sum_matches_a_sequential_sum(triton_kernels, device, weighted):
 
 
 def _case(name: str, dim: int):
-    """(the kernel's rule, on state tensors of its own; the reference update, on copies of that state)."""
+    """(the kernel's rule, on state tensors of its own; the reference update, on copies of that state).
+
+    The reference takes ``lr`` (default: the rule's), as a table of a TableSet has its own.
+    """
     m, v, row_sum = torch.full((40, dim), 0.01), torch.full((40, dim), 0.02), torch.full((40,), 0.1)
     steps = torch.full((40,), 3, dtype=torch.int64)
     if name == "sgd":
-        return UpdateRule("sgd", 0.3), lambda t, r, g: F.sgd_(t, r, g, lr=0.3, weight_decay=0.0)
+        return UpdateRule("sgd", 0.3), lambda t, r, g, lr=0.3: F.sgd_(t, r, g, lr=lr, weight_decay=0.0)
     if name == "sgd_decay":
-        return UpdateRule("sgd", 0.3, weight_decay=0.1), lambda t, r, g: F.sgd_(t, r, g, lr=0.3, weight_decay=0.1)
+        return UpdateRule("sgd", 0.3, weight_decay=0.1), lambda t, r, g, lr=0.3: F.sgd_(t, r, g, lr=lr, weight_decay=0.1)
     if name == "adagrad":
         rule = UpdateRule("adagrad", 0.2, state=(v, None, None), eps=1e-10, weight_decay=0.05)
         v = v.clone()
-        return rule, lambda t, r, g: F.adagrad_(t, v, r, g, clr=0.2, weight_decay=0.05, eps=1e-10)
+        return rule, lambda t, r, g, lr=0.2: F.adagrad_(t, v, r, g, clr=lr, weight_decay=0.05, eps=1e-10)
     if name == "rowwise_adagrad":
         rule = UpdateRule("rowwise_adagrad", 0.2, state=(None, None, row_sum), eps=1e-10)
         row_sum = row_sum.clone()
-        return rule, lambda t, r, g: F.rowwise_adagrad_(t, row_sum, r, g, lr=0.2, weight_decay=0.0, eps=1e-10)
-    adam = dict(lr=0.01, eps=1e-8, weight_decay=0.1)
+        return rule, lambda t, r, g, lr=0.2: F.rowwise_adagrad_(t, row_sum, r, g, lr=lr, weight_decay=0.0, eps=1e-10)
+    adam = dict(eps=1e-8, weight_decay=0.1)
     if name == "adam_row":
         rule = UpdateRule("adam", 0.01, state=(m, v, steps), eps=1e-8, betas=(0.9, 0.999), row_bias=True, weight_decay=0.1)
         m, v, steps = m.clone(), v.clone(), steps.clone()
-        return rule, lambda t, r, g: F.adam_(t, m, v, r, g, step=steps.index_select(0, r).add_(1), beta1=0.9, beta2=0.999,
-                                             decoupled_weight_decay=False, **adam)  # fmt: skip
+        return rule, lambda t, r, g, lr=0.01: F.adam_(t, m, v, r, g, step=steps.index_select(0, r).add_(1), beta1=0.9,
+                                                      beta2=0.999, decoupled_weight_decay=False, lr=lr, **adam)  # fmt: skip
     assert name == "adamw_global"
     rule = UpdateRule("adam", 0.01, state=(m, v, None), eps=1e-8, betas=(0.8, 0.99), weight_decay=0.1,
                       decoupled_weight_decay=True, step_size=F.adam_step_size(0.01, 0.8, 0.99, 4))  # fmt: skip
     m, v = m.clone(), v.clone()
-    return rule, lambda t, r, g: F.adam_(t, m, v, r, g, step=4, beta1=0.8, beta2=0.99, decoupled_weight_decay=True, **adam)
+    return rule, lambda t, r, g, lr=0.01: F.adam_(t, m, v, r, g, step=4, beta1=0.8, beta2=0.99, decoupled_weight_decay=True,
+                                                  lr=lr, **adam)  # fmt: skip
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -117,6 +122,35 @@ def test_fused_update_matches_the_sum_then_the_functional_update(triton_kernels,
     expected = table.clone()
     reference(expected, rows, sums)
     torch.testing.assert_close(fused.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("case", ["adagrad", "rowwise_adagrad", "adam_row"])
+def test_one_launch_updates_many_tables_as_each_table_alone(triton_kernels, device, case):
+    """A TableSet: keys ``table << shift | row`` over 3 tables, each with its own learning rate; weighted values."""
+    sizes, dim, shift = (40, 13, 29), 6, 6
+    gen = torch.Generator().manual_seed(11)
+    tables = [torch.randn(n, dim, generator=gen) for n in sizes]
+    table_ids = torch.randint(0, 3, (250,), generator=gen)
+    rows = (torch.rand(250, generator=gen) ** 3 * torch.tensor(sizes)[table_ids]).long()
+    values, weights = torch.randn(250, dim, generator=gen), torch.rand(250, generator=gen)
+    rules, references = zip(*(_case(case, dim) for _ in sizes))  # per table: its own state tensors
+    fused = [t.to(device, copy=True) for t in tables]
+    states = [tuple(x[:n].to(device, copy=True) if x is not None else None for x in rule.state) for rule, n in zip(rules, sizes)]
+    counters = [torch.zeros((), dtype=torch.int64, device=device) for _ in sizes]
+    lrs = (0.2, 0.05, 0.1)
+    entries = table_entries(fused, states, counters, [(lr, 0.0, 1.0) for lr in lrs])
+    runs = sort_runs((table_ids << shift | rows).to(device), 3 << shift)
+    order = runs.perm.cpu()
+    update_rows(Runs(runs.keys, runs.perm), values.to(device), TableSet(entries, shift, (fused[0], *states[0], counters[0])),
+                rules[0], weights=weights.index_select(0, order).to(device))  # fmt: skip
+    for t, (table, reference, lr) in enumerate(zip(tables, references, lrs)):
+        mine = table_ids == t
+        distinct, sums, _ = _distinct(rows[mine], values[mine] * weights[mine].unsqueeze(1))
+        expected = table.clone()
+        reference(expected, distinct, sums, lr=lr)
+        torch.testing.assert_close(fused[t].cpu(), expected, msg=f"table {t}")
+        assert int(counters[t]) == len(distinct)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -188,6 +222,6 @@ def h100_builds():
 @pytest.mark.skipif(not backend.triton_available(), reason="needs triton")
 def test_every_kernel_compiles_for_an_h100_without_spills(h100_builds):
     """No GPU needed: the kernels compile for sm_90, with no spills and registers that leave room for occupancy."""
-    assert len(h100_builds) == 21  # 7 cases x (cold, hot) at dim 64, 6 cold at dim 128, the gather (see the script)
+    assert len(h100_builds) == 26  # 9 cases x (cold, hot) at dim 64, 6 cold at dim 128, the two gathers (see the script)
     too_big = {name: build for name, build in h100_builds.items() if build["stack"] or build["registers"] > 128}
     assert not too_big, too_big

@@ -1,16 +1,27 @@
 """Device kernels of the sparse path, each with its plain torch counterpart (see ``backend.py`` for which runs)."""
 
 from lightning_sparse.kernels.backend import gpu_path, launches, uses_triton
-from lightning_sparse.kernels.runs import Runs, StochasticRounding, UpdateRule, segment_sum, sort_runs, update_rows
+from lightning_sparse.kernels.runs import (
+    Runs,
+    StochasticRounding,
+    TableSet,
+    UpdateRule,
+    segment_sum,
+    sort_runs,
+    table_entries,
+    update_rows,
+)
 
 __all__ = [
     "Runs",
     "StochasticRounding",
+    "TableSet",
     "UpdateRule",
     "gpu_path",
     "launches",
     "segment_sum",
     "sort_runs",
+    "table_entries",
     "update_rows",
     "uses_triton",
 ]

@@ -31,7 +31,7 @@ def gather(table: Tensor, ids: Tensor, out_dtype: torch.dtype, verdict: Tensor, 
 
     ``ids``: 1-D, int64 or int32. ``verdict`` widens to cover any id out of range (see the module).
     """
-    from lightning_sparse.kernels import triton_runs as k
+    from lightning_sparse.kernels import triton_rows as k
 
     n, dim = len(ids), table.shape[1]
     out = torch.empty(n, dim, dtype=out_dtype, device=table.device)

@@ -17,12 +17,14 @@ reference the Triton update is tested against.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_sparse.alltoall import host_tensor
 from lightning_sparse.init import ROW_MULTIPLIER
 from lightning_sparse.kernels.backend import launches, uses_triton
 
@@ -86,6 +88,37 @@ class StochasticRounding:
     global_add: int = 0
 
 
+@dataclass(frozen=True)
+class TableSet:
+    """Several tables that one launch of :func:`update_rows` updates: each key is ``table << shift | row``.
+
+    ``entries``: an int64 ``[T, 8]`` on the device, per table the addresses of its rows, of its
+    state tensors (as :attr:`UpdateRule.state` orders them; 0 where unused) and of its unique-id
+    counter, then the float64 bits of its learning rate, step size and decay (``1 - lr * weight_decay``),
+    which differ per table with its step count (:func:`table_entries` makes it). ``like``: one
+    table's tensors in the same order, for their dtypes.
+    """
+
+    entries: Tensor
+    shift: int
+    like: tuple[Tensor | None, ...]
+
+
+def table_entries(
+    tables: list[Tensor],
+    states: list[tuple[Tensor | None, Tensor | None, Tensor | None]],
+    counters: list[Tensor | None],
+    scalars: list[tuple[float, float, float]],
+) -> Tensor:
+    """The ``[T, 8]`` entries of a :class:`TableSet` on the tables' device (one copy from pinned host memory, no wait)."""
+    rows = []
+    for table, state, counter, numbers in zip(tables, states, counters, scalars):
+        addresses = [table.data_ptr(), *(t.data_ptr() if t is not None else 0 for t in state)]
+        addresses.append(counter.data_ptr() if counter is not None else 0)
+        rows.append(addresses + [struct.unpack("<q", struct.pack("<d", float(x)))[0] for x in numbers])
+    return host_tensor([value for row in rows for value in row], torch.int64, tables[0].device).view(len(rows), 8)
+
+
 def segment_sum(
     runs: Runs,
     values: Tensor,
@@ -115,10 +148,11 @@ def segment_sum(
 def update_rows(
     runs: Runs,
     values: Tensor,
-    table: Tensor,
+    table: Tensor | TableSet,
     rule: UpdateRule,
     *,
     counts: Tensor | None = None,
+    weights: Tensor | None = None,
     mean: bool = False,
     divisor: float = 1.0,
     rounding: StochasticRounding | None = None,
@@ -127,7 +161,11 @@ def update_rows(
 ) -> None:
     """Apply ``rule`` to the table row of each run (its key) with the run's summed values as gradient. Triton only.
 
-    The gradient of a row is the sum of its run's ``values`` (``[n, dim]``), divided by the
+    ``table``: one table, or a :class:`TableSet` (keys name table and row; each table's scalars
+    come from its entry, the rest of ``rule`` is shared; no stochastic rounding).
+
+    The gradient of a row is the sum of its run's ``values`` (``[n, dim]``; times ``weights``, one
+    per sorted position, if given: a pooled bag's gradient reaches each of its ids so), divided by the
     number of occurrences (``mean``: ``counts`` per value, else 1 each) or by ``divisor``.
     ``verdict`` (``[2]`` int64, the min and max id looked up; see :mod:`lightning_sparse.kernels.rows`):
     when it shows an id out of range, nothing is updated. ``unique`` (int64 scalar) gains the
@@ -136,8 +174,13 @@ def update_rows(
     if rule.family not in FAMILIES[1:]:
         raise ValueError(f"Invalid update family: {rule.family!r}. HINT: use one of {FAMILIES[1:]}.")
     if len(runs):
-        _launch(runs, values, family=rule.family, table=table, rule=rule, counts=counts, mean=mean, divisor=divisor,
-                rounding=rounding, verdict=verdict, unique=unique)  # fmt: skip
+        _launch(runs, values, family=rule.family, table=table, rule=rule, counts=counts, weights=weights, mean=mean,
+                divisor=divisor, rounding=rounding, verdict=verdict, unique=unique)  # fmt: skip
+
+
+def cold_tile(dim: int, family: str, many: bool) -> tuple[int, int]:
+    """(runs per program, padded dim) of ``runs_cold``: Adam over many tables holds the most in registers, so it takes half."""
+    return tile(dim, 512 if family == "adam" and many else 1024)
 
 
 def tile(dim: int, elements: int) -> tuple[int, int]:
@@ -152,6 +195,12 @@ def _launch(runs: Runs, values: Tensor, *, family: str, out: Tensor | None = Non
             verdict: Tensor | None = None, unique: Tensor | None = None) -> None:  # fmt: skip
     from lightning_sparse.kernels import triton_runs as k
 
+    many = table if isinstance(table, TableSet) else None
+    if many is not None:
+        table, state1, state2, state_row, unique = many.like
+        rule = UpdateRule(**{**rule.__dict__, "state": (state1, state2, state_row)})
+        if rounding is not None:
+            raise ValueError("update_rows: stochastic rounding takes one table at a time.")
     n, dim = len(runs), (table.shape[1] if table is not None else values.shape[1])
     if values.stride(1) != 1:
         values = values.contiguous()
@@ -170,13 +219,13 @@ def _launch(runs: Runs, values: Tensor, *, family: str, out: Tensor | None = Non
         HAS_COUNTS=counts is not None, MEAN=mean, DIVIDE=(not mean) and divisor != 1.0, CHECK=verdict is not None,
         COUNT_UNIQUE=unique is not None, WEIGHT_DECAY=rule.weight_decay != 0.0, DECOUPLED=rule.decoupled_weight_decay,
         ROW_BIAS=rule.row_bias, LERP_FROM_END=1.0 - beta1 >= 0.5,
-        ROUNDING=k.STOCHASTIC_BF16 if rounding is not None else k.NEAREST, HOT_RUN=k.HOT,
+        ROUNDING=k.STOCHASTIC_BF16 if rounding is not None else k.NEAREST, MANY=many is not None, HOT_RUN=k.HOT,
     )  # fmt: skip
     args = (runs.keys, runs.perm, n, values, values.stride(0), weights, counts, counts.stride(0) if counts is not None else 0,
-            dim, float(dim), out, out.stride(0) if out is not None else 0, shift, float(divisor), table,
-            table.stride(0) if table is not None else 0, state1, state2, state_row,
-            table.shape[0] if table is not None else 0, verdict, unique)  # fmt: skip
-    block_s, block_d = tile(dim, 1024)
+            dim, float(dim), out, out.stride(0) if out is not None else 0, many.shift if many else shift, float(divisor),
+            table, table.stride(0) if table is not None else 0, state1, state2, state_row,
+            many.entries if many else None, 1 if many else (table.shape[0] if table is not None else 0), verdict, unique)  # fmt: skip
+    block_s, block_d = cold_tile(dim, family, many is not None)
     with launches.launch():
         k.runs_cold[(-(-n // block_s),)](
             *args, **scalars, **flags, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False

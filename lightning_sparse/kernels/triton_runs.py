@@ -56,68 +56,92 @@ def _rounding_noise(global_rows, cols, half_columns, salt, row_multiplier):
 
 @triton.jit
 def apply_rows(
-    rows, lane, g, cols, col_ok, dim, dim_f, table, stride_t, state1, state2, state_row,
+    row, state1_row, state2_row, state_one, global_rows, lane, g, cols, col_ok, dim, dim_f, element,
     lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
-    salt, row_multiplier, global_mul, global_add,
+    salt, row_multiplier,
     FAMILY: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, ROW_BIAS: tl.constexpr,
     LERP_FROM_END: tl.constexpr, ROUNDING: tl.constexpr,
 ):  # fmt: skip
-    """One optimizer step on table rows ``rows`` (``[S]``, lanes where ``lane``) with gradient ``g`` (``[S, BLOCK_D]``)."""
+    """One optimizer step on ``[S]`` rows with gradient ``g`` (``[S, BLOCK_D]``), lanes where ``lane``.
+
+    ``row``, ``state1_row``, ``state2_row``: pointers to each row's first element in the table and
+    its per-element state; ``state_one``: to its per-row state; ``element``: the table's element
+    type. ``lr``, ``step_size`` and ``decay`` are scalars or ``[S, 1]`` (one per row's table, see ``_finish``).
+    """
     mask = lane[:, None] & col_ok[None, :]
-    rows = rows.to(tl.int64)
-    at = rows[:, None] * stride_t + cols[None, :]
-    row = tl.load(table + at, mask=mask, other=0.0).to(tl.float32)
+    at = row[:, None] + cols[None, :]
+    value = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     if WEIGHT_DECAY:
         if DECOUPLED:
-            row = row * decay  # AdamW: row *= 1 - lr * weight_decay
+            value = value * decay  # AdamW: row *= 1 - lr * weight_decay
         else:
-            g = g + weight_decay * row
+            g = g + weight_decay * value
     if FAMILY == 1:  # SGD: row -= lr * g
         delta = g * -lr
     elif FAMILY == 2:  # Adagrad: sum += g^2; row -= clr * g / (sqrt(sum) + eps)
-        total = tl.load(state1 + at, mask=mask, other=0.0) + g * g
-        tl.store(state1 + at, total, mask=mask)
+        state = state1_row[:, None] + cols[None, :]
+        total = tl.load(state, mask=mask, other=0.0) + g * g
+        tl.store(state, total, mask=mask)
         delta = tl.div_rn(g, tl.sqrt_rn(total) + eps) * -lr
     elif FAMILY == 3:  # row-wise Adagrad: sum += mean(g^2); row -= lr * g / (sqrt(sum) + eps)
-        total = tl.load(state_row + rows, mask=lane, other=0.0) + tl.div_rn(tl.sum(g * g, axis=1), dim_f)
-        tl.store(state_row + rows, total, mask=lane)
-        delta = g * (tl.div_rn(1.0, tl.sqrt_rn(total) + eps) * -lr)[:, None]
+        total = tl.load(state_one, mask=lane, other=0.0) + tl.div_rn(tl.sum(g * g, axis=1), dim_f)
+        tl.store(state_one, total, mask=lane)
+        delta = g * (tl.div_rn(1.0, tl.sqrt_rn(total[:, None]) + eps) * -lr)
     else:  # Adam (lazy): m = lerp(m, g, 1 - beta1); v = beta2 v + (1 - beta2) g^2
-        m = tl.load(state1 + at, mask=mask, other=0.0)
-        v = tl.load(state2 + at, mask=mask, other=0.0)
+        first, second = state1_row[:, None] + cols[None, :], state2_row[:, None] + cols[None, :]
+        m = tl.load(first, mask=mask, other=0.0)
+        v = tl.load(second, mask=mask, other=0.0)
         if LERP_FROM_END:
             m = g - (g - m) * (1.0 - one_minus_beta1)
         else:
             m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * (g * g)
-        tl.store(state1 + at, m, mask=mask)
-        tl.store(state2 + at, v, mask=mask)
+        tl.store(first, m, mask=mask)
+        tl.store(second, v, mask=mask)
         if ROW_BIAS:  # each row's own step t: row -= lr * m_hat / (sqrt(v_hat) + eps)
-            t = tl.load(state_row + rows, mask=lane, other=0) + 1
-            tl.store(state_row + rows, t, mask=lane)
+            t = tl.load(state_one, mask=lane, other=0) + 1
+            tl.store(state_one, t, mask=lane)
             t = t.to(tl.float32)[:, None]
             denom = (tl.sqrt_rn(tl.div_rn(v, 1.0 - tl.exp2(t * log2_beta2))) + eps) * (1.0 - tl.exp2(t * log2_beta1))
             delta = tl.div_rn(m, denom) * -lr
         else:  # one step for the table: step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t)
             delta = tl.div_rn(m, tl.sqrt_rn(v) + eps) * -step_size
-    new = row + delta
+    new = value + delta
     if ROUNDING == 1:  # bf16, stochastic: add 16 random low bits, cut them
-        noise = _rounding_noise(rows * global_mul + global_add, cols, (dim + 1) // 2, salt, row_multiplier)
+        noise = _rounding_noise(global_rows, cols, (dim + 1) // 2, salt, row_multiplier)
         bits = (new.to(tl.int32, bitcast=True) + noise) & -65536
-        tl.store(table + at, bits.to(tl.float32, bitcast=True).to(table.dtype.element_ty), mask=mask)
+        tl.store(at, bits.to(tl.float32, bitcast=True).to(element), mask=mask)
     else:
-        tl.store(table + at, new.to(table.dtype.element_ty), mask=mask)
+        tl.store(at, new.to(element), mask=mask)
+
+
+@triton.jit
+def _address(entry, slot, like, lane):
+    """The address in slot ``slot`` of each lane's table entry (see ``_finish``), typed like the pointer ``like``."""
+    return tl.load(entry + slot, mask=lane, other=0).to(tl.pointer_type(like.dtype.element_ty))
+
+
+@triton.jit
+def _scalar(entry, slot, lane):
+    """The float64 in slot ``slot`` of each lane's table entry, as float32 (torch's scalar arguments are so too)."""
+    return tl.load(entry + slot, mask=lane, other=0).to(tl.float64, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _finish(
     key, lane, acc, count, cols, col_ok, dim, dim_f, out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row,
-    lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
+    tables, lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
     salt, row_multiplier, global_mul, global_add,
     FAMILY: tl.constexpr, MEAN: tl.constexpr, DIVIDE: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
-    ROW_BIAS: tl.constexpr, LERP_FROM_END: tl.constexpr, ROUNDING: tl.constexpr,
+    ROW_BIAS: tl.constexpr, LERP_FROM_END: tl.constexpr, ROUNDING: tl.constexpr, MANY: tl.constexpr,
 ):  # fmt: skip
-    """A run's sum (``acc``, ``count`` values) scaled, then written out (SUM) or applied to table row ``key``."""
+    """A run's sum (``acc``, ``count`` values) scaled, then written out (SUM) or applied to table row ``key``.
+
+    ``MANY``: the keys are ``table << shift | row`` over several tables, and ``tables`` points to
+    an int64 ``[T, 8]``: per table the addresses of its rows, of its three state tensors and of
+    its unique-id counter, then (as float64 bits) its learning rate, step size and decay, the
+    scalars of its own step; ``table``, ``state1``, ... are then one table's tensors, for their types.
+    """
     if MEAN:  # duplicate_grads="mean": divide by the occurrences
         acc = tl.div_rn(acc, tl.where(lane, count, 1.0)[:, None])
     elif DIVIDE:  # duplicate_grads="sum" on several ranks: divide by their number
@@ -126,34 +150,56 @@ def _finish(
         at = (key + shift).to(tl.int64)[:, None] * stride_o + cols[None, :]
         tl.store(out + at, acc.to(out.dtype.element_ty), mask=lane[:, None] & col_ok[None, :])
     else:
-        apply_rows(key, lane, acc, cols, col_ok, dim, dim_f, table, stride_t, state1, state2, state_row,
-                   lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
-                   log2_beta1, log2_beta2, salt, row_multiplier, global_mul, global_add,
+        if MANY:
+            index = key >> shift
+            local = (key - (index << shift)).to(tl.int64)
+            entry = tables + index.to(tl.int64) * 8
+            row = _address(entry, 0, table, lane) + local * stride_t
+            lr_here = _scalar(entry, 5, lane)[:, None]
+            step_here = _scalar(entry, 6, lane)[:, None]
+            decay_here = _scalar(entry, 7, lane)[:, None]
+        else:
+            local = key.to(tl.int64)
+            row = table + local * stride_t
+            lr_here, step_here, decay_here = lr, step_size, decay
+        first, second, one = row, row, row  # the state a family does not read stays unused
+        if FAMILY == 2 or FAMILY == 4:
+            first = (_address(entry, 1, state1, lane) if MANY else state1) + local * stride_t
+        if FAMILY == 4:
+            second = (_address(entry, 2, state2, lane) if MANY else state2) + local * stride_t
+        if FAMILY == 3 or ROW_BIAS:
+            one = (_address(entry, 3, state_row, lane) if MANY else state_row) + local
+        apply_rows(row, first, second, one, local * global_mul + global_add, lane, acc, cols, col_ok, dim, dim_f,
+                   table.dtype.element_ty, lr_here, step_here, weight_decay, decay_here, eps, beta1, beta2,
+                   one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2, salt, row_multiplier,
                    FAMILY, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING)  # fmt: skip
 
 
 @triton.jit
 def runs_cold(
     keys, perm, n, values, stride_v, weights, counts, stride_c, dim, dim_f,
-    out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row, num_rows, verdict, unique,
+    out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row, tables, num_rows, verdict, unique,
     lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
     salt, row_multiplier, global_mul, global_add,
     FAMILY: tl.constexpr, HAS_PERM: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_COUNTS: tl.constexpr,
     MEAN: tl.constexpr, DIVIDE: tl.constexpr, CHECK: tl.constexpr, COUNT_UNIQUE: tl.constexpr,
     WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, ROW_BIAS: tl.constexpr, LERP_FROM_END: tl.constexpr,
-    ROUNDING: tl.constexpr, HOT_RUN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROUNDING: tl.constexpr, MANY: tl.constexpr, HOT_RUN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Runs of at most HOT_RUN keys: a lane per position, the lane at a run's start sums it in order."""
     p = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     inside = p < n
     key = tl.load(keys + p, mask=inside, other=-1)
     starts = inside & (tl.load(keys + p - 1, mask=inside & (p > 0), other=-1) != key)
-    if COUNT_UNIQUE:  # distinct keys, for SparseStatsMonitor: one atomic per program, on the device
+    if CHECK:  # bad input since the verdict was cleared: no row is updated, no key is trusted (lightning_sparse.range_check)
+        starts = tl.where((tl.load(verdict) >= 0) & (tl.load(verdict + 1) < num_rows), starts, False)
+    if COUNT_UNIQUE and MANY:  # distinct keys per table, for SparseStatsMonitor: on the device
+        counter = _address(tables + (key >> shift).to(tl.int64) * 8, 4, unique, starts)
+        tl.atomic_add(counter, tl.full([BLOCK_S], 1, tl.int64), mask=starts)
+    elif COUNT_UNIQUE:  # one atomic per program
         tl.atomic_add(unique, tl.sum(starts.to(tl.int64), axis=0))
     far = tl.load(keys + p + HOT_RUN, mask=starts & (p + HOT_RUN < n), other=-1)
     lane = starts & (far != key)
-    if CHECK:  # an id out of range since the verdict was cleared: no row is updated (lightning_sparse.kernels.rows)
-        lane = tl.where((tl.load(verdict) >= 0) & (tl.load(verdict + 1) < num_rows), lane, False)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < dim
     acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
@@ -178,21 +224,21 @@ def runs_cold(
         step += 1
         going = going & (tl.load(keys + p + step, mask=going & (p + step < n), other=-1) == key)
     _finish(key, lane, acc, count, cols, col_ok, dim, dim_f, out, stride_o, shift, divisor, table, stride_t, state1, state2,
-            state_row, lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
+            state_row, tables, lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
             log2_beta1, log2_beta2, salt, row_multiplier, global_mul, global_add,
-            FAMILY, MEAN, DIVIDE, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING)  # fmt: skip
+            FAMILY, MEAN, DIVIDE, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING, MANY)  # fmt: skip
 
 
 @triton.jit
 def runs_hot(
     keys, perm, n, values, stride_v, weights, counts, stride_c, dim, dim_f,
-    out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row, num_rows, verdict, unique,
+    out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row, tables, num_rows, verdict, unique,
     lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
     salt, row_multiplier, global_mul, global_add,
     FAMILY: tl.constexpr, HAS_PERM: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_COUNTS: tl.constexpr,
     MEAN: tl.constexpr, DIVIDE: tl.constexpr, CHECK: tl.constexpr, COUNT_UNIQUE: tl.constexpr,
     WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, ROW_BIAS: tl.constexpr, LERP_FROM_END: tl.constexpr,
-    ROUNDING: tl.constexpr, HOT_RUN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROUNDING: tl.constexpr, MANY: tl.constexpr, HOT_RUN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Runs longer than HOT_RUN keys: the program at the run's first position that is a multiple of HOT_RUN sums it."""
     q = tl.program_id(0) * HOT_RUN
@@ -232,37 +278,6 @@ def runs_hot(
         one = tl.arange(0, 1)
         _finish(key + one, one == 0, tl.sum(acc, axis=0)[None, :], tl.sum(count, axis=0) + tl.zeros([1], tl.float32),
                 cols, col_ok, dim, dim_f, out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row,
-                lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
+                tables, lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
                 log2_beta1, log2_beta2, salt, row_multiplier, global_mul, global_add,
-                FAMILY, MEAN, DIVIDE, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING)  # fmt: skip
-
-
-@triton.jit
-def gather_rows(
-    ids, n, table, stride_t, num_rows, dim, out, stride_o, keys, verdict,
-    STORE_KEYS: tl.constexpr, CHECK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """``out[i] = table[clamp(ids[i])]`` in out's dtype; ids out of range widen ``verdict`` (min, max) instead of raising.
-
-    With ``STORE_KEYS`` the clamped ids are also written to ``keys`` (the lookup's own copy, for backward).
-    """
-    p = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    inside = p < n
-    ids_here = tl.load(ids + p, mask=inside, other=0).to(tl.int64)
-    if CHECK:  # atomics only when an id is out of range
-        low = tl.min(ids_here, axis=0)
-        high = tl.max(ids_here, axis=0)
-        if low < 0:
-            tl.atomic_min(verdict, low)
-        if high >= num_rows:
-            tl.atomic_max(verdict + 1, high)
-    rows = tl.minimum(tl.maximum(ids_here, 0), num_rows - 1)
-    if STORE_KEYS:
-        tl.store(keys + p, rows.to(keys.dtype.element_ty), mask=inside)
-    cols = tl.arange(0, BLOCK_D)
-    mask = inside[:, None] & (cols < dim)[None, :]
-    found = tl.load(table + rows[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
-    tl.store(out + p.to(tl.int64)[:, None] * stride_o + cols[None, :], found.to(out.dtype.element_ty), mask=mask)
-
-
-__all__ = ["triton", "runs_cold", "runs_hot", "gather_rows", "apply_rows"]
+                FAMILY, MEAN, DIVIDE, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING, MANY)  # fmt: skip

@@ -35,11 +35,10 @@ from lightning_sparse.dynamic import DynamicEmbedding
 from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.grads_exchange import grads_to_owners
 from lightning_sparse.kernels import Runs, StochasticRounding, UpdateRule, sort_runs, update_rows, uses_triton
-from lightning_sparse.optim import row_grads
+from lightning_sparse.optim import checks, joint, row_grads
 from lightning_sparse.optim.row_grads import TableGrads
 from lightning_sparse.replicas import grads_over_replicas
 from lightning_sparse.rounding import HALF, compute_dtype, noise_salt, writer_for
-from lightning_sparse.verdict import raise_if_out_of_range
 
 DUPLICATE_GRADS = ("sum", "mean")
 
@@ -125,9 +124,25 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         return [self._tables[p] for group in self.param_groups for p in group["params"]]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the pending row gradients of every table now (not at the next step)."""
+        """Drop the pending row gradients of every table (and of its collections' rounds) now, not at the next step."""
         for table in self.tables:
             table.zero_grad(set_to_none)
+        for unit in joint.units_with_rounds(self.tables):
+            unit.pending.zero_grad()
+
+    @property
+    def tracked_shards(self) -> dict[Tensor, SparseEmbedding]:
+        """The shards this optimizer steps, to their tables."""
+        return self._tables
+
+    @property
+    def has_fused_update(self) -> bool:
+        """Whether this optimizer says how the fused GPU kernel applies its step (:meth:`update_rule`)."""
+        return type(self).update_rule is not SparseOptimizer.update_rule
+
+    def group_of(self, shard: Tensor) -> dict[str, Any]:
+        """The param group that holds ``shard``."""
+        return next(group for group in self.param_groups if any(p is shard for p in group["params"]))
 
     def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule | None:
         """This step's update as the fused GPU kernel applies it (:class:`~lightning_sparse.kernels.UpdateRule`).
@@ -145,11 +160,22 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
             with torch.enable_grad():
                 loss = closure()
         entries = [(group, p) for group in self.param_groups for p in group["params"]]
+        rounds = []  # collections' rounds on one GPU: one launch for all their tables; taken now, dropped if the step raises
+        for unit in joint.units_with_rounds(self.tables):
+            records = unit.pending.take()[2]
+            if joint.takes(unit, self):
+                rounds.append((unit, records))
+            else:
+                joint.split_into_tables(unit, records)
         grads = self._grads_to_owners(entries)
-        self._raise_if_not_finite(entries, grads)
-        self._raise_if_ids_were_out_of_range(entries)
+        tables = [self._tables[p] for _, p in entries]
+        checks.raise_if_not_finite(type(self).__name__, tables, grads)
+        checks.raise_if_ids_were_out_of_range(tables, [unit for unit, _ in rounds])
         start = time.perf_counter()
         with record_function("lightning_sparse.update"):
+            for unit, records in rounds:
+                group = self.group_of(unit.table_list[0].shard)
+                joint.step(unit, records, self, group["duplicate_grads"] == "mean", group.get("check_finite", False))
             for (group, p), table_grads in zip(entries, grads):
                 if not table_grads.touched:
                     continue
@@ -202,29 +228,6 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
             summed = grads_over_replicas(summed, bounds, first.replica_group, first.replicas, self.stats)
             owned = [row_grads.from_replicas(table, grads, mean) for table, grads, mean in zip(tables, summed, means)]
         return owned
-
-    def _raise_if_not_finite(self, entries: list[tuple[dict[str, Any], Tensor]], grads: list[TableGrads]) -> None:
-        """Every rank learned the same ranks from the exchange, so every rank raises alike (before any update)."""
-        bad = [(self._tables[p].name, table_grads.nonfinite_ranks) for (_, p), table_grads in zip(entries, grads)
-               if table_grads.nonfinite_ranks]  # fmt: skip
-        if bad:
-            where = "; ".join(f"{name} on rank(s) {ranks}" for name, ranks in bad)
-            raise FloatingPointError(
-                f"{type(self).__name__}: the sparse gradient is not finite (inf or NaN) for {where}; no row was updated "
-                f"and the gradients were dropped. HINT: look for the source (the loss, the learning rate, an fp16 "
-                f"overflow: 16-mixed skips such steps by itself); catching this error and going on is safe."
-            )
-
-    def _raise_if_ids_were_out_of_range(self, entries: list[tuple[dict[str, Any], Tensor]]) -> None:
-        """A one-process GPU lookup's bad ids, once the host has them (:mod:`lightning_sparse.range_check`): before any update.
-
-        The gradients were taken, so they are dropped, as a CPU lookup would have raised before making them.
-        """
-        for _, p in entries:
-            table = self._tables[p]
-            failed = table.range_check.failed(table.num_embeddings)
-            if failed is not None:
-                raise_if_out_of_range(table.lookup_unit, *failed, table.range_check.dtype_code)
 
     def full_state_dict(self) -> dict[str, Any]:
         """``state_dict()`` with every per-row state tensor gathered into global row order.

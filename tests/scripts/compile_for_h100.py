@@ -16,8 +16,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from lightning_sparse.kernels import bags as kernel_bags
 from lightning_sparse.kernels import rows as kernel_rows
 from lightning_sparse.kernels import runs as kernel_runs
+from lightning_sparse.kernels import triton_bags, triton_rows
 from lightning_sparse.kernels import triton_runs as k
 
 FLOATS = {"dim_f", "divisor", "lr", "step_size", "weight_decay", "decay", "eps", "beta1", "beta2", "one_minus_beta1",
@@ -31,10 +33,12 @@ CASES = {  # family, the flags that change the code, the pointers' types (None: 
     "adamw, global bias": (4, {"WEIGHT_DECAY": True, "DECOUPLED": True}, {"state_row": None}),
     "segment sum, weighted": (0, {"HAS_WEIGHTS": True, "CHECK": False, "COUNT_UNIQUE": False},
                               {"table": None, "state1": None, "state2": None, "state_row": None, "verdict": None, "unique": None}),
+    "many tables, row-wise Adagrad": (3, {"MANY": True, "HAS_WEIGHTS": True}, {"state1": None, "state2": None, "tables": "*i64"}),
+    "many tables, Adam, per-row bias": (4, {"MANY": True, "ROW_BIAS": True}, {"state_row": "*i64", "tables": "*i64"}),
 }  # fmt: skip
 
 
-def build(kernel, constexprs: dict, pointers: dict) -> dict:
+def build(kernel, constexprs: dict, pointers: dict, num_warps: int = 4) -> dict:
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs or (name in pointers and pointers[name] is None):
@@ -45,7 +49,7 @@ def build(kernel, constexprs: dict, pointers: dict) -> dict:
             signature[name] = "fp32" if name in FLOATS else "i64" if name in ("salt", "row_multiplier") else "i32"
     values = {**constexprs, **{name: None for name, kind in pointers.items() if kind is None}}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=values), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "enable_fp_fusion": False})  # fmt: skip
+                              options={"num_warps": num_warps, "enable_fp_fusion": False})  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -58,25 +62,30 @@ def build(kernel, constexprs: dict, pointers: dict) -> dict:
 def main() -> dict:
     builds = {}
     for dim in (64, 128):
-        block_s, block_d = kernel_runs.tile(dim, 1024)
-        block_n, _ = kernel_runs.tile(dim, 2048)
+        block_n, block_d = kernel_runs.tile(dim, 2048)
         for case, (family, flags, pointers) in CASES.items():
-            if dim == 128 and case == "segment sum, weighted":
+            block_s, _ = kernel_runs.cold_tile(dim, kernel_runs.FAMILIES[family], flags.get("MANY", False))
+            if dim == 128 and case.startswith(("segment sum", "many")):
                 continue  # the same code at a wider tile; keeps the run short
             constexprs = dict(FAMILY=family, HAS_PERM=True, HAS_WEIGHTS=False, HAS_COUNTS=False, MEAN=False, DIVIDE=False,
                               CHECK=True, COUNT_UNIQUE=True, WEIGHT_DECAY=False, DECOUPLED=False, ROW_BIAS=False,
-                              LERP_FROM_END=False, ROUNDING=0, HOT_RUN=k.HOT, BLOCK_D=block_d)  # fmt: skip
+                              LERP_FROM_END=False, ROUNDING=0, MANY=False, HOT_RUN=k.HOT, BLOCK_D=block_d)  # fmt: skip
             constexprs.update(flags)
             types = {"keys": "*i32", "perm": "*i64", "values": "*fp32", "weights": "*fp32" if flags.get("HAS_WEIGHTS") else None,
                      "counts": "*fp32" if flags.get("HAS_COUNTS") else None, "out": "*fp32" if family == 0 else None,
                      "table": "*fp32", "state1": "*fp32", "state2": "*fp32", "state_row": "*fp32", "verdict": "*i64",
-                     "unique": "*i64", **pointers}  # fmt: skip
+                     "unique": "*i64", "tables": None, **pointers}  # fmt: skip
             if dim == 64:
                 builds[f"{case}, dim {dim}, hot"] = build(k.runs_hot, {**constexprs, "BLOCK_N": block_n}, types)
             builds[f"{case}, dim {dim}, cold"] = build(k.runs_cold, {**constexprs, "BLOCK_S": block_s}, types)
+    block_b, block_d = kernel_bags.tile(64)
+    bags = dict(SEARCH=5, STORE=True, SCALED=True, BLOCK_B=block_b, BLOCK_D=block_d)
+    builds["gather of bags, dim 64"] = build(triton_bags.gather_bags, bags, num_warps=kernel_bags.NUM_WARPS, pointers={
+        "features": "*i64", "entries": "*i64", "table": "*fp32", "out": "*fp32", "keys": "*i32", "sources": "*i32",
+        "scales": "*fp32", "verdict": "*i64"})  # fmt: skip
     block_n, block_d = kernel_rows.tile(64)
     gather = dict(STORE_KEYS=True, CHECK=True, BLOCK_N=block_n, BLOCK_D=block_d)
-    builds["gather, dim 64"] = build(k.gather_rows, gather, {"ids": "*i64", "table": "*fp32", "out": "*fp32", "keys": "*i32",
+    builds["gather, dim 64"] = build(triton_rows.gather_rows, gather, {"ids": "*i64", "table": "*fp32", "out": "*fp32", "keys": "*i32",
                                                             "verdict": "*i64"})  # fmt: skip
     return builds
 

@@ -1,0 +1,117 @@
+"""A collection's rounds on one GPU (:mod:`lightning_sparse.joint_lookup`) at the optimizer step: one sort, one launch.
+
+Such a round recorded every id's key over all of the collection's tables (``table << shift | row``),
+its bag, its weight, and the bags' gradient. The step sorts the keys of the collection's rounds
+once and updates every table in one fused launch (:func:`~lightning_sparse.kernels.update_rows`
+with a :class:`~lightning_sparse.kernels.runs.TableSet`): each table with its own step count and
+learning rate, its own state and unique-id counter. A round the fused launch cannot take (a table
+of the collection with gradients of its own, tables in several optimizers or param groups, an
+optimizer without a fused rule) is split into each table's gradient rows first (one host read),
+and the tables step as usual.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.kernels import Runs, TableSet, sort_runs, table_entries, update_rows
+
+if TYPE_CHECKING:
+    from lightning_sparse.collection import SparseEmbeddingCollection
+    from lightning_sparse.embedding import SparseEmbedding
+    from lightning_sparse.pending import LookupRecord
+
+
+def units_with_rounds(tables: list[SparseEmbedding]) -> list[SparseEmbeddingCollection]:
+    """The collections of ``tables`` that recorded rounds on one GPU since the last step, each once."""
+    found: dict[int, SparseEmbeddingCollection] = {}
+    for table in tables:
+        for ref in table.joint_units:
+            unit = ref()
+            if unit is not None and unit.pending.received:
+                found.setdefault(id(unit), unit)
+    return list(found.values())
+
+
+def split_into_tables(unit: SparseEmbeddingCollection, records: list[LookupRecord]) -> None:
+    """Hand each table its share of the rounds ``records``, as gradient rows per id (host reads: the verdict, the shares).
+
+    The rounds' input is checked first (waiting for it): their keys are trusted only then.
+    """
+    from lightning_sparse.joint_lookup import key_shift, raise_failed
+
+    raise_failed(unit, unit.range_check.failed(1, wait=True))
+    shift = key_shift(unit)
+    for record in records:
+        values = _per_key(record)
+        owner = record.keys.to(torch.int64) >> shift
+        for index in record.tables:
+            mine = (owner == index).nonzero().view(-1)  # the host read
+            table = unit.table_list[index]
+            piece = table.pending.new_record(None, (record.keys.index_select(0, mine).to(torch.int64) - (index << shift)))
+            piece.add_grad(values.index_select(0, mine))
+
+
+def _per_key(record: LookupRecord) -> Tensor:
+    """Each key's gradient row: its bag's, times its weight."""
+    values = record.grad.index_select(0, record.sources.to(torch.int64))
+    return values * record.weights.unsqueeze(1) if record.weights is not None else values
+
+
+def takes(unit: SparseEmbeddingCollection, optimizer: Any) -> bool:
+    """Whether ``optimizer`` can step the collection's rounds as one launch (else :func:`split_into_tables`)."""
+    tables = unit.table_list
+    shards = [t.shard for t in tables]
+    if any(s not in optimizer.tracked_shards for s in shards) or any(t.pending.received for t in tables):
+        return False
+    groups = {id(optimizer.group_of(s)) for s in shards}
+    return len(groups) == 1 and optimizer.has_fused_update
+
+
+def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer: Any, mean: bool, check_finite: bool) -> None:
+    """Update the collection's tables in one launch with the rounds ``records`` taken from it (after :func:`takes`)."""
+    from lightning_sparse.joint_lookup import key_shift
+
+    tables, shift = unit.table_list, key_shift(unit)
+    keys = _cat([r.keys for r in records])
+    values = _cat([r.grad for r in records])
+    starts, sources = 0, []
+    for record in records:  # each round's bags follow the previous rounds'
+        sources.append(record.sources.to(torch.int64) + starts if starts else record.sources)
+        starts += len(record.grad)
+    weights = _cat([r.weights if r.weights is not None else torch.ones(len(r.keys), device=r.keys.device) for r in records]) \
+        if any(r.weights is not None for r in records) else None  # fmt: skip
+    if check_finite and bool((~torch.isfinite(values)).any()):  # a host read, only when checking
+        raise FloatingPointError(f"{type(optimizer).__name__}: the sparse gradient of {unit.name} is not finite (inf or NaN); "
+                                 f"no row was updated and the gradients were dropped.")  # fmt: skip
+    group = optimizer.group_of(tables[0].shard)
+    touched = sorted({i for r in records for i in r.tables})
+    if not touched:
+        return
+    for index in touched:
+        state = optimizer.state[tables[index].shard]
+        if "step" in state:
+            state["step"] += 1
+    rules = {i: optimizer.update_rule(optimizer.state[tables[i].shard], group) for i in touched}  # no key reaches the others
+    counters = [t.stats.on_device("unique_ids", t.device) if i in rules else None for i, t in enumerate(tables)]
+    entries = table_entries([t.shard for t in tables], [rules[i].state if i in rules else (None,) * 3 for i in range(len(tables))],
+                            counters, [_scalars(rules.get(i)) for i in range(len(tables))])  # fmt: skip
+    runs = sort_runs(keys, len(tables) << shift)
+    by_bag = _cat(sources).index_select(0, runs.perm)
+    sorted_weights = weights.index_select(0, runs.perm) if weights is not None else None
+    first = touched[0]
+    like = (tables[first].shard, *rules[first].state, counters[first])
+    update_rows(Runs(runs.keys, by_bag), values, TableSet(entries, shift, like), rules[first], weights=sorted_weights,
+                mean=mean, verdict=unit.range_check.device_verdict)  # fmt: skip
+
+
+def _scalars(rule: Any) -> tuple[float, float, float]:
+    """A table's learning rate, step size and decay for its entry (zeros for a table this step does not touch)."""
+    return (rule.lr, rule.step_size, 1.0 - rule.lr * rule.weight_decay) if rule is not None else (0.0, 0.0, 1.0)
+
+
+def _cat(pieces: list[Tensor]) -> Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

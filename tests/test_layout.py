@@ -83,3 +83,24 @@ def test_modules_and_classes_stay_small():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
                 too_big.append(f"class {name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not too_big, f"over {MAX_MODULE_LINES} lines per module or {MAX_CLASS_LINES} per class: {too_big}"
+
+
+# The figures the docs show are the only binary files the repository may hold (make bench regenerates them).
+BINARY_ALLOWED = ("docs/benchmarks-distributed.png", "docs/benchmarks-single-kept.png", "docs/benchmarks-single.png")
+
+
+def test_the_repository_tracks_sources_only():
+    """No wheel, archive, compiled object or other binary is tracked: build outputs and downloads stay out of the tree."""
+    import subprocess
+
+    root = PACKAGE.parent
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout.decode().split("\0")
+    binary = []
+    for name in filter(None, tracked):
+        path = root / name
+        if name in BINARY_ALLOWED or not path.is_file():
+            continue
+        head = path.read_bytes()[:8192]
+        if b"\0" in head or name.endswith((".whl", ".so", ".tar.gz", ".zip", ".pt", ".ckpt")):
+            binary.append(name)
+    assert not binary, f"binary or build outputs tracked: {binary}"

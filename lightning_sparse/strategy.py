@@ -30,10 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -48,6 +50,7 @@ from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.placement import STRATEGY_NAME, place_tables, register
 from lightning_sparse.precision import SparseMixedPrecision
 from lightning_sparse.replicas import sharding_groups
+from lightning_sparse.table_summary import summarize
 from lightning_sparse.uneven_evaluation import UnevenEvaluationHooks
 
 log = logging.getLogger(__name__)
@@ -179,6 +182,8 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHo
         log.debug("%s: sparse optimizers %s (after %d dense), %d sparse LR schedulers", type(self).__name__,
                   [f"{type(o).__name__}({', '.join(t.name for t in o.tables)})" for o in optimizers],
                   len(self.optimizers) - len(optimizers), len(configs))  # fmt: skip
+        if any(isinstance(callback, ModelSummary) for callback in trainer.callbacks):  # beside Lightning's summary
+            rank_zero_info("\n" + summarize(self._tables, optimizers))
 
     def _check_dense_optimizers(self) -> None:
         shards = {id(t.shard): t.name for t in self._tables}

@@ -520,3 +520,30 @@ def test_stats_monitor_logs_per_optimizer_step_when_lightning_logs(rank_pools, t
     if (accumulate, every) == (1, 1):
         lrs = [float(r["lr-SparseAdagrad"]) for r in rows if r.get("lr-SparseAdagrad")]
         assert lrs[:4] == pytest.approx([0.2, 0.2, 0.1, 0.1])
+
+
+# ---------------------------------------------------------------- the model summary
+def _fit_with_summary() -> str:
+    import logging
+
+    lm.lightning_env(_rank(), 2)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(handler)
+    try:
+        lm.trainer(2, max_epochs=1, limit_train_batches=1, enable_model_summary=True).fit(lm.TwoTower())
+    finally:
+        logger.removeHandler(handler)
+    return "\n".join(records)
+
+
+def test_the_model_summary_lists_each_table_with_what_a_rank_holds(rank_pools):
+    """Lightning counts parameters only: the strategy logs the tables beside it, on rank 0."""
+    logged, other_rank = rank_pools(2).run(_fit_with_summary)
+    summary = logged[logged.index("| Table") :]
+    assert "0 | users | 40   | 4   | float32 | mod over 2 ranks   | 20            | 320 B          | 320 B" in summary, summary
+    assert "1 | items | 25   | 4   | float32 | range over 2 ranks | 13            | 208 B          | 208 B" in summary, summary
+    assert "Sparse tables: 65 rows, 528 B per rank, 528 B of optimizer state per rank" in summary and "Total params" in logged
+    assert "| Table" not in other_rank

@@ -40,7 +40,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from dynamic import peak_rss_mib  # noqa: E402  (benchmarks/dynamic.py)
 from torch import nn  # noqa: E402
 
-from lightning_sparse import exits  # noqa: E402
+from lightning_sparse.faults import exits  # noqa: E402
 
 METHODS = ("ours", "sparse_ddp", "dgl", "sparse_grad_ddp", "lightning_ddp")
 LIGHTNING = ("sparse_ddp", "lightning_ddp")
@@ -295,7 +295,7 @@ def rank_main(rank: int, cfg: dict, method: str, rows: int, port: int, out_dir: 
     result["peak_rss_mib"] = peak_rss_mib()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     # Lightning's objects hold the process group in reference cycles: free them and the group now,
-    # not at interpreter shutdown (see docs/benchmarks.md, caveats, and lightning_sparse.exits).
+    # not at interpreter shutdown (see docs/benchmarks.md, caveats, and lightning_sparse.faults.exits).
     exits.release_process_groups()
 
 

@@ -40,8 +40,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import lightning_sparse as ls  # noqa: E402
-from lightning_sparse import exits  # noqa: E402
-from lightning_sparse.hashing import mix  # noqa: E402
+from lightning_sparse.faults import exits  # noqa: E402
+from lightning_sparse.wire.hashing import mix  # noqa: E402
 
 NEW_FRACTION = 0.1
 

@@ -2,7 +2,7 @@
 
 ``python main.py fit --config ...`` in ``examples/kge`` and ``examples/dlrm``, and
 ``examples/recommender.py``, all end the same way: a rank destroys its process group before it
-exits (``lightning_sparse`` also does so at exit, see ``lightning_sparse/exits.py``).
+exits (``lightning_sparse`` also does so at exit, see ``lightning_sparse/faults/exits.py``).
 """
 
 from __future__ import annotations

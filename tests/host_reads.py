@@ -6,7 +6,7 @@ every result of an operation on host tensors only; reading those costs no sync. 
 that an in-place operation writes device values into becomes a device tensor, except the
 destination of an asynchronous copy from the device (``copy_(device_values, non_blocking=True)``),
 which is pinned host memory: code that makes one reads it after its CUDA event, without waiting
-(lightning_sparse/range_check.py).
+(lightning_sparse/lookup/range_check.py).
 
 It counts (``calls`` names them) what syncs on a GPU:
 

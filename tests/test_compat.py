@@ -1,4 +1,4 @@
-"""One test per shim of lightning_sparse/lightning_compat.py and torch_compat.py: what each private reach assumes still holds."""
+"""One test per shim of lightning_sparse/lightning/compat.py and torch_compat.py: what each private reach assumes still holds."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_sparse import lightning_compat as compat
-from lightning_sparse import torch_compat
+from lightning_sparse.lightning import compat
+from lightning_sparse.lookup import torch_compat
 
 
 def test_configure_optimizers_parses_what_the_hook_returns():

@@ -9,9 +9,9 @@ from references import batch_loss
 from test_optim_parity import CASES, SEED, D, N, make_batches
 
 import lightning_sparse as ls
-from lightning_sparse.admission import SlotTable
-from lightning_sparse.hashing import HashSharding, mix, unmix
-from lightning_sparse.slot_map import SlotMap
+from lightning_sparse.tables.admission import SlotTable
+from lightning_sparse.tables.slot_map import SlotMap
+from lightning_sparse.wire.hashing import HashSharding, mix, unmix
 
 # Row r of the reference table answers to this 64-bit id (spread over the whole int64 range).
 RAW = mix(torch.arange(N) * 7919 + 12345)
@@ -284,7 +284,7 @@ def lm_users_seen() -> list[int]:
 
 def _per_id_state(module, trainer) -> dict:
     """The users' rows and their SparseAdam state by id, the items, the step (collective)."""
-    from lightning_sparse.hashing import unmix
+    from lightning_sparse.wire.hashing import unmix
 
     table = module.users
     optimizer = next(o for o in trainer.optimizers if isinstance(o, ls.SparseAdam))
@@ -378,7 +378,7 @@ def checkpoint_export(ckpt: str, out):
 
 
 def test_the_admission_sketch_never_underestimates_and_fades():
-    from lightning_sparse.admission import CountSketch
+    from lightning_sparse.tables.admission import CountSketch
 
     sketch = CountSketch(64)
     keys = mix(torch.arange(40))

@@ -14,8 +14,8 @@ from rank_pool import DEVICES
 from test_kernels import KERNEL_DEVICES
 
 import lightning_sparse as ls
-from lightning_sparse.grouping import SortedKeys, coalesce, transpose_blocks, transposed_places
-from lightning_sparse.sharding import JointSharding, RowSharding
+from lightning_sparse.wire.grouping import SortedKeys, coalesce, transpose_blocks, transposed_places
+from lightning_sparse.wire.sharding import JointSharding, RowSharding
 
 
 # ---------------------------------------------------------------- one sort
@@ -276,7 +276,7 @@ def test_retain_graph_accumulates_and_a_step_takes_it():
 
 # ---------------------------------------------------------------- faults
 def test_only_lost_peers_are_reported_as_peer_failures():
-    from lightning_sparse.faults import is_peer_failure
+    from lightning_sparse.faults.peers import is_peer_failure
 
     assert is_peer_failure(torch.distributed.DistBackendError("NCCL watchdog: collective timed out"))
     assert is_peer_failure(torch.distributed.DistNetworkError("Connection reset by peer"))
@@ -288,7 +288,7 @@ def test_only_lost_peers_are_reported_as_peer_failures():
 
 
 def test_torchrun_restarts_with_the_shared_store_are_warned_about(monkeypatch):
-    from lightning_sparse.faults import restart_hazard
+    from lightning_sparse.faults.peers import restart_hazard
 
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
@@ -301,7 +301,7 @@ def test_torchrun_restarts_with_the_shared_store_are_warned_about(monkeypatch):
 
 
 def _misuse_then_healthy():
-    from lightning_sparse.alltoall import exchange_values
+    from lightning_sparse.wire.alltoall import exchange_values
 
     rank = torch.distributed.get_rank()
     try:

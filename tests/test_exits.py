@@ -1,7 +1,7 @@
 """Clean exits: nothing of lightning_sparse holds the process group, and no exit shape aborts.
 
 The abort ("terminate called without an active exception", SIGABRT) is a gloo worker thread
-asking for the GIL during interpreter finalization (the chain is in lightning_sparse/exits.py).
+asking for the GIL during interpreter finalization (the chain is in lightning_sparse/faults/exits.py).
 ``tests/exits/stress.py`` runs every exit shape a user has with the race widened; this suite runs
 a sample of it that fails on the code before the exit handler (13 of 30 widened plain-torch runs
 aborted there).
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rank_pool import COLLECTIVE_TIMEOUT_S, RankPool, free_port
 
 import lightning_sparse as ls
-from lightning_sparse import exits
+from lightning_sparse.faults import exits
 
 sys.path.insert(0, str(Path(__file__).parent / "exits"))
 from stress import report, stress

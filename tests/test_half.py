@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lightning_sparse as ls
-from lightning_sparse.rounding import rounding_noise, stochastic_round
+from lightning_sparse.kernels.rounding import rounding_noise, stochastic_round
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 HALF = [torch.bfloat16, torch.float16]

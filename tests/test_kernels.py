@@ -15,9 +15,9 @@ import torch
 
 from lightning_sparse.kernels import Runs, StochasticRounding, UpdateRule, backend, segment_sum, sort_runs, update_rows
 from lightning_sparse.kernels import rows as kernel_rows
+from lightning_sparse.kernels.rounding import noise_salt, rounding_noise, stochastic_round
 from lightning_sparse.kernels.runs import TableSet, table_entries
 from lightning_sparse.optim import functional as F
-from lightning_sparse.rounding import noise_salt, rounding_noise, stochastic_round
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_DEVICES = [

@@ -68,6 +68,43 @@ def test_no_module_imports_another_modules_private_names():
     assert not private, "\n".join(private)
 
 
+# The folders in data-path order: a module imports only from its own folder and the folders before it.
+LAYERS = ("faults", "kernels", "wire", "lookup", "tables", "optim", "checkpoint", "lightning")
+MAX_MODULES_PER_FOLDER = 12
+
+
+def _layer(module: str) -> int | None:
+    """The layer of ``lightning_sparse.<folder>...``; ``None`` for the package face and ``__main__``."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_folders_import_only_the_folders_before_them():
+    """Also under TYPE_CHECKING and inside functions: a folder that needs a later one has the wrong place in the path."""
+    modules = _modules()
+    assert {m.split(".")[1] for m in modules if m.count(".") >= 2} <= set(LAYERS), "a folder outside LAYERS"
+    upward = [
+        f"{name} imports {target}"
+        for name, path in modules.items()
+        if _layer(name) is not None
+        for target, _ in _imports(path, modules)
+        if _layer(target) is not None and _layer(target) > _layer(name)
+    ]
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_folders_stay_small_and_their_inits_hand_names_on():
+    modules = _modules()
+    for layer in LAYERS:
+        inside = [m for m in modules if m.startswith(f"lightning_sparse.{layer}.")]
+        assert 0 < len(inside) <= MAX_MODULES_PER_FOLDER, f"{layer}: {len(inside)} modules"
+        init = ast.parse(modules[f"lightning_sparse.{layer}"].read_text())
+        body = [node for node in init.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+        assert all(isinstance(node, (ast.ImportFrom, ast.Import, ast.Assign)) for node in body), f"{layer}/__init__.py does more"
+    top = [m for m in modules if m.count(".") == 1]
+    assert sorted(top) == ["lightning_sparse.__main__", *sorted(f"lightning_sparse.{layer}" for layer in LAYERS)], top
+
+
 # A newcomer reads a module in one sitting and a class as one job: the sizes the house keeps to.
 MAX_MODULE_LINES, MAX_CLASS_LINES = 300, 250
 

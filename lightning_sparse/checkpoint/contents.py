@@ -17,9 +17,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_sparse.dynamic import DynamicEmbedding
-from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.optim.base import SparseOptimizer
+from lightning_sparse.tables.dynamic import DynamicEmbedding
+from lightning_sparse.tables.embedding import SparseEmbedding
 
 MODULE = "state_dict"  # Lightning's key of the module's state
 

@@ -27,13 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_sparse.alltoall import exchange_counts, exchange_values
 from lightning_sparse.checkpoint.contents import module_key
 from lightning_sparse.checkpoint.rows import RowStore, move_rows
-from lightning_sparse.dynamic import DynamicEmbedding
-from lightning_sparse.dynamic_state import SLOT_STATE
-from lightning_sparse.faults import collective
-from lightning_sparse.hashing import HashSharding
+from lightning_sparse.faults.peers import collective
+from lightning_sparse.tables.dynamic import DynamicEmbedding
+from lightning_sparse.tables.dynamic_state import SLOT_STATE
+from lightning_sparse.wire.alltoall import exchange_counts, exchange_values
+from lightning_sparse.wire.hashing import HashSharding
 
 Reader = Callable[[str], dict[str, Any]]  # key -> the stored tensor's entry in meta.pt
 

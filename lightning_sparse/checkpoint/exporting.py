@@ -14,8 +14,8 @@ from lightning_sparse.checkpoint.contents import MODULE, module_name
 from lightning_sparse.checkpoint.files import ROWS_DIR
 from lightning_sparse.checkpoint.reading import dcp_load, load_meta, stored_tensors, verify
 from lightning_sparse.checkpoint.rows import export_rows
-from lightning_sparse.dynamic_state import SLOT_STATE
-from lightning_sparse.hashing import unmix
+from lightning_sparse.tables.dynamic_state import SLOT_STATE
+from lightning_sparse.wire.hashing import unmix
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:

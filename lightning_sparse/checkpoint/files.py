@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_sparse.faults import collective
+from lightning_sparse.faults.peers import collective
 
 METADATA_FILE = "meta.pt"
 FORMAT = 3  # 1: tables inside the main DCP checkpoint; 2: bands without checksums

@@ -28,11 +28,11 @@ from lightning_sparse.checkpoint.contents import (
 from lightning_sparse.checkpoint.dynamic_rows import place_ids, read_placed
 from lightning_sparse.checkpoint.files import FORMAT, METADATA_FILE, ROWS_DIR, first_damaged, read_checksums
 from lightning_sparse.checkpoint.rows import RowStore
-from lightning_sparse.dynamic import DynamicEmbedding
-from lightning_sparse.dynamic_state import CLOCK
-from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.faults import PeerFailure, caused_by_lost_peer, collective
+from lightning_sparse.faults.peers import PeerFailure, caused_by_lost_peer, collective
 from lightning_sparse.optim.base import SparseOptimizer
+from lightning_sparse.tables.dynamic import DynamicEmbedding
+from lightning_sparse.tables.dynamic_state import CLOCK
+from lightning_sparse.tables.embedding import SparseEmbedding
 
 
 def verify(path: str | os.PathLike) -> None:

@@ -23,11 +23,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from lightning_sparse.alltoall import exchange_counts, exchange_values
-from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.faults import collective
-from lightning_sparse.grouping import SortedKeys
-from lightning_sparse.sharding import RowSharding
+from lightning_sparse.faults.peers import collective
+from lightning_sparse.tables.embedding import SparseEmbedding
+from lightning_sparse.wire.alltoall import exchange_counts, exchange_values
+from lightning_sparse.wire.grouping import SortedKeys
+from lightning_sparse.wire.sharding import RowSharding
 
 # A band is about this many bytes per rank (the scratch of a save or load), and a tensor has at
 # most MAX_PARTS bands (each band is a DCP write: a few collectives and files).

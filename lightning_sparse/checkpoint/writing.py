@@ -24,9 +24,9 @@ from lightning_sparse.checkpoint.files import (
     write_checksums,
 )
 from lightning_sparse.checkpoint.rows import RowStore
-from lightning_sparse.faults import PeerFailure, caused_by_lost_peer, collective
+from lightning_sparse.faults.peers import PeerFailure, caused_by_lost_peer, collective
 from lightning_sparse.optim.base import SparseOptimizer
-from lightning_sparse.sharding import RowSharding
+from lightning_sparse.wire.sharding import RowSharding
 
 
 def save(

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_sparse.alltoall import host_tensor
 from lightning_sparse.kernels.backend import launches
+from lightning_sparse.kernels.host import host_tensor
 
 _TILE = 256  # values per program (4 bags of 64): more bags per program hold more feature entries in registers
 NUM_WARPS = 2

@@ -5,7 +5,7 @@ a host read: ids out of range are clamped for the read and widen ``verdict``, a 
 (the lowest id below 0 and the highest at or above the table's rows, else 0). The
 optimizer's fused update reads the verdict and updates nothing while it shows an id out of
 range (:func:`lightning_sparse.kernels.runs.update_rows`); the host raises the error once it
-has read it (:mod:`lightning_sparse.range_check`). With ``keys`` the kernel also writes the
+has read it (:mod:`lightning_sparse.lookup.range_check`). With ``keys`` the kernel also writes the
 clamped ids, as int32 when the table has fewer than 2**31 rows: the lookup's own copy for its
 backward, so that a caller who changes its ids buffer in place cannot move the gradient.
 """

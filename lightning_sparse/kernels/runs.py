@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_sparse.alltoall import host_tensor
-from lightning_sparse.init import ROW_MULTIPLIER
 from lightning_sparse.kernels.backend import launches, uses_triton
+from lightning_sparse.kernels.hashes import ROW_MULTIPLIER
+from lightning_sparse.kernels.host import host_tensor
 
 _INT32_LIMIT = 2**31 - 1
 FAMILIES = ("sum", "sgd", "adagrad", "rowwise_adagrad", "adam")
@@ -77,7 +77,7 @@ class UpdateRule:
 
 @dataclass(frozen=True)
 class StochasticRounding:
-    """Stochastic rounding of a bf16 table's new rows (:mod:`lightning_sparse.rounding`).
+    """Stochastic rounding of a bf16 table's new rows (:mod:`lightning_sparse.kernels.rounding`).
 
     ``salt`` is the hash salt of the update's draws (``rounding.noise_salt``); a local row ``r``
     is global row ``r * global_mul + global_add`` (the draws are a hash of global rows).

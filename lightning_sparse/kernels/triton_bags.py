@@ -6,7 +6,7 @@ where its ids, offsets and weights are, which table it reads and how it pools (s
 :mod:`lightning_sparse.kernels.bags`). Ids and offsets are checked as they are read, without a
 host read: an id out of its table's range is clamped for the read, offsets that do not fit are
 clamped to the feature's ids, and the feature's verdict records either, as the one-table
-gather's does (:mod:`lightning_sparse.range_check`).
+gather's does (:mod:`lightning_sparse.lookup.range_check`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ IDS, OFFSETS, WEIGHTS, PER_BAG, FIRST_ID, FIRST_BAG, TABLE, ROWS, MEAN, NUM_IDS,
 )
 # The verdict: [0] -1 once anything is wrong (0 else), [1] 0, then per feature (error code, lowest id, highest id),
 # the feature numbered as its entry's REPORT_AS says (its place among the collection's features).
-OUT_OF_RANGE, BAD_OFFSETS = tl.constexpr(4), tl.constexpr(6)  # lightning_sparse.header's codes
+OUT_OF_RANGE, BAD_OFFSETS = tl.constexpr(4), tl.constexpr(6)  # lightning_sparse.wire.header's codes
 
 
 @triton.jit

@@ -35,7 +35,7 @@ HOT = 32  # runs longer than this take a program of their own (runs_hot)
 
 @triton.jit
 def _lowbias32(x):
-    """Chris Wellons' lowbias32 on int32 holding 32 bits (lightning_sparse.init._hash32_, op for op)."""
+    """Chris Wellons' lowbias32 on int32 holding 32 bits (lightning_sparse.kernels.hashes._hash32_, op for op)."""
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * 2146121005  # 0x7FEB352D
     x = x ^ ((x >> 15) & 0x1FFFF)
@@ -45,7 +45,7 @@ def _lowbias32(x):
 
 @triton.jit
 def _rounding_noise(global_rows, cols, half_columns, salt, row_multiplier):
-    """``[rows, cols]`` int32 in [0, 2**16): lightning_sparse.rounding.rounding_noise for these rows and columns."""
+    """``[rows, cols]`` int32 in [0, 2**16): lightning_sparse.kernels.rounding.rounding_noise for these rows and columns."""
     x = global_rows.to(tl.int64) * row_multiplier + salt
     row_keys = (x ^ (x >> 32)).to(tl.int32)
     low = cols < half_columns
@@ -191,7 +191,9 @@ def runs_cold(
     inside = p < n
     key = tl.load(keys + p, mask=inside, other=-1)
     starts = inside & (tl.load(keys + p - 1, mask=inside & (p > 0), other=-1) != key)
-    if CHECK:  # bad input since the verdict was cleared: no row is updated, no key is trusted (lightning_sparse.range_check)
+    if (
+        CHECK
+    ):  # bad input since the verdict was cleared: no row is updated, no key is trusted (lightning_sparse.lookup.range_check)
         starts = tl.where((tl.load(verdict) >= 0) & (tl.load(verdict + 1) < num_rows), starts, False)
     if COUNT_UNIQUE and MANY:  # distinct keys per table, for SparseStatsMonitor: on the device
         counter = _address(tables + (key >> shift).to(tl.int64) * 8, 4, unique, starts)

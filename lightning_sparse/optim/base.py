@@ -4,9 +4,9 @@ Subclasses declare their hyperparameters (validated in ``__init__``), the state 
 (``init_state``), the arithmetic for the touched rows (``update``) and, for a GPU, the same
 step as the fused kernel applies it (``update_rule``). ``step()`` here:
 
-1. takes each table's pending gradients (:mod:`lightning_sparse.pending`);
+1. takes each table's pending gradients (:mod:`lightning_sparse.lookup.pending`);
 2. with several ranks, sends them to the rows' owners, all tables of the optimizer at once
-   (:func:`lightning_sparse.grads_exchange.grads_to_owners`): the last lookup's rows go back
+   (:func:`lightning_sparse.wire.grads_exchange.grads_to_owners`): the last lookup's rows go back
    along its route, with no ids on the wire, others coalesced by row first;
 3. on the owner, sums the gradient rows that share a row (from several ranks, lookups, or the
    ids of one lookup) and scales the sum: ``duplicate_grads="sum"`` (default) divides it by
@@ -30,15 +30,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_sparse.alltoall import ExchangeStats
-from lightning_sparse.dynamic import DynamicEmbedding
-from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.grads_exchange import grads_to_owners
 from lightning_sparse.kernels import Runs, StochasticRounding, UpdateRule, sort_runs, update_rows, uses_triton
+from lightning_sparse.kernels.rounding import HALF, compute_dtype, noise_salt, writer_for
 from lightning_sparse.optim import checks, joint, row_grads
 from lightning_sparse.optim.row_grads import TableGrads
-from lightning_sparse.replicas import grads_over_replicas
-from lightning_sparse.rounding import HALF, compute_dtype, noise_salt, writer_for
+from lightning_sparse.tables.dynamic import DynamicEmbedding
+from lightning_sparse.tables.embedding import SparseEmbedding
+from lightning_sparse.wire.alltoall import ExchangeStats
+from lightning_sparse.wire.grads_exchange import grads_to_owners
+from lightning_sparse.wire.replicas import grads_over_replicas
 
 DUPLICATE_GRADS = ("sum", "mean")
 
@@ -113,7 +113,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
     def reset_rows(self, shard: Tensor, rows: Tensor) -> None:
         """Put the per-row state of ``rows`` of the table whose shard is ``shard`` back to its initial value.
 
-        Called by a :class:`~lightning_sparse.dynamic.DynamicEmbedding` when it gives slots to new ids.
+        Called by a :class:`~lightning_sparse.tables.dynamic.DynamicEmbedding` when it gives slots to new ids.
         """
         state = self.state[shard]
         for key, fresh in self._fresh_rows[shard].items():

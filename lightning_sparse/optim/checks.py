@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_sparse.joint_lookup import raise_failed
-from lightning_sparse.verdict import raise_if_out_of_range
+from lightning_sparse.lookup.joint import raise_failed
+from lightning_sparse.lookup.verdict import raise_if_out_of_range
 
 if TYPE_CHECKING:
-    from lightning_sparse.collection import SparseEmbeddingCollection
-    from lightning_sparse.embedding import SparseEmbedding
     from lightning_sparse.optim.row_grads import TableGrads
+    from lightning_sparse.tables.collection import SparseEmbeddingCollection
+    from lightning_sparse.tables.embedding import SparseEmbedding
 
 
 def raise_if_not_finite(optimizer_name: str, tables: list[SparseEmbedding], grads: list[TableGrads]) -> None:
@@ -29,7 +29,7 @@ def raise_if_not_finite(optimizer_name: str, tables: list[SparseEmbedding], grad
 
 
 def raise_if_ids_were_out_of_range(tables: list[SparseEmbedding], units: list[SparseEmbeddingCollection]) -> None:
-    """A one-process GPU lookup's bad input, once the host has it (:mod:`lightning_sparse.range_check`): before any update.
+    """A one-process GPU lookup's bad input, once the host has it (:mod:`lightning_sparse.lookup.range_check`): before any update.
 
     The gradients were taken, so they are dropped, as a CPU lookup would have raised before making them.
     """

@@ -6,7 +6,7 @@ change and applies it in one pass over the table: ``shard.index_add_(0, rows, de
 read-modify-write of just those rows. Only weight decay needs the rows' current values: then
 they are gathered (``index_select``), updated in place and written back (``index_copy_``).
 State rows are gathered, updated in place and written back. Hyperparameters are keyword-only.
-A half-precision table (:mod:`lightning_sparse.rounding`) comes with float32 state, its rows are
+A half-precision table (:mod:`lightning_sparse.kernels.rounding`) comes with float32 state, its rows are
 computed on in float32, and ``write`` puts them back (with stochastic rounding).
 The arithmetic follows torch.optim where an equivalent exists (``SGD``, ``Adagrad`` and
 ``SparseAdam`` applied to sparse gradients).
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_sparse.rounding import RowWriter, compute_dtype
+from lightning_sparse.kernels.rounding import RowWriter, compute_dtype
 
 
 def _apply(param: Tensor, rows: Tensor, delta: Tensor, values: Tensor | None = None, write: RowWriter | None = None) -> None:

@@ -1,4 +1,4 @@
-"""A collection's rounds on one GPU (:mod:`lightning_sparse.joint_lookup`) at the optimizer step: one sort, one launch.
+"""A collection's rounds on one GPU (:mod:`lightning_sparse.lookup.joint`) at the optimizer step: one sort, one launch.
 
 Such a round recorded every id's key over all of the collection's tables (``table << shift | row``),
 its bag, its weight, and the bags' gradient. The step sorts the keys of the collection's rounds
@@ -20,9 +20,9 @@ from torch import Tensor
 from lightning_sparse.kernels import Runs, TableSet, sort_runs, table_entries, update_rows
 
 if TYPE_CHECKING:
-    from lightning_sparse.collection import SparseEmbeddingCollection
-    from lightning_sparse.embedding import SparseEmbedding
-    from lightning_sparse.pending import LookupRecord
+    from lightning_sparse.lookup.pending import LookupRecord
+    from lightning_sparse.tables.collection import SparseEmbeddingCollection
+    from lightning_sparse.tables.embedding import SparseEmbedding
 
 
 def units_with_rounds(tables: list[SparseEmbedding]) -> list[SparseEmbeddingCollection]:
@@ -41,7 +41,7 @@ def split_into_tables(unit: SparseEmbeddingCollection, records: list[LookupRecor
 
     The rounds' input is checked first (waiting for it): their keys are trusted only then.
     """
-    from lightning_sparse.joint_lookup import key_shift, raise_failed
+    from lightning_sparse.lookup.joint import key_shift, raise_failed
 
     raise_failed(unit, unit.range_check.failed(1, wait=True))
     shift = key_shift(unit)
@@ -73,7 +73,7 @@ def takes(unit: SparseEmbeddingCollection, optimizer: Any) -> bool:
 
 def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer: Any, mean: bool, check_finite: bool) -> None:
     """Update the collection's tables in one launch with the rounds ``records`` taken from it (after :func:`takes`)."""
-    from lightning_sparse.joint_lookup import key_shift
+    from lightning_sparse.lookup.joint import key_shift
 
     tables, shift = unit.table_list, key_shift(unit)
     keys = _cat([r.keys for r in records])

@@ -2,7 +2,7 @@
 
 With one rank they are the table's pending lookups' gradient rows as they are (:func:`local_grads`):
 one per id for a lookup of one table (``gather``), one per distinct row for the lookup
-engine's. With several, they are what :func:`~lightning_sparse.grads_exchange.grads_to_owners`
+engine's. With several, they are what :func:`~lightning_sparse.wire.grads_exchange.grads_to_owners`
 delivered (:func:`owned_grads`). Rows may repeat; the update sums them (the fused
 :func:`~lightning_sparse.kernels.update_rows` on a GPU, :func:`summed` otherwise).
 """
@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sparse.embedding import SparseEmbedding
-from lightning_sparse.grads_exchange import IncomingGrads, OutgoingGrads
-from lightning_sparse.grouping import SortedKeys, coalesce
-from lightning_sparse.pending import LookupRecord
-from lightning_sparse.replicas import OwnedGrads
-from lightning_sparse.rounding import compute_dtype
+from lightning_sparse.kernels.rounding import compute_dtype
+from lightning_sparse.lookup.pending import LookupRecord
+from lightning_sparse.tables.embedding import SparseEmbedding
+from lightning_sparse.wire.grads_exchange import IncomingGrads, OutgoingGrads
+from lightning_sparse.wire.grouping import SortedKeys, coalesce
+from lightning_sparse.wire.replicas import OwnedGrads
 
 
 @dataclass

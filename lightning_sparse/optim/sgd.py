@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_sparse.embedding import SparseEmbedding
 from lightning_sparse.kernels import UpdateRule
+from lightning_sparse.kernels.rounding import RowWriter
 from lightning_sparse.optim import functional as F
 from lightning_sparse.optim.base import SparseOptimizer
-from lightning_sparse.rounding import RowWriter
+from lightning_sparse.tables.embedding import SparseEmbedding
 
 
 class SparseSGD(SparseOptimizer):

@@ -1,0 +1,105 @@
+"""Every reach into Lightning's (and GradScaler's) private API, in one place.
+
+The strategies need a few things Lightning and torch do not export. Each is named here once,
+with what it is for; ``tests/test_compat.py`` checks each assumption (one test per shim), so an
+upgrade that breaks one fails there, by name, instead of deep inside a fit. Checked against
+lightning 2.6.6 (and 2.6.0) and torch 2.13.0.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH, _Stateful
+from lightning.fabric.wrappers import _FabricModule
+from lightning.pytorch.core.optimizer import (
+    _configure_optimizers,
+    _configure_schedulers_automatic_opt,
+    _configure_schedulers_manual_opt,
+    _MockOptimizer,
+    _validate_scheduler_api,
+)
+from lightning.pytorch.strategies import Strategy as TrainerStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from torch import Tensor
+from torch.optim import Optimizer
+
+LIGHTNING_CHECKED = "2.6.6"
+
+# Type names (used in annotations and isinstance checks).
+PATH = _PATH  # str | Path, what Lightning accepts as a checkpoint path
+Stateful = _Stateful  # runtime-checkable: has state_dict() and load_state_dict()
+StrategyRegistry = _StrategyRegistry  # the registry ``register_strategies`` receives
+DDPBackwardSyncControl = _DDPBackwardSyncControl  # Fabric DDP's no_backward_sync, subclassed for modules of tables only
+MultiProcessingLauncher = _MultiProcessingLauncher  # subclassed to hand full tables back from spawned ranks
+MockOptimizer = _MockOptimizer  # Lightning's stand-in when configure_optimizers returns None
+
+# Lightning's parsing of what configure_optimizers returns, reused for configure_sparse_optimizers
+# so that both hooks accept the same shapes (an optimizer, lists, dicts with "lr_scheduler").
+configure_optimizers = _configure_optimizers
+configure_schedulers_automatic_opt = _configure_schedulers_automatic_opt
+configure_schedulers_manual_opt = _configure_schedulers_manual_opt
+validate_scheduler_api = _validate_scheduler_api
+
+
+def evaluation_loop(trainer: Any) -> Any:
+    """The loop running validation or test now (``trainer._evaluation_loop``)."""
+    return trainer._evaluation_loop
+
+
+def fabric_strategy(module: Any) -> Any | None:
+    """The strategy of a module Fabric set up (``_FabricModule._strategy``), ``None`` for any other object."""
+    return module._strategy if isinstance(module, _FabricModule) else None
+
+
+def after_closure(plugin: Any, model: Any, optimizer: Optimizer) -> None:
+    """Lightning's precision hooks after the training-step closure (``Precision._after_closure``)."""
+    plugin._after_closure(model, optimizer)
+
+
+def running_strategy() -> tuple[str, Any] | None:
+    """The Lightning strategy the current call runs under: ``("Trainer", strategy)`` inside a method of a
+    Trainer strategy, ``("Fabric", strategy)`` inside a module Fabric set up, ``None`` in plain PyTorch.
+    """
+    for owner in caller_objects(1):
+        if isinstance(owner, TrainerStrategy):
+            return "Trainer", owner
+        strategy = fabric_strategy(owner)
+        if strategy is not None:
+            return "Fabric", strategy
+    return None
+
+
+def caller_objects(depth: int) -> Any:
+    """The ``self`` of each frame on the call stack, from ``depth`` frames up (to find the running strategy)."""
+    frame = sys._getframe(depth + 1)
+    while frame is not None:
+        yield frame.f_locals.get("self")
+        frame = frame.f_back
+
+
+# GradScaler: the sparse gradients join the dense skip decision (lightning_sparse.lightning.precision).
+def loss_scale(scaler: torch.amp.GradScaler) -> Tensor:
+    """The current loss scale, a device tensor (``GradScaler._scale``; no host read)."""
+    return scaler._scale
+
+
+def found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> dict[torch.device, Tensor]:
+    """The overflow flags ``unscale_(optimizer)`` recorded, which ``step(optimizer)`` reads."""
+    return scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+
+def update_scale(scaler: torch.amp.GradScaler, found_inf: Tensor) -> None:
+    """Grow or back off the loss scale as ``GradScaler.update`` would, for a step with no dense gradient."""
+    torch._amp_update_scale_(
+        scaler._scale,
+        scaler._growth_tracker,
+        found_inf.to(scaler._scale.device),
+        scaler._growth_factor,
+        scaler._backoff_factor,
+        scaler._growth_interval,
+    )

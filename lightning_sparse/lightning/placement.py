@@ -1,0 +1,72 @@
+"""What the Trainer's and Fabric's ``"sparse_ddp"`` strategies share: placing a module's tables when they
+set it up, their registration, and the check that refuses any other strategy.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from lightning_sparse.lightning import compat
+from lightning_sparse.tables.collection import SparseEmbeddingCollection
+from lightning_sparse.tables.embedding import SparseEmbedding
+
+STRATEGY_NAME = "sparse_ddp"
+_REGISTERED: list[type] = []  # the strategy classes registered as "sparse_ddp": they shard and step tables
+# For the error below, per kind of strategy: whose it is, what it would not do, where "sparse_ddp" goes.
+_FOREIGN = {
+    "Trainer": ("Lightning", "does not shard or step", "the Trainer"),
+    "Fabric": ("Fabric", "does not shard, step or save", "Fabric"),
+}
+
+
+def place_tables(
+    module: nn.Module, shard_group: dist.ProcessGroup | None = None, replica_group: dist.ProcessGroup | None = None
+) -> tuple[list[SparseEmbedding], list[SparseEmbeddingCollection]]:
+    """Name, number and shard every table of ``module``; return its tables and its collections.
+
+    Each SparseEmbedding takes its module path as name and its position in ``named_modules`` as
+    ``table_index``, and materializes over ``shard_group`` (default: the default group); the
+    collections are numbered after the tables. Every rank must place the same module alike: the
+    numbers ride with each lookup (:func:`~lightning_sparse.lookup.engine.serve_lookups`). Local only.
+    """
+    tables = [(name, m) for name, m in module.named_modules() if isinstance(m, SparseEmbedding)]
+    for index, (name, table) in enumerate(tables):
+        table.adopt(name, index)
+        table.materialize(shard_group, replica_group)
+    collections = [(name, m) for name, m in module.named_modules() if isinstance(m, SparseEmbeddingCollection)]
+    for index, (name, collection) in enumerate(collections, start=len(tables)):
+        collection.adopt(name, index)
+        collection.materialize()
+    return [t for _, t in tables], [c for _, c in collections]
+
+
+def register(cls: type, registry: compat.StrategyRegistry) -> None:
+    """Register ``cls`` as ``"sparse_ddp"`` in a Trainer or Fabric strategy registry (once)."""
+    if cls not in _REGISTERED:
+        _REGISTERED.append(cls)
+    if STRATEGY_NAME not in registry:
+        registry.register(
+            STRATEGY_NAME, cls, description="DDP for dense parameters; row-sharded SparseEmbedding tables with sparse optimizers"
+        )
+
+
+def refuse_foreign_strategy(table: SparseEmbedding) -> None:
+    """Refuse a table's first lookup under a Trainer or Fabric strategy other than ``"sparse_ddp"``.
+
+    Under plain ``ddp`` or a single-device strategy nothing would step the table (Trainer), or
+    ``fabric.save`` would write rank 0's shard only (Fabric). The strategy is found on the call
+    stack, so that plain PyTorch use pays nothing but this one look.
+    """
+    found = compat.running_strategy()
+    if found is None or isinstance(found[1], tuple(_REGISTERED)):
+        return
+    kind, strategy = found
+    owner, lacks, where = _FOREIGN[kind]
+    raise RuntimeError(
+        f"{table.name} is used under {owner}'s {type(strategy).__name__}, which {lacks} SparseEmbeddings. "
+        f'HINT: pass strategy="sparse_ddp" to {where} (import lightning_sparse first).'
+    )
+
+
+SparseEmbedding.first_lookup_checks.append(refuse_foreign_strategy)

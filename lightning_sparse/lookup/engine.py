@@ -1,0 +1,246 @@
+"""A lookup round, step by step: read -> one sort -> ids to owners -> rows back -> expand or pool.
+
+One engine answers every lookup. Its unit is a set of tables looked up together: a
+:class:`~lightning_sparse.tables.collection.SparseEmbeddingCollection`, or a single
+:class:`~lightning_sparse.SparseEmbedding` as a collection of one (:class:`OneTable`: one
+feature, named like the table, unpooled).
+
+1. **Read.** Each feature's ids (and bags) are read without raising
+   (:mod:`lightning_sparse.lookup.features`); a problem, an id out of its table's range or offsets
+   that do not fit go into the header with the feature's position (:mod:`lightning_sparse.lookup.verdict`).
+2. **One sort.** Every id gets a joint key (:class:`~lightning_sparse.wire.sharding.JointSharding`:
+   owner, then table, then row; for one table, the table's own owner-major key); one sort
+   (:class:`~lightning_sparse.wire.grouping.SortedKeys`) deduplicates the ids of all tables
+   (features that share a table share its rows) and groups them by owner, then table.
+3. **Ids to owners**, one all-to-all for all tables; every rank checks every rank's header,
+   so bad input raises on every rank alike and the group stays usable. The stage's one host
+   read is the headers (and, for several tables, the ids per (rank, table) both ways).
+4. **Rows back**, one all-to-all: each owner gathers the requested rows with ``index_select``
+   and sends them in one buffer (:mod:`lightning_sparse.lookup.joint_rows`); they arrive as the
+   requester's distinct rows in key order.
+5. **Expand or pool** on the requester from the distinct rows: ``index_select`` for
+   ``pooling="none"``, ``F.embedding_bag`` for ``"sum"``/``"mean"`` (:mod:`lightning_sparse.lookup.pooling`).
+   The distinct rows of each table are where the gradient stops: their backward hands
+   ``[distinct rows, dim]`` to the table's pending gradients (:mod:`lightning_sparse.lookup.pending`);
+   backward communicates nothing.
+
+With one rank there is nothing to exchange: the same round without the all-to-alls, with one
+host read for the verdict. With one rank and one table there is nothing to deduplicate either:
+one gather at the ids, whose gradient rows the optimizer step sums (on a GPU with no host read
+at all, see :func:`_one_rank_one_table`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.kernels import uses_triton
+from lightning_sparse.lookup.features import FeatureIds, Problem, read_ids
+from lightning_sparse.lookup.joint_rows import TableMajor, rows_from_owners, table_routes
+from lightning_sparse.lookup.outputs import distinct_rows, expand_rows, gather
+from lightning_sparse.lookup.pooling import pool, select
+from lightning_sparse.lookup.units import LookupUnit, OneTable, ShardedTable
+from lightning_sparse.lookup.verdict import check_round, one_feature_header, raise_if_out_of_range, write_verdicts
+from lightning_sparse.wire.exchange import Route, ids_to_owners, parts_received
+from lightning_sparse.wire.grouping import SortedKeys
+from lightning_sparse.wire.header import OK, Headers, LookupHeader
+
+if TYPE_CHECKING:
+    from lightning_sparse.wire.sharding import JointSharding
+
+
+class Serving(Protocol):
+    """A table or a collection, as :func:`serve_lookups` answers its rounds."""
+
+    def serve(self, route: Route) -> None: ...
+
+
+def lookup_ids(unit: OneTable, ids: Any) -> Tensor:
+    """Rows of one table for ``ids`` -> ``[*ids.shape, embedding_dim]``. Collective (see ``SparseEmbedding.forward``)."""
+    read, problem = read_ids(ids, unit.table.name, unit.table.device)
+    return lookup(unit, read, problem)[unit.table.name]
+
+
+def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offsets: Tensor | None = None) -> dict[str, Tensor]:
+    """Every read feature's rows or pooled bags, all of the unit's tables in one round.
+
+    ``read``, ``problem`` and ``bad_offsets`` are what :func:`~lightning_sparse.lookup.features.read_features`
+    (or ``read_ids``) made of this rank's input. Collective: every rank of the tables' group must
+    call it for the same unit in the same round (see the collection's and the table's ``forward``).
+    """
+    tables, joint = unit.table_list, unit.joint_sharding
+    first = tables[0]
+    device, world_size, group, rank = first.device, first.world_size, first.process_group, first.rank
+    if world_size == 1 and len(tables) == len(read) == 1 and unit.feature_pooling[read[0].index] == "none":
+        return {read[0].name: _one_rank_one_table(unit, read[0])}
+    header = LookupHeader(table=unit.unit_index, record=int(torch.is_grad_enabled()), error=problem.error, part=problem.part,
+                          detail=problem.detail, dtype=problem.dtype)  # fmt: skip
+    fields = one_feature_header(header, read, bad_offsets).fields(device)
+    if problem.error == OK and read:
+        write_verdicts(fields, read, bad_offsets, tables)
+    keys = [joint.key(f.part, f.ids.clamp(0, tables[f.part].num_embeddings - 1)) for f in read]
+    runs = SortedKeys(_concat(keys, device), joint.key_bound)
+
+    def check(headers: Headers) -> None:
+        check_round(unit, headers, problem)
+
+    if world_size > 1:
+        route = ids_to_owners(runs, joint, fields, group, rank, unit.stats, check)
+        mine = TableMajor(route.send_parts, route.device_parts[0])
+        theirs = TableMajor(route.recv_parts, route.device_parts[1])
+    else:  # nothing to exchange: one host read for the verdict and the ids per table
+        below = runs.counts_below(joint.part_boundaries(device))
+        per_table = (below[1:] - below[:-1]).view(1, -1)
+        on_host = torch.cat([fields, per_table.view(-1)]).cpu()
+        route, mine = None, TableMajor(on_host[LookupHeader.WIDTH - 1 :].view(1, -1), per_table)
+        check(Headers.of(LookupHeader(0, *on_host[: LookupHeader.WIDTH - 1].tolist())))
+    runs.finish(mine.total)
+    distinct = mine.split(runs.unique)  # each table's distinct joint keys, by owner
+    if route is not None:
+        routes = table_routes(route, joint, theirs)
+        rows = rows_from_owners(tables, route, mine, theirs, routes, unit.wire_dtype, unit.stats)
+    else:
+        with torch.no_grad():  # one owner: a joint local id less the table's offset is the row
+            rows = [table.shard.index_select(0, keys - joint.offsets[part])
+                    for part, (table, keys) in enumerate(zip(tables, distinct))]  # fmt: skip
+    _keep_for_backward(tables, joint, route, routes if route is not None else None, distinct, rows, read, mine, runs)
+    return _outputs(unit, read, rows, mine, runs)
+
+
+def _one_rank_one_table(unit: LookupUnit, feature: FeatureIds) -> Tensor:
+    """One rank, one table: nothing to exchange or deduplicate, one gather (:func:`~lightning_sparse.lookup.outputs.gather`).
+
+    On a CPU the ids are checked first (one host read). On a GPU the gather checks them on the
+    device and the error is raised later without a host read (:mod:`lightning_sparse.lookup.range_check`),
+    here for an earlier lookup's ids, or at once for a lookup without grad mode (no step to wait for).
+    """
+    table = unit.table_list[0]
+    table.stats.ids_looked_up += len(feature.ids)
+    if not uses_triton(table.shard):
+        low, high = torch.stack(torch.aminmax(feature.ids)).tolist() if len(feature.ids) else (0, 0)
+        raise_if_out_of_range(unit, low, high, feature.dtype)
+        return gather(table, feature.ids).view(*feature.shape, table.embedding_dim)
+    check = table.range_check
+    raise_if_out_of_range(unit, *(check.failed(table.num_embeddings) or (0, 0))[:2], check.dtype_code)
+    rows = gather(table, feature.ids)
+    check.dtype_code = feature.dtype
+    if not torch.is_grad_enabled():
+        raise_if_out_of_range(unit, *(check.failed(table.num_embeddings, wait=True) or (0, 0))[:2], feature.dtype)
+    return rows.view(*feature.shape, table.embedding_dim)
+
+
+def _concat(keys: list[Tensor], device: torch.device) -> Tensor:
+    if len(keys) == 1:
+        return keys[0]
+    return torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64, device=device)
+
+
+def _keep_for_backward(
+    tables: list[ShardedTable],
+    joint: JointSharding,
+    route: Route | None,
+    routes: list[Route] | None,
+    distinct: list[Tensor],
+    rows: list[Tensor],
+    read: list[FeatureIds],
+    mine: TableMajor,
+    runs: SortedKeys,
+) -> None:
+    """Each table's distinct rows in its output dtype (``rows``, in place), recorded for their gradient in grad mode.
+
+    Also counts each table's distinct ids and keeps the round's route as the table's last.
+    """
+    used = {f.part for f in read}
+    recording = torch.is_grad_enabled()
+
+    def occurrences(part: int) -> Callable[[], Tensor]:  # counted only if asked (duplicate_grads="mean")
+        return runs.counts if len(tables) == 1 else lambda: mine.split(runs.counts())[part]
+
+    for part, (table, table_keys) in enumerate(zip(tables, distinct)):
+        table.stats.unique_ids += len(table_keys)
+        if route is not None and route.records:
+            table.pending.route = routes[part]
+        if not (recording and part in used):
+            rows[part] = distinct_rows(table, rows[part], None)
+            continue
+        local = table_keys  # one table: the joint keys are the table's own
+        if len(tables) > 1:
+            local = joint.local_of_key(table_keys) - joint.offsets[part]
+            if route is not None:  # the table's own owner-major keys
+                local = joint.owner_of_key(table_keys) * table.sharding.block_size + local
+        record = table.pending.new_record(routes[part] if route is not None else None, local, occurrences=occurrences(part))
+        rows[part] = distinct_rows(table, rows[part], record)
+
+
+def _outputs(
+    unit: LookupUnit, read: list[FeatureIds], rows: list[Tensor], mine: TableMajor, runs: SortedKeys
+) -> dict[str, Tensor]:
+    """Stage 5: each feature's rows (``index_select`` from its table's distinct rows) or pooled bags."""
+    tables = unit.table_list
+    within = mine.within_table(runs.inverse().to(torch.int64))
+    positions = within.split([len(f.ids) for f in read]) if len(read) != 1 else [within]
+    out = {}
+    for feature, position in zip(read, positions):
+        table_rows = rows[feature.part]
+        tables[feature.part].stats.ids_looked_up += len(feature.ids)
+        mode = unit.feature_pooling[feature.index]
+        if mode == "none" and len(tables) == len(read) == 1 and table_rows.requires_grad:  # a table on its own
+            out[feature.name] = expand_rows(table_rows, position, runs).view(*feature.shape, table_rows.shape[1])
+        elif mode == "none":
+            out[feature.name] = select(table_rows, position).view(*feature.shape, table_rows.shape[1])
+        else:
+            weights = feature.weights.to(table_rows.dtype) if feature.weights is not None else None
+            out[feature.name] = pool(table_rows, position, feature.offsets, mode, weights)
+    return out
+
+
+def serve(unit: LookupUnit, route: Route) -> None:
+    """Answer the other ranks' lookup round of ``unit`` on a rank with no lookups of its own (stage 2 only)."""
+    joint = unit.joint_sharding
+    check_round(unit, route.headers)
+    if joint.num_parts == 1:
+        mine = theirs = None
+    else:
+        device_recv = parts_received(route.received, route.recv_splits, joint)
+        route.recv_parts = device_recv.cpu()  # a host read: this rank is idle
+        nothing = torch.zeros(joint.world_size, joint.num_parts, dtype=torch.int64)
+        route.send_parts, route.device_parts = nothing, (nothing.to(device_recv.device), device_recv)
+        mine, theirs = TableMajor(route.send_parts, route.device_parts[0]), TableMajor(route.recv_parts, device_recv)
+    routes = table_routes(route, joint, theirs)
+    rows_from_owners(unit.table_list, route, mine, theirs, routes, unit.wire_dtype, unit.stats)
+    if route.records:
+        for table, table_route in zip(unit.table_list, routes):
+            table.pending.route = table_route
+
+
+def serve_lookups(units: list[Serving]) -> int:
+    """Answer the other ranks' lookups until every rank of the group has called this.
+
+    A Join for lookups: a rank that has run out of batches (uneven validation, test or predict
+    loaders) calls this and keeps serving the rows it owns to ranks that still have batches,
+    taking part in each of their lookup rounds with no ids of its own. Returns, with the number
+    of rounds served, once every rank is serving. ``units`` are the module's tables (at least
+    one: a collection's tables are among them), then any collections; ``units[i]`` must have
+    ``table_index == i`` (a collection ``unit_index == i``) on every rank (the strategy sets them).
+    Each has ``serve(route)``.
+
+    Collective: every rank of the group must call it once it has no lookups left to make.
+    """
+    first: ShardedTable | None = units[0] if units else None  # type: ignore[assignment]  # a table: tables come first
+    if first is None or first.world_size == 1:
+        return 0
+    rounds = 0
+    group, rank = first.process_group, first.rank
+    nothing = SortedKeys(torch.empty(0, dtype=torch.int64, device=first.device))
+    idle = LookupHeader(active=0).fields(first.device)
+    while True:
+        route = ids_to_owners(nothing, first.sharding, idle, group, rank, first.stats)
+        active = route.headers.active_units()
+        if not active:
+            return rounds
+        units[active[0]].serve(route)  # a table's round, or a collection's (all its tables)
+        rounds += 1

@@ -1,0 +1,196 @@
+"""One rank, many tables, on a GPU: every feature of a collection in one kernel, one record, one fused update.
+
+A collection's lookup on one GPU reads all its features at once (:func:`lightning_sparse.kernels.bags.gather_bags`:
+ids or bags, sum or mean, from every table), and records one gradient for the whole round: each
+id's key over all the tables (``table << shift | row``), its bag and its weight, and the bags'
+gradient as backward gives it. The optimizer step then sorts the keys once and updates every
+table in one fused launch (:mod:`lightning_sparse.optim.joint`). So the step's kernels do not
+grow with the number of tables, as FBGEMM's table-batched embeddings do, without moving the
+tables into one buffer: each table keeps its own shard (checkpoints, resharding and ``state_dict``
+are untouched), and the kernels reach the tables through their addresses.
+
+It takes a round when the tables are plain ``SparseEmbedding``\\ s of one dim, dtype and output
+dtype on one GPU (or Triton's interpreter), and every feature is well-formed as the host sees it;
+any other round goes through the lookup engine (:mod:`lightning_sparse.lookup.engine`), which names the
+problem. Ids out of range and offsets that do not fit are found on the device and raised as
+for one table (:mod:`lightning_sparse.lookup.range_check`): at the next step or lookup of the collection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.kernels import uses_triton
+from lightning_sparse.kernels.bags import Feature, gather_bags, verdict_size
+from lightning_sparse.kernels.rounding import HALF
+from lightning_sparse.kernels.runs import table_entries
+from lightning_sparse.lookup.features import ID_DTYPES, ID_SOURCE_DTYPES, JaggedIds, code_of
+from lightning_sparse.lookup.verdict import check_round
+from lightning_sparse.wire.header import Headers, LookupHeader
+
+if TYPE_CHECKING:
+    from lightning_sparse.lookup.pending import PendingGrads
+    from lightning_sparse.lookup.range_check import RangeCheck
+    from lightning_sparse.lookup.units import ShardedTable
+
+
+class SparseEmbeddingCollection(Protocol):
+    """What this module reads of a collection (:class:`~lightning_sparse.SparseEmbeddingCollection` is one)."""
+
+    name: str
+    feature_names: list[str]
+    feature_parts: list[int]
+    feature_pooling: list[str]
+    pending: PendingGrads
+    range_check: RangeCheck
+
+    @property
+    def table_list(self) -> list[ShardedTable]: ...
+    @property
+    def rank(self) -> int: ...
+    def describe_feature(self, index: int) -> str: ...
+
+
+def takes(collection: SparseEmbeddingCollection) -> bool:
+    """Whether the collection's rounds can take this path (its tables; each round's input is checked by :func:`read`)."""
+    tables = collection.table_list
+    first = tables[0]
+    if first.world_size != 1 or first.replicas != 1 or not uses_triton(first.shard):
+        return False
+    if any(t.resolves_ids for t in tables):  # dynamic tables resolve ids to slots first
+        return False
+    same = {(t.embedding_dim, t.dtype, t.output_dtype or t.dtype, t.device) for t in tables}
+    return len(same) == 1 and not (first.dtype in HALF and first.stochastic_rounding is not False)
+
+
+def key_shift(collection: SparseEmbeddingCollection) -> int:
+    """Bits of a row in a key: keys are ``table << shift | row``."""
+    return max(t.shard.shape[0] for t in collection.table_list).bit_length()
+
+
+def read(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -> list[tuple[str, Feature, tuple, int]] | None:
+    """Each given feature as the kernel reads it, its output shape and its ids' dtype code; ``None`` for anything the
+    engine must judge (it names the problem)."""
+    device = collection.table_list[0].device
+    read_in = []
+    for name, given in features.items():
+        if name not in collection.feature_names:
+            return None
+        index = collection.feature_names.index(name)
+        part, mode = collection.feature_parts[index], collection.feature_pooling[index]
+        table = collection.table_list[part]
+        jagged = given if isinstance(given, JaggedIds) else None
+        ids = jagged.values if jagged is not None else given
+        if not isinstance(ids, Tensor) or ids.dtype not in ID_DTYPES or ids.device != device:
+            return None
+        if jagged is None:
+            if mode != "none" and ids.dim() != 2:
+                return None
+            bags, per_bag, offsets = (ids.numel(), 1, None) if mode == "none" else (ids.shape[0], ids.shape[1], None)
+            shape = (*ids.shape, table.embedding_dim) if mode == "none" else (ids.shape[0], table.embedding_dim)
+        else:
+            if ids.dim() != 1 or (jagged.weights is not None and (mode != "sum" or jagged.weights.requires_grad)):
+                return None
+            if mode == "none":
+                bags, per_bag, offsets = len(ids), 1, None
+            else:
+                offsets = _offsets(jagged, device)
+                if offsets is None:
+                    return None
+                bags, per_bag = len(offsets) - 1, 0
+            shape = (bags, table.embedding_dim)
+        weights = jagged.weights if jagged is not None else None
+        if weights is not None:
+            if weights.shape != ids.shape or not weights.dtype.is_floating_point or weights.device != device:
+                return None
+            weights = weights.to(torch.float32).contiguous()
+        flat = ids.reshape(-1)
+        flat = flat.view(torch.int64) if flat.dtype == torch.uint64 else flat.to(torch.int64)
+        feature = Feature(flat.contiguous(), offsets, weights, per_bag, bags, part, table.shard.shape[0], mode == "mean", index)
+        read_in.append((name, feature, shape, code_of(ids.dtype, ID_SOURCE_DTYPES)))
+    return read_in
+
+
+def _offsets(jagged: JaggedIds, device: torch.device) -> Tensor | None:
+    structure = jagged.offsets if jagged.offsets is not None else jagged.lengths
+    if structure.dim() != 1 or structure.dtype not in ID_DTYPES or structure.device != device:
+        return None
+    if jagged.offsets is not None:
+        return None if len(structure) == 0 else structure.to(torch.int64).contiguous()
+    return torch.cat([structure.new_zeros(1, dtype=torch.int64), torch.cumsum(structure, 0)])
+
+
+class _RecordedBags(torch.autograd.Function):
+    """Every feature's output (views of one ``[bags, dim]`` tensor); backward hands the bags' gradient to the round's record."""
+
+    @staticmethod
+    def forward(ctx: Any, token: Tensor, out: Tensor, record: Any, splits: list[int], shapes: list[tuple]) -> tuple[Tensor, ...]:
+        ctx.record, ctx.splits = record, splits
+        return tuple(piece.view(*shape) for piece, shape in zip(out.split(splits), shapes))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, ...]:
+        dim = next(g for g in grads if g is not None).shape[-1]
+        pieces = [g.reshape(-1, dim) if g is not None else grads_zeros(n, dim, grads) for g, n in zip(grads, ctx.splits)]
+        ctx.record.add_grad(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+        return None, None, None, None, None
+
+
+def grads_zeros(rows: int, dim: int, grads: tuple[Tensor | None, ...]) -> Tensor:
+    """The gradient of an output that got none: zeros, like the others."""
+    like = next(g for g in grads if g is not None)
+    return like.new_zeros(rows, dim)
+
+
+def lookup(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -> dict[str, Tensor] | None:
+    """The round on one GPU; ``None`` if it cannot take it (then the engine does)."""
+    read_in = read(collection, features)
+    if read_in is None:
+        return None
+    tables, check = collection.table_list, collection.range_check
+    first, shift = tables[0], key_shift(collection)
+    raise_failed(collection, check.failed(1))
+    verdict = check.verdict(first.device, verdict_size(len(collection.feature_names)))
+    recording = torch.is_grad_enabled()
+    out, keys, sources, scales = gather_bags([f for _, f, _, _ in read_in], _gather_entries(collection), first.shard,
+                                             first.output_dtype or first.dtype, shift, verdict, store=recording)  # fmt: skip
+    check.sent()
+    check.dtype_code = {f.report_as: code for _, f, _, code in read_in}
+    for _, f, _, _ in read_in:
+        tables[f.table].stats.ids_looked_up += len(f.ids)
+    splits, shapes = [f.num_bags for _, f, _, _ in read_in], [shape for _, _, shape, _ in read_in]
+    if not recording:
+        raise_failed(collection, check.failed(1, wait=True))
+        return {name: piece.view(*shape) for (name, _, shape, _), piece in zip(read_in, out.split(splits))}
+    record = collection.pending.new_record(None, keys)
+    record.sources, record.weights = sources, scales
+    record.tables = sorted({f.table for _, f, _, _ in read_in if len(f.ids)})
+    token = torch.empty(0, device=first.device, requires_grad=True)
+    outputs = _RecordedBags.apply(token, out, record, splits, shapes)
+    return {name: output for (name, _, _, _), output in zip(read_in, outputs)}
+
+
+def _gather_entries(collection: SparseEmbeddingCollection) -> Tensor:
+    """The tables' addresses for the gather (``[T, 8]``, as a TableSet's), kept while the shards stay where they are."""
+    shards = [t.shard for t in collection.table_list]
+    key = tuple(s.data_ptr() for s in shards)
+    cached = collection.__dict__.get("_gather_entries")
+    if cached is None or cached[0] != key:
+        entries = table_entries(shards, [(None, None, None)] * len(shards), [None] * len(shards), [(0.0, 0.0, 1.0)] * len(shards))
+        collection.__dict__["_gather_entries"] = cached = (key, entries)
+    return cached[1]
+
+
+def raise_failed(collection: SparseEmbeddingCollection, failed: list[int] | None) -> None:
+    """Raise, as the engine would, for the first feature a collection's verdict shows bad input for."""
+    if failed is None:
+        return
+    for index in range(len(collection.feature_names)):
+        code, low, high = failed[2 + 3 * index : 5 + 3 * index]
+        if code:
+            dtype = collection.range_check.dtype_code.get(index, -1)  # a collection's: per feature
+            check_round(collection, Headers.of(LookupHeader(error=code, part=index, id_min=low, id_max=high, dtype=dtype)))

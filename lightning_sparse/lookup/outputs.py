@@ -1,0 +1,105 @@
+"""Stage 5: the rows a lookup returns, and where their gradient stops.
+
+A lookup's rows leave the graph at :class:`_RecordedRows`: its backward hands the rows'
+gradient to the table's :class:`~lightning_sparse.lookup.pending.LookupRecord` and communicates
+nothing. The engine records each table's distinct rows (:func:`distinct_rows`); features read
+them with ``index_select`` (:func:`expand_rows`, whose backward is the segment sum of the
+lookup's sort) or pool them (:mod:`lightning_sparse.lookup.pooling`). With one rank and one table
+there is nothing to deduplicate: :func:`gather` reads the shard straight at the ids, as
+``nn.Embedding`` does, and records one gradient row per id, summed at the optimizer step.
+Every sum of gradient rows is :func:`lightning_sparse.kernels.segment_sum` (or the fused update).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.kernels import rows as kernel_rows
+from lightning_sparse.kernels import uses_triton
+
+if TYPE_CHECKING:
+    from lightning_sparse.lookup.pending import LookupRecord
+    from lightning_sparse.lookup.units import ShardedTable
+    from lightning_sparse.wire.grouping import SortedKeys
+
+
+class _RecordedRows(torch.autograd.Function):
+    """Rows a lookup read, in its output dtype; backward hands their gradient to the lookup's record.
+
+    The gradient arrives in the output dtype (e.g. float32 from a bf16 table) and is summed so.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, token: Tensor, rows: Tensor, record: LookupRecord, dtype: torch.dtype) -> Tensor:
+        ctx.record = record
+        return rows.to(dtype) if rows.dtype != dtype else rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None]:
+        ctx.record.add_grad(grad)
+        return None, None, None, None
+
+
+class _Expand(torch.autograd.Function):
+    """``rows.index_select(0, inverse)`` for a feature that holds all of its table's ids in the round.
+
+    Backward is the segment sum of the round's sort (``runs``): ``[distinct rows, dim]``, with
+    no scatter (autograd's ``index_select`` backward adds with atomics on a GPU, in no fixed order).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, inverse: Tensor, runs: SortedKeys) -> Tensor:
+        ctx.runs = runs
+        return rows.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return ctx.runs.segment_sum(grad), None, None
+
+
+def _token(device: torch.device) -> Tensor:
+    """A leaf that requires grad, so that the autograd function's output does (the rows themselves do not)."""
+    return torch.empty(0, device=device, requires_grad=True)
+
+
+def distinct_rows(table: ShardedTable, rows: Tensor, record: LookupRecord | None) -> Tensor:
+    """A table's distinct rows of a lookup in its output dtype; differentiable through ``record`` if given."""
+    dtype = table.output_dtype or rows.dtype
+    if record is None:
+        return rows.to(dtype)
+    return _RecordedRows.apply(_token(rows.device), rows, record, dtype)
+
+
+def expand_rows(rows: Tensor, inverse: Tensor, runs: SortedKeys) -> Tensor:
+    """``rows.index_select(0, inverse)`` for a feature that holds all of its table's ids in the round (see :class:`_Expand`)."""
+    return _Expand.apply(rows, inverse, runs)
+
+
+def expand(table: ShardedTable, rows: Tensor, record: LookupRecord | None, runs: SortedKeys, shape: torch.Size) -> Tensor:
+    """Stage 5 of one table's lookup: its distinct rows, one per id of the sort ``runs``, shaped like the ids (``shape``)."""
+    return expand_rows(distinct_rows(table, rows, record), runs.inverse(), runs).view(*shape, table.embedding_dim)
+
+
+def gather(table: ShardedTable, ids: Tensor) -> Tensor:
+    """One rank, one table: the shard's rows at ``ids`` in the output dtype, recorded for their gradient in grad mode.
+
+    The record keeps its own copy of the ids (int32 where they fit): a caller may reuse its ids
+    buffer before backward. On a GPU this is one Triton kernel that also checks the ids
+    (:mod:`lightning_sparse.lookup.range_check`): no host read.
+    """
+    dtype = table.output_dtype or table.shard.dtype
+    recording = torch.is_grad_enabled()
+    with torch.no_grad():
+        if uses_triton(table.shard):
+            check = table.range_check
+            rows, keys = kernel_rows.gather(table.shard, ids, dtype, check.verdict(table.shard.device), keys=recording)
+            check.sent()
+        else:  # the ids were checked on the host
+            rows = table.shard.index_select(0, ids).to(dtype)
+            keys = ids.to(kernel_rows.key_dtype(table.shard.shape[0]), copy=True) if recording else None
+    if not recording:
+        return rows
+    return _RecordedRows.apply(_token(ids.device), rows, table.pending.new_record(None, keys), dtype)

@@ -1,0 +1,130 @@
+"""Pending row gradients: what a table's lookups received in backward, until a sparse optimizer takes them.
+
+Each differentiable lookup makes a :class:`LookupRecord`, owned by the autograd graph (the
+lookup's backward node holds it). Its backward hands the record the gradient of the rows the
+lookup returned, and the record joins the table's :class:`PendingGrads`. Nothing is summed in
+backward: the optimizer step sums the gradient rows that share a row, as it updates them (one
+sort and one segment sum, or the fused update kernel on a GPU). A lookup whose graph is freed
+without a backward (evaluation without ``torch.no_grad()``) leaves nothing behind, so memory
+stays bounded by what has actually received a gradient.
+
+The table also keeps the :class:`~lightning_sparse.wire.exchange.Route` of its last recorded lookup,
+so that the optimizer can send that lookup's gradients back the way its ids came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from lightning_sparse.kernels.rounding import HALF
+from lightning_sparse.wire.exchange import Route
+
+
+class LookupRecord:
+    """One differentiable lookup: its keys, then the gradient of the rows it returned.
+
+    Two kinds, by what the lookup returned:
+
+    * *distinct* (made with ``occurrences``): the lookup engine's record. ``keys`` are the
+      distinct rows' owner-major keys, ascending: the order in which the lookup sent its ids
+      along ``route``; ``grad`` is ``[len(keys), dim]`` in that order. ``occurrences`` is how
+      often each distinct row was read, or a function that counts them when asked (only
+      ``duplicate_grads="mean"`` asks).
+    * *per id* (no ``occurrences``): a one-process lookup that reads the shard at its ids
+      (:func:`lightning_sparse.lookup.outputs.gather`). ``keys`` are the rows of the ids (the lookup's
+      own copy: the caller may reuse its ids buffer), repeats included; ``grad`` is
+      ``[len(keys), dim]``, one row per id.
+    """
+
+    __slots__ = ("route", "keys", "occurrences", "sources", "weights", "tables", "grad", "_pending", "_listed", "__weakref__")
+
+    def __init__(
+        self,
+        pending: PendingGrads,
+        route: Route | None,
+        keys: Tensor,
+        occurrences: Tensor | Callable[[], Tensor] | None = None,
+    ) -> None:
+        self.route, self.keys, self.occurrences = route, keys, occurrences
+        # A collection's lookup on one GPU (lightning_sparse.lookup.joint) records its ids' keys over all its tables:
+        # key i's gradient is grad[sources[i]] * weights[i] (a bag's), and ``tables`` lists the tables it touched.
+        self.sources: Tensor | None = None
+        self.weights: Tensor | None = None
+        self.tables: list[int] | None = None
+        self.grad: Tensor | None = None
+        self._pending = pending
+        self._listed = False  # in ``pending.received``: its gradient has not been taken or zeroed
+
+    @property
+    def distinct(self) -> bool:
+        """Whether ``keys`` are distinct (one gradient row per distinct row), as the lookup engine records them."""
+        return self.occurrences is not None
+
+    def add_grad(self, grad_output: Tensor) -> None:
+        """Called by the lookup's backward with the gradient of its ``[len(keys), dim]`` rows.
+
+        A half-precision gradient is kept in float32 (the update's dtype for half tables).
+        """
+        if grad_output.dtype in HALF:
+            grad_output = grad_output.float()
+        if self._listed:  # out of place: the first gradient may be a tensor autograd also gave to others
+            self.grad = self.grad + grad_output
+        else:  # the first backward, or one after a step or zero_grad took the previous gradient
+            self.grad, self._listed = grad_output.contiguous(), True
+            self._pending.received.append(self)
+
+    def counts(self) -> Tensor | None:
+        """How often the lookup read each distinct row; ``None`` for a record per id (each gradient row counts once)."""
+        if callable(self.occurrences):
+            self.occurrences = self.occurrences()
+        return self.occurrences
+
+
+class PendingGrads:
+    """A table's lookups that received a gradient since the last step, and its last recorded route."""
+
+    def __init__(self) -> None:
+        self.received: list[LookupRecord] = []
+        self.route: Route | None = None
+
+    def new_record(
+        self, route: Route | None, keys: Tensor, occurrences: Tensor | Callable[[], Tensor] | None = None
+    ) -> LookupRecord:
+        """A record of one lookup (see :class:`LookupRecord`: distinct with ``occurrences``, else one key per id)."""
+        return LookupRecord(self, route, keys, occurrences)
+
+    def grads(self) -> list[Tensor]:
+        """The gradient rows received so far, one tensor per lookup (for inspection; see :meth:`scale`).
+
+        Rows are not summed yet: a lookup's record per id has one row per id (see :class:`LookupRecord`).
+        """
+        return [record.grad for record in self.received]
+
+    def scale(self, factor: float) -> None:
+        """Multiply every received gradient by ``factor`` (e.g. to unscale a mixed-precision loss scale)."""
+        for record in self.received:  # out of place, as in add_grad
+            record.grad = record.grad * factor
+
+    def zero_grad(self) -> None:
+        """Drop the gradients received so far. Lookups still awaiting their backward are unaffected."""
+        for record in self.received:
+            record.grad, record._listed = None, False
+        self.received = []
+
+    def take(self) -> tuple[Route | None, LookupRecord | None, list[LookupRecord]]:
+        """Hand over everything: (last route, this rank's record of it, the other records with gradients).
+
+        Forgets the received gradients and the route. Every rank of the table's group must take
+        at the same point (an optimizer step), so that all agree on which route is in use.
+        """
+        route, routed, others = self.route, None, []
+        for record in self.received:
+            record._listed = False
+            if routed is None and route is not None and record.route is route:
+                routed = record
+            else:
+                others.append(record)
+        self.received, self.route = [], None
+        return route, routed, others

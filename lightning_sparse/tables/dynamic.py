@@ -1,0 +1,228 @@
+"""DynamicEmbedding: a table addressed by arbitrary 64-bit ids, each given a row of its own while it fits.
+
+The table is a ``"range"``-sharded :class:`~lightning_sparse.tables.embedding.SparseEmbedding` of
+``W * rows_per_rank`` rows: owner ``o``'s slot ``s`` is row ``o * rows_per_rank + s``, and the
+owner of an id hands out its slot. A lookup on 2 or more ranks is one round trip:
+
+1. **Keys to owners.** Each rank sorts its ids' keys (:func:`~lightning_sparse.wire.hashing.mix`),
+   which groups them by owner (the high bits of the key), and sends the distinct ones with the
+   lookup stage (:func:`~lightning_sparse.wire.exchange.ids_to_owners`, header checks included,
+   ``LookupHeader.stage = 2``).
+2. **Rows and slots back.** Each owner finds or admits the keys in its
+   :class:`~lightning_sparse.tables.admission.SlotTable`, and sends back each key's row followed by its
+   slot (``rows_to_requesters``). An id without a row gets the owner's null slot 0, which stays
+   zero. The owner keeps the route with the slots in place of the keys, so the optimizer step
+   sends this lookup's gradients to their rows; the requester records its rows by row number,
+   so gradients of other lookups go to their owners as a ``SparseEmbedding``'s do.
+
+Every sparse optimizer works as for a ``SparseEmbedding``. A collection's dynamic tables turn
+ids into row numbers first (:meth:`DynamicEmbedding.rows_of`, a round per table, stage 1) and
+then join the collection's row round. With one rank there is no round: one sort of the keys
+gives the distinct ids, their slots, and the runs the backward adds up.
+
+A sparse optimizer that holds the table resets the optimizer state of every slot given to a new
+id, and after each step calls :meth:`DynamicEmbedding.after_step`, which moves the clock (slots
+used since the last step are pinned until then), frees expired slots and zeroes the null rows.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sparse.lookup.features import FeatureIds
+from lightning_sparse.tables import init as row_init
+from lightning_sparse.tables.admission import EVICTION, NULL_SLOT, SlotStats, SlotTable
+from lightning_sparse.tables.dynamic_lookup import DynamicLookupMixin
+from lightning_sparse.tables.dynamic_state import DynamicStateMixin
+from lightning_sparse.tables.embedding import SparseEmbedding
+from lightning_sparse.wire.hashing import unmix
+
+
+class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
+    """An embedding table for arbitrary int64 (or uint64) ids, sharded by a hash of the id.
+
+    Args:
+        capacity: ids the table holds at most, over all ranks (rank ``r`` holds
+            ``capacity // W``, plus one for the first ``capacity % W`` ranks).
+        embedding_dim: width of a row.
+        admit_after: an id gets a row on the training lookup that asks for it the
+            ``admit_after``-th time (counted per rank's lookup, in a count sketch); until then,
+            and when no slot can be had, its lookups return zeros and its gradient is dropped.
+        eviction: when a rank's slots are full, a new id takes the slot of the id used longest
+            ago (``"lru"``) or requested least often (``"lfu"``); slots used since the last
+            optimizer step are never taken.
+        ttl: if set, ids unused for more than ``ttl`` optimizer steps lose their row.
+        sketch_width: counters per row of the admission sketch (default: 4 per slot).
+        init: as for :class:`SparseEmbedding`, called with the ids themselves: a new row is
+            ``init(ids, embedding_dim, seed)``, so an id that is evicted and admitted again
+            starts afresh, and its optimizer state too.
+        seed: initial values depend only on ``(seed, id)``.
+        dtype: of the rows; ``torch.bfloat16`` or ``torch.float16`` halve their memory, as for
+            :class:`SparseEmbedding` (float32 optimizer state, updates written back with
+            stochastic rounding).
+        stochastic_rounding: for a half-precision table, ``False`` rounds updates to nearest.
+        output_dtype: the dtype lookups return (default: the rows' dtype).
+        device: of the rows and the slots.
+        process_group: the ranks that share the table (see :class:`SparseEmbedding`).
+        name: used in error messages and stats; the strategy sets it to the module path.
+
+    Only lookups with grad mode on (training) count requests, admit ids and pin slots; others
+    (validation) read what is there. The owner of an id is a fixed mix of its bits modulo the
+    ranks, so hash values that share low bits spread evenly.
+    """
+
+    resolves_ids = True  # its lookups find (or admit) each id's slot first
+
+    def __init__(
+        self,
+        capacity: int,
+        embedding_dim: int,
+        *,
+        admit_after: int = 1,
+        eviction: str = "lru",
+        ttl: int | None = None,
+        sketch_width: int | None = None,
+        init: row_init.RowInit | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        stochastic_rounding: bool | None = None,
+        output_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        name: str | None = None,
+    ) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"Invalid capacity: {capacity!r}. HINT: a dynamic table holds at least one id.")
+        if not isinstance(admit_after, int) or admit_after < 1:
+            raise ValueError(f"Invalid admit_after: {admit_after!r}. HINT: 1 admits an id on its first training lookup.")
+        if eviction not in EVICTION:
+            raise ValueError(f"Invalid eviction: {eviction!r}. HINT: use one of {EVICTION}.")
+        if ttl is not None and (not isinstance(ttl, int) or ttl < 1):
+            raise ValueError(f"Invalid ttl: {ttl!r}. HINT: a number of optimizer steps >= 1, or None to keep ids.")
+        super().__init__(capacity + 1, embedding_dim, sharding="range", init=init, seed=seed, dtype=dtype,
+                         stochastic_rounding=stochastic_rounding, output_dtype=output_dtype, device=device,
+                         process_group=process_group, name=name or f"DynamicEmbedding({capacity}, {embedding_dim})")  # fmt: skip
+        self.has_given_name = name is not None
+        self.capacity, self.admit_after, self.eviction, self.ttl = capacity, admit_after, eviction, ttl
+        self.sketch_width = sketch_width
+        self.slots: SlotTable | None = None
+        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # they reset the state of re-used slots
+        self.placement: Any = None  # where a checkpoint's rows went (lightning_sparse.checkpoint.dynamic_rows)
+
+    # ------------------------------------------------------------------ placement
+    def rows_per_rank(self, world_size: int | None = None) -> int:
+        """Rows of each rank's shard: the most ids a rank holds, plus the null row."""
+        return -(-self.capacity // (world_size or self.world_size)) + 1
+
+    def materialize(
+        self, process_group: dist.ProcessGroup | None = None, replica_group: dist.ProcessGroup | None = None
+    ) -> DynamicEmbedding:
+        """Allocate this rank's slots and rows (local, no collective). See :meth:`SparseEmbedding.materialize`."""
+        if replica_group is not None:
+            raise ValueError(f"{self.name}: a DynamicEmbedding is sharded over one group. HINT: use 1-D sharding "
+                             f"(no sharding_group_size) for models with dynamic tables.")  # fmt: skip
+        group = process_group or (self._requested_group() if self._requested_group is not None else None)
+        initialized = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size(group or dist.group.WORLD) if initialized else 1
+        if self._materialized and world_size != self._world_size:
+            if self.slots.occupancy or self._world_size != 1:
+                raise RuntimeError(f"{self.name} holds ids on {self._world_size} rank(s) and cannot be re-sharded over "
+                                   f"{world_size}. HINT: save a checkpoint and load it into a new module.")  # fmt: skip
+            self._materialized = False  # an unused local table: start over on the group
+        self.num_embeddings = world_size * self.rows_per_rank(world_size)
+        super().materialize(process_group)
+        if self.slots is None or len(self.slots.last_used) != len(self._shard):
+            rank = self._rank
+            capacity = self.capacity // world_size + (rank < self.capacity % world_size)
+            self.slots = SlotTable(len(self._shard), capacity, admit_after=self.admit_after, eviction=self.eviction,
+                                   ttl=self.ttl, sketch_width=self.sketch_width or 4 * capacity, device=self.device)  # fmt: skip
+        return self
+
+    def _initial_rows(self, global_ids: Tensor) -> Tensor:
+        # Rows get their values when an id is admitted; the null row stays zero.
+        return torch.zeros(len(global_ids), self.embedding_dim, dtype=self._shard.dtype, device=self._shard.device)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DynamicEmbedding:
+        super()._apply(fn, recurse)
+        if self.slots is not None and self.slots.map.device != self.device:  # the slots follow the rows
+            self.slots.to(self.device)
+        return self
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Forget every id: all slots free, all rows zero (optimizer state is reset as ids come back)."""
+        self.materialize()
+        none = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.slots.restore(none, none, none, self.slots.clock)
+        self._shard.zero_()
+
+    # ------------------------------------------------------------------ admission
+    @torch.no_grad()
+    def _assign(self, keys: Tensor, requests: Tensor | int, ids_of: Callable[[Tensor], Tensor] | None = None,
+                distinct: bool = False) -> Tensor:  # fmt: skip
+        """Slots of keys on this owner (see ``SlotTable.resolve``); new ids' rows start from ``init``, their optimizer state afresh.
+
+        ``ids_of(index)``: the ids of ``keys[index]``, where the caller has them (else they are unmixed from the keys).
+        """
+        slots, new_slots, new_index = self.slots.resolve(keys, requests, distinct=distinct)
+        if len(new_slots):
+            new_ids = ids_of(new_index) if ids_of is not None else unmix(keys.index_select(0, new_index))
+            self._shard.index_copy_(0, new_slots, self._init_rows(new_ids))
+            for optimizer in self._optimizers:
+                optimizer.reset_rows(self._shard, new_slots)
+        return slots
+
+    # ------------------------------------------------------------------ optimizer steps
+    def watch(self, optimizer: Any) -> None:
+        """Called by a sparse optimizer that holds this table: it will reset the state of slots given to new ids."""
+        self._optimizers.add(optimizer)
+
+    def watchers(self) -> list[Any]:
+        """The sparse optimizers that hold this table."""
+        return list(self._optimizers)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Called by the sparse optimizer after each step: unpin, expire, and put the null row back to zero if it was read."""
+        self.slots.tick()
+        if self.slots.null_used:  # only a lookup that read it can have given it a gradient
+            null = torch.tensor([NULL_SLOT], device=self.device)
+            self._shard.index_fill_(0, null, 0)
+            for optimizer in self._optimizers:
+                optimizer.reset_rows(self._shard, null)
+            self.slots.null_used = False
+
+    @property
+    def slot_stats(self) -> SlotStats:
+        """This rank's admissions, evictions, expirations and rejections since the last reset, and its occupancy."""
+        self.materialize()
+        return self.slots.stats
+
+    def extra_repr(self) -> str:
+        held = f", holds={self.slots.occupancy}" if self.slots is not None else ""
+        return (f"capacity={self.capacity}, {self.embedding_dim}, admit_after={self.admit_after}, "
+                f"eviction={self.eviction!r}, ttl={self.ttl}{held}")  # fmt: skip
+
+
+def rows_of_features(tables: list[SparseEmbedding], read: list[FeatureIds]) -> list[FeatureIds]:
+    """A collection's features with each dynamic table's ids turned into its rows (stage 1 per dynamic table).
+
+    Collective: every rank of the group must call it; each dynamic table of the collection takes
+    one round, in the collection's order, also on a rank whose batch has none of its features.
+    """
+    for part, table in enumerate(tables):
+        if not isinstance(table, DynamicEmbedding):
+            continue
+        mine = [index for index, feature in enumerate(read) if feature.part == part]
+        ids = [read[index].ids for index in mine]
+        rows = table.rows_of(torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=table.device))
+        for index, feature_rows in zip(mine, rows.split([len(i) for i in ids])):
+            read[index] = replace(read[index], ids=feature_rows)
+    return read

@@ -1,0 +1,106 @@
+"""The two all-to-all primitives every stage is made of (split sizes, then values), and what they count.
+
+Collectives: **every rank of the group must call each**, in the same order, also with nothing
+to send. With one rank nothing is exchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sparse.faults.peers import collective
+
+ProcessGroup = dist.ProcessGroup
+
+
+@dataclass
+class ExchangeStats:
+    """Running totals of what the sparse path sent, received and spent; reset by the reader.
+
+    Bytes count what crossed to or from other ranks (headers included), not a rank's split to
+    itself; ``collectives`` counts the all-to-all calls. ``unique_ids`` may be a 0-d device
+    tensor: a one-process GPU step counts its distinct ids in its update kernel (see :meth:`on_device`).
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    exchange_seconds: float = 0.0
+    update_seconds: float = 0.0
+    ids_looked_up: int = 0
+    unique_ids: int = 0
+    collectives: int = 0
+
+    def add(self, other: ExchangeStats) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def reset(self) -> None:
+        for name, spec in self.__dataclass_fields__.items():
+            setattr(self, name, spec.default)
+
+    def on_device(self, name: str, device: torch.device) -> Tensor:
+        """Counter ``name`` as a 0-d int64 tensor on ``device``, for a kernel to add to (no host read until it is logged)."""
+        value = getattr(self, name)
+        if not isinstance(value, Tensor) or value.device != device:
+            value = torch.full((), value if not isinstance(value, Tensor) else int(value), dtype=torch.int64, device=device)
+            setattr(self, name, value)
+        return value
+
+
+def split_starts(splits: Sequence[int]) -> list[int]:
+    """``[0, s0, s0 + s1, ...]``: where each split starts (and, last, the total)."""
+    return [0, *accumulate(splits)]
+
+
+# ---------------------------------------------------------------------------- primitives
+def exchange_counts(send: Tensor, group: ProcessGroup | None, world_size: int, stats: ExchangeStats | None = None) -> Tensor:
+    """Row ``j`` of ``send`` ([W, K] int64) goes to rank ``j``; row ``i`` of the result came from rank ``i``.
+
+    Collective: every rank of ``group`` must call it with the same ``K``.
+    """
+    if world_size == 1:
+        return send
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    with collective("all-to-all of split sizes"):
+        dist.all_to_all_single(recv, send, group=group)
+    if stats is not None:  # what crossed to other ranks: all rows but our own
+        row = send[0].numel() * send.element_size()
+        stats.bytes_sent += row * (world_size - 1)
+        stats.bytes_received += row * (world_size - 1)
+        stats.collectives += 1
+    return recv
+
+
+def exchange_values(
+    values: Tensor,
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    group: ProcessGroup | None,
+    world_size: int,
+    rank: int,
+    stats: ExchangeStats | None = None,
+) -> Tensor:
+    """Uneven all-to-all along dim 0: ``send_splits[j]`` leading rows go to rank ``j``.
+
+    Collective: every rank of ``group`` must call it; ``recv_splits`` must be what the peers send.
+    """
+    if world_size == 1:
+        return values
+    recv = values.new_empty((sum(recv_splits), *values.shape[1:]))
+    with collective("all-to-all of values"):
+        dist.all_to_all_single(
+            recv, values.contiguous(), output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=group
+        )
+    if stats is not None:  # what crossed to other ranks: our own split stays here
+        row = values[0].numel() * values.element_size() if len(values) else 0
+        stats.bytes_sent += (sum(send_splits) - send_splits[rank]) * row
+        stats.bytes_received += (sum(recv_splits) - recv_splits[rank]) * row
+        stats.collectives += 1
+    return recv

@@ -1,0 +1,292 @@
+"""The all-to-all stages of the sparse path, named by the direction data moves.
+
+A lookup and an optimizer step move data in three stages:
+
+1. ``ids_to_owners``: each rank sends the distinct rows it looks up to the ranks that own them
+   (as local row indices), after a header of split sizes and input checks (:class:`LookupHeader`);
+2. ``rows_to_requesters``: owners gather those rows and send them back in the order the ids
+   came, so the requester reorders nothing;
+3. ``grads_to_owners``: at the optimizer step, row gradients go to the owners. The gradients of
+   a table's last lookup go back along that lookup's :class:`Route`: the owner already knows
+   which rows it sent, so neither ids nor split sizes travel (the *routed* round). Gradients of
+   other lookups (accumulation, a table looked up twice) take the *general* round: a header,
+   then ids and values. All tables of one optimizer share each round.
+
+Every stage is a collective: **every rank of the group must call it, in the same order**, even a
+rank with nothing to send (it sends empty tensors). Values move with ``all_to_all_single`` and
+uneven splits. With one rank nothing is exchanged. Each stage runs under a
+``torch.profiler.record_function`` label ``lightning_sparse.<stage>``, reads the host at most
+once, and counts what crossed to other ranks in :class:`~lightning_sparse.wire.alltoall.ExchangeStats`.
+
+Grouping by owner takes one sort: :class:`~lightning_sparse.wire.grouping.SortedKeys` sorts owner-major keys
+(:meth:`lightning_sparse.wire.sharding.RowSharding.key`), which deduplicates and groups in one go and
+yields the runs that a segment sum (``F.embedding_bag``) adds up.
+
+This module holds stages 1 and 2 (and the :class:`Route` between them); stage 3 is in
+``grads_exchange.py``, the header in ``header.py``, the all-to-all primitives and
+:class:`~lightning_sparse.wire.alltoall.ExchangeStats` in ``alltoall.py``.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.profiler import record_function
+
+from lightning_sparse.faults.peers import collective
+from lightning_sparse.kernels.host import host_tensor
+from lightning_sparse.wire.alltoall import ExchangeStats, exchange_values, split_starts
+from lightning_sparse.wire.grouping import SortedKeys, transpose_blocks
+from lightning_sparse.wire.header import Headers, LookupHeader
+from lightning_sparse.wire.packing import to_device
+from lightning_sparse.wire.sharding import JointSharding, RowSharding
+
+if TYPE_CHECKING:
+    from lightning_sparse.wire.hashing import HashSharding
+
+ProcessGroup = dist.ProcessGroup
+
+
+@dataclass
+class Route:
+    """How one lookup's ids travelled, kept to send the rows back and, later, their gradients.
+
+    On the requester, ids went in ascending owner-major key order, ``send_counts[j]`` of them
+    to rank ``j``; rows come back in that order. On the owner, ``received`` holds the local row
+    indices that each requester asked for, grouped by requester (``recv_counts``), each group
+    ascending. ``headers`` are every rank's :class:`LookupHeader` (the same on every rank).
+    """
+
+    # Ids sent to and received from each rank, ``[W]`` host int64 (as lists: ``send_splits``, ``recv_splits``).
+    send_counts: Tensor
+    recv_counts: Tensor
+    received: Tensor
+    headers: Headers
+    # For several tables in one round (a JointSharding): ids per (rank, table), ``[W, T]`` int64,
+    # on the host (``send_parts``, ``recv_parts``) and on the ids' device (``device_parts``: send, recv).
+    send_parts: Tensor | None = None
+    recv_parts: Tensor | None = None
+    device_parts: tuple[Tensor, Tensor] | None = None
+
+    @cached_property
+    def send_splits(self) -> list[int]:
+        return self.send_counts.tolist()
+
+    @cached_property
+    def recv_splits(self) -> list[int]:
+        return self.recv_counts.tolist()
+
+    @property
+    def records(self) -> bool:
+        """Whether any rank records this lookup for a gradient (the same answer on every rank)."""
+        return self.headers.records
+
+
+# Id slots per destination in the next lookup round of each process group. Every rank derives it
+# from the same headers (the largest count of the last round, plus a margin), so all ranks agree
+# without a word; a lookup on any table of the group, or a rank serving others, uses it.
+_SLOTS: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
+_SLOT_MARGIN, _SLOT_ALIGN = 1.25, 16
+
+
+def _next_slots(most: int) -> int:
+    return -(-int(most * _SLOT_MARGIN) // _SLOT_ALIGN) * _SLOT_ALIGN if most else 0
+
+
+def ids_to_owners(
+    runs: SortedKeys,
+    sharding: RowSharding | JointSharding | HashSharding,
+    fields: Tensor,
+    group: ProcessGroup,
+    rank: int,
+    stats: ExchangeStats | None = None,
+    check: Callable[[Headers], None] | None = None,
+) -> Route:
+    """Stage 1: every rank's header and its distinct ids, grouped by owner, in one all-to-all.
+
+    ``runs`` sorted this rank's owner-major keys (ids that fall outside the table go nowhere);
+    ``fields`` is this rank's header without ``count`` (:meth:`LookupHeader.fields`). Each
+    destination gets a row of ``11 + slots`` int64: the header, then up to ``slots`` ids.
+    ``slots`` is agreed from the previous round; a rank with more ids for someone says so in
+    its header (``most``), and an overflow round sends the rest. ``check`` sees every rank's
+    header before the route is built; every rank sees the same headers, so if it raises, it
+    raises on every rank and the group stays usable. One host read: the headers. With a
+    :class:`~lightning_sparse.wire.sharding.JointSharding` (several tables), the same read also
+    brings the ids per (rank, table) both ways (``Route.send_parts``, ``Route.recv_parts``).
+
+    Collective: every rank of ``group`` must call it.
+    """
+    start = time.perf_counter()
+    world_size, width = sharding.world_size, LookupHeader.WIDTH
+    device = runs.sorted.device
+    with record_function("lightning_sparse.ids_to_owners"):
+        slots = _SLOTS.get(group, 0)
+        below = sharding.owner_counts_below(runs, device)
+        counts = below[1:] - below[:-1]
+        keys = runs.sorted.to(torch.int64)
+        owner, local = sharding.owner_of_key(keys), sharding.local_of_key(keys)
+        send = _pack(runs, owner, local, below, slots, world_size, device)
+        rows = send.view(world_size, width + slots)
+        rows[:, 0] = counts
+        rows[:, 1:width] = fields
+        rows[:, 1 + LookupHeader.slot("most")] = counts.max()
+        recv = torch.empty(world_size * (width + slots), dtype=torch.int64, device=device)
+        parts = getattr(sharding, "num_parts", 0)
+        parts = 0 if parts == 1 else parts  # one table: its ids per rank are the counts themselves (below)
+        with collective("all-to-all of lookup ids"):
+            dist.all_to_all_single(recv, send, group=group)
+            recv = recv.view(world_size, width + slots)
+            read = [counts, recv[:, :width].reshape(-1)]
+            if parts:
+                device_parts = (_parts_sent(runs, sharding, owner, local), _parts_in_slots(recv, sharding))
+                read += [part.reshape(-1) for part in device_parts]
+            on_host = torch.cat(read).cpu()  # the stage's one host read
+        send_splits = on_host[:world_size].tolist()
+        headers = Headers(on_host[world_size : world_size * (1 + width)].view(world_size, width))
+        if parts:
+            send_parts, recv_parts = on_host[world_size * (1 + width) :].view(2, world_size, parts).unbind(0)
+        most = int(headers.column("most").max())
+        _SLOTS[group] = _next_slots(most)
+        if check is not None:
+            check(headers)
+        recv_splits = headers.table[:, 0].tolist()
+        received = _segments(
+            recv.view(-1), torch.arange(world_size) * (width + slots) + width, headers.table[:, 0].clamp(max=slots)
+        )
+        if most > slots:  # overflow: the ids beyond the slots, in a second round
+            received = _overflow(runs, sharding, send_splits, recv_splits, slots, received, group, rank, stats)
+            if parts:  # the slots held only some ids: count them all (a second host read, with the second round)
+                device_parts = (device_parts[0], parts_received(received, recv_splits, sharding))
+                recv_parts = device_parts[1].cpu()
+    if stats is not None:
+        sent = world_size * (width + slots) * 8
+        stats.bytes_sent += sent * (world_size - 1) // world_size
+        stats.bytes_received += sent * (world_size - 1) // world_size
+        stats.collectives += 1
+        stats.exchange_seconds += time.perf_counter() - start
+    route = Route(on_host[:world_size], headers.table[:, 0], received, headers)
+    if parts:
+        route.send_parts, route.recv_parts, route.device_parts = send_parts, recv_parts, device_parts
+    elif getattr(sharding, "num_parts", 0) == 1:
+        route.send_parts, route.recv_parts = route.send_counts.view(-1, 1), route.recv_counts.view(-1, 1)
+        route.device_parts = (counts.view(-1, 1), recv[:, :1])
+    return route
+
+
+# Binary searches per (owner, table) boundary beat one pass over the keys while the keys outnumber
+# the blocks this many times (a pass costs several tensor ops per key, a search ~log2(keys) steps per block).
+_KEYS_PER_BLOCK_TO_SEARCH = 16
+
+
+def _parts_sent(runs: SortedKeys, sharding: JointSharding, owner: Tensor, local: Tensor) -> Tensor:
+    """This rank's distinct ids per (owner, table), ``[W, T]``, without a host read.
+
+    ``owner`` and ``local``: each sorted key's owner and joint local id. Few blocks for the keys:
+    a binary search per block boundary; about as many blocks as keys (thousands of ranks): one
+    pass over the keys.
+    """
+    blocks = sharding.world_size * sharding.num_parts
+    if blocks * _KEYS_PER_BLOCK_TO_SEARCH < len(runs.sorted):
+        below = runs.counts_below(sharding.part_boundaries(owner.device))
+        counts = below[1:] - below[:-1]
+    else:
+        counts = runs.counts_in_blocks(sharding.block(owner, local), blocks)
+    return counts.view(sharding.world_size, sharding.num_parts)
+
+
+def _parts_in_slots(recv: Tensor, sharding: JointSharding) -> Tensor:
+    """Ids per (source, table) among the received slots, ``[W, T]``, without a host read."""
+    world_size, parts, width = sharding.world_size, sharding.num_parts, LookupHeader.WIDTH
+    ids = recv[:, width:].contiguous()  # a view with a row stride; bucketize wants contiguous values
+    used = torch.arange(ids.shape[1], device=recv.device).unsqueeze(0) < recv[:, :1]
+    where = sharding.part_of_local(ids) + torch.arange(world_size, device=recv.device).unsqueeze(1) * parts
+    where = torch.where(used, where, world_size * parts).reshape(-1)  # unused slots count in a last bin, dropped
+    counts = torch.zeros(world_size * parts + 1, dtype=torch.int64, device=recv.device)
+    return counts.scatter_add_(0, where, torch.ones_like(where))[:-1].view(world_size, parts)
+
+
+def parts_received(received: Tensor, recv_splits: Sequence[int], sharding: JointSharding) -> Tensor:
+    """Ids per (source, table) in a route's ``received`` joint local ids, ``[W, T]`` on their device (no host read)."""
+    world_size, parts = sharding.world_size, sharding.num_parts
+    source = torch.repeat_interleave(
+        torch.arange(world_size, device=received.device), host_tensor(recv_splits, torch.int64, received.device),
+        output_size=len(received),
+    )  # fmt: skip
+    where = source * parts + sharding.part_of_local(received)
+    counts = torch.zeros(world_size * parts, dtype=torch.int64, device=received.device)
+    return counts.scatter_add_(0, where, torch.ones_like(where)).view(world_size, parts)
+
+
+def _pack(
+    runs: SortedKeys, owner: Tensor, local: Tensor, below: Tensor, slots: int, world_size: int, device: torch.device
+) -> Tensor:
+    """The send buffer of stage 1: per destination a header (filled by the caller) and ``slots`` ids.
+
+    ``owner`` and ``local`` are the owner and local id of each sorted key. Built without a host
+    read: each distinct key goes to slot ``its index among its owner's keys``; keys beyond the
+    slots, outside the table, or repeated go to scratch places past the end, which are not sent.
+    """
+    width = LookupHeader.WIDTH + slots
+    n = len(runs.sorted)
+    send = torch.zeros(world_size * width + n, dtype=torch.int64, device=device)
+    if n == 0 or slots == 0:
+        return send[: world_size * width]
+    inside = (owner >= 0) & (owner < world_size) & runs.is_first
+    owner = owner.clamp(0, world_size - 1)
+    within = runs.run_index() - below.index_select(0, owner)
+    place = owner * width + LookupHeader.WIDTH + within
+    scratch = torch.arange(world_size * width, world_size * width + n, device=device)
+    send.index_copy_(0, torch.where(inside & (within < slots), place, scratch), local)
+    return send[: world_size * width]
+
+
+def _segments(flat: Tensor, starts: Tensor, lengths: Tensor) -> Tensor:
+    """``flat[starts[0] : starts[0] + lengths[0]]``, then the next segment, ... as one tensor (one gather).
+
+    ``starts`` and ``lengths`` are host int64 tensors (one per rank: no Python loop over ranks).
+    """
+    total = int(lengths.sum())
+    offsets = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths, output_size=total)
+    index = torch.arange(total) + offsets
+    return flat.index_select(0, index.to(flat.device, non_blocking=True))
+
+
+def _overflow(runs, sharding, send_splits, recv_splits, slots, received, group, rank, stats) -> Tensor:
+    """The second round of stage 1: ids beyond the slots, then every requester's ids in order."""
+    world_size = sharding.world_size
+    runs.finish(sum(send_splits))
+    local = sharding.local_of_key(runs.unique)
+    starts = split_starts(send_splits)
+    extra_send = [max(0, c - slots) for c in send_splits]
+    extra_recv = [max(0, c - slots) for c in recv_splits]
+    extra = _segments(local, torch.tensor(starts[:-1], dtype=torch.int64) + slots, torch.tensor(extra_send, dtype=torch.int64))
+    extra = exchange_values(extra, extra_send, extra_recv, group, world_size, rank, stats)
+    counts = torch.tensor([[min(c, slots) for c in recv_splits], extra_recv], dtype=torch.int64)  # [2, W]
+    both = torch.cat([received, extra])  # all slots' ids by source, then all extra ids by source
+    return both.index_select(0, to_device(transpose_blocks(counts, len(both)), both.device))  # by source
+
+
+# ---------------------------------------------------------------------------- stage 2: rows to requesters
+def rows_to_requesters(
+    rows: Tensor, route: Route, group: ProcessGroup | None, world_size: int, rank: int, stats: ExchangeStats | None = None
+) -> Tensor:
+    """Stage 2: send the rows for ``route.received`` back; returns the requested rows in key order.
+
+    Collective: every rank of ``group`` must call it. No host read: the splits are the route's.
+    """
+    if world_size == 1:
+        return rows
+    start = time.perf_counter()
+    with record_function("lightning_sparse.rows_to_requesters"):
+        out = exchange_values(rows, route.recv_splits, route.send_splits, group, world_size, rank, stats)
+    if stats is not None:
+        stats.exchange_seconds += time.perf_counter() - start
+    return out

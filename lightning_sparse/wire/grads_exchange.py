@@ -1,0 +1,198 @@
+"""Stage 3, grads to owners: at an optimizer step, the row gradients of all its tables go to their owners.
+
+The gradients of a table's last lookup go back along that lookup's :class:`~lightning_sparse.wire.exchange.Route`
+(the *routed* round: no ids, no split sizes); those of other lookups (accumulation, a table
+looked up twice) take the *general* round: a header, then ids and values. All tables of one
+optimizer share each round. Collective: **every rank of the group must call it**.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.profiler import record_function
+
+from lightning_sparse.faults.peers import collective
+from lightning_sparse.kernels.host import host_tensor
+from lightning_sparse.wire.alltoall import ExchangeStats, exchange_counts, exchange_values
+from lightning_sparse.wire.exchange import Route
+from lightning_sparse.wire.packing import common_unit, pack, to_device, unpack
+
+ProcessGroup = dist.ProcessGroup
+
+
+# ---------------------------------------------------------------------------- stage 3: grads to owners
+@dataclass
+class OutgoingGrads:
+    """One table's row gradients on the requester, ready for :func:`grads_to_owners`.
+
+    ``route`` is the table's last lookup (``None`` if no lookup since the last step recorded
+    gradients) and ``routed`` this rank's gradient rows for it, in the route's order (``None``
+    if this rank has none). ``others`` holds any other gradient rows as (local row index, values)
+    grouped by owner, ``counts[j]`` of them for rank ``j``; ``None`` if there are none.
+    """
+
+    route: Route | None
+    routed: Tensor | None
+    width: int
+    others: tuple[Tensor, Tensor, Tensor] | None = None  # (local ids, values, counts per owner)
+    nonfinite: Tensor | None = None  # a 0-d device flag: 1 if a value above is inf or NaN (when checked)
+
+
+@dataclass
+class IncomingGrads:
+    """One table's gradient rows as received by the owner: pieces of (local rows, values).
+
+    Each piece from the routed round (or kept locally) holds distinct rows; a row may appear in
+    several pieces, and repeat within the piece of the general round (``merged``).
+    """
+
+    rows: list[Tensor]
+    values: list[Tensor]
+    touched: bool = False  # whether any rank had a gradient for the table
+    merged: bool = False  # a piece holds rows from several ranks
+    nonfinite_ranks: list[int] = field(default_factory=list)  # ranks whose gradient held inf or NaN (when checked)
+
+    @property
+    def distinct(self) -> bool:
+        """Whether the rows are distinct as they are (one piece, from one source)."""
+        return len(self.rows) == 1 and not self.merged
+
+
+# Control code per table that rides with the routed rows to every destination.
+_HAS_ROUTED, _HAS_OTHERS, _NONFINITE = 1, 2, 4
+
+
+def grads_to_owners(
+    tables: Sequence[OutgoingGrads],
+    group: ProcessGroup | None,
+    world_size: int,
+    rank: int,
+    wire_dtype: torch.dtype,
+    device: torch.device,
+    stats: ExchangeStats | None = None,
+) -> list[IncomingGrads]:
+    """Stage 3: send every table's row gradients to the rows' owners.
+
+    The routed round always runs: its sizes follow from the routes, which every rank knows.
+    To each destination it carries each table's routed rows, then one control code per table
+    (whether this rank had routed rows, whether it has others). Every rank thereby learns what
+    every rank has; if any rank has other rows, the general round follows (a header of counts,
+    then ids and values). One host read per round: the control codes, the header.
+
+    A table's ``nonfinite`` flag rides in its control code too, so every rank learns which
+    ranks' gradients held an inf or NaN (``IncomingGrads.nonfinite_ranks``).
+
+    Collective: every rank of ``group`` must call it with the same tables in the same order.
+    """
+    if world_size == 1:
+        return [_keep_local(t) for t in tables]
+    start = time.perf_counter()
+    with record_function("lightning_sparse.grads_to_owners"):
+        incoming, codes = _routed_round(tables, group, world_size, rank, wire_dtype, device, stats)
+        if bool((codes & _HAS_OTHERS).any()):
+            general = _general_round(tables, group, world_size, rank, wire_dtype, device, stats)
+            for table, (rows, values) in zip(incoming, general):
+                if len(rows):
+                    table.rows.append(rows)
+                    table.values.append(values)
+                    table.merged = True
+    if stats is not None:
+        stats.exchange_seconds += time.perf_counter() - start
+    return incoming
+
+
+def _keep_local(table: OutgoingGrads) -> IncomingGrads:
+    incoming = IncomingGrads([], [])
+    if table.nonfinite is not None and bool(table.nonfinite):  # a host read, only when checking
+        incoming.nonfinite_ranks = [0]
+    if table.routed is not None:
+        incoming.rows.append(table.route.received)
+        incoming.values.append(table.routed)
+    if table.others is not None:
+        incoming.rows.append(table.others[0])
+        incoming.values.append(table.others[1])
+    incoming.touched = bool(incoming.rows)
+    return incoming
+
+
+def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) -> tuple[list[IncomingGrads], Tensor]:
+    """Every table's routed rows and this rank's control codes, one message per destination (:func:`pack`)."""
+    codes = [_HAS_ROUTED * (t.routed is not None) + _HAS_OTHERS * (t.others is not None) for t in tables]
+    code_values = host_tensor(codes, wire_dtype, device)
+    for index, table in enumerate(tables):
+        if table.nonfinite is not None:  # device flag: no host read here
+            code_values[index] += _NONFINITE * table.nonfinite.to(wire_dtype)
+    routed = [t for t in tables if t.route is not None]
+    unit = common_unit([t.width for t in routed])
+    code_width = -(-len(tables) // unit) * unit  # the codes ride as one row per destination
+    code_row = torch.zeros(code_width, dtype=wire_dtype, device=device)
+    code_row[: len(tables)] = code_values
+    rows = [t.routed.to(wire_dtype) if t.routed is not None  # else placeholders, marked unused by the code
+            else torch.zeros(sum(t.route.send_splits), t.width, dtype=wire_dtype, device=device) for t in routed]  # fmt: skip
+    rows.append(code_row.expand(world_size, code_width))
+    one_each = torch.ones(world_size, dtype=torch.int64)
+    send_counts = torch.stack([t.route.send_counts for t in routed] + [one_each])  # [tables + 1, W]
+    recv_counts = torch.stack([t.route.recv_counts for t in routed] + [one_each])
+    widths = [t.width for t in routed] + [code_width]
+    flat, send_sizes = pack(rows, send_counts, to_device(send_counts, device), unit)
+    recv_sizes = (recv_counts * torch.tensor(widths).unsqueeze(1)).sum(0).tolist()
+    recv = exchange_values(flat, send_sizes, recv_sizes, group, world_size, rank, stats)
+    *pieces, sources_codes = unpack(recv, recv_counts, to_device(recv_counts, device), widths, unit)
+    with collective("all-to-all of gradients"):
+        all_codes = sources_codes[:, : len(tables)].to(torch.int64).cpu()  # [W, T], the round's one host read
+    touched = ((all_codes & (_HAS_ROUTED | _HAS_OTHERS)) != 0).any(0).tolist()
+    nonfinite = (all_codes & _NONFINITE) != 0
+    any_nonfinite = nonfinite.any(0).tolist()
+    incoming = [IncomingGrads([], [], touched=touched[i],
+                              nonfinite_ranks=nonfinite[:, i].nonzero().view(-1).tolist() if any_nonfinite[i] else [])
+                for i in range(len(tables))]  # fmt: skip
+    if not routed:
+        return incoming, all_codes
+    # Sources that sent this rank rows of each routed table, and those that marked them as placeholders.
+    with_rows = recv_counts[:-1] > 0  # [routed, W]
+    routed_index = torch.tensor([i for i, t in enumerate(tables) if t.route is not None])
+    sent = ((all_codes.index_select(1, routed_index) & _HAS_ROUTED) != 0).t() & with_rows
+    senders, complete = sent.sum(1).tolist(), (sent == with_rows).all(1).tolist()
+    for k, (index, values) in enumerate(zip(routed_index.tolist(), pieces)):
+        if not senders[k]:
+            continue
+        received = tables[index].route.received
+        if not complete[k]:  # drop the placeholders of sources without a gradient (a host-side index)
+            keep = to_device(torch.repeat_interleave(sent[k], recv_counts[k]).nonzero().view(-1), device)
+            received, values = received.index_select(0, keep), values.index_select(0, keep)
+        incoming[index].rows.append(received)
+        incoming[index].values.append(values)
+        incoming[index].merged = senders[k] > 1  # rows of several sources: a row may repeat
+    return incoming, all_codes
+
+
+def _general_round(tables, group, world_size, rank, wire_dtype, device, stats) -> list[tuple[Tensor, Tensor]]:
+    """A header of counts per (owner, table), then rows of (local id, values) of every table in one buffer."""
+    empty_counts = torch.zeros(world_size, dtype=torch.int64, device=device)
+    counts = torch.stack([t.others[2] if t.others is not None else empty_counts for t in tables])  # [T, W]
+    recv_counts = exchange_counts(counts.t().contiguous(), group, world_size, stats).t()  # [T, W]: from each source
+    with collective("all-to-all of gradient counts"):
+        host = torch.stack([counts, recv_counts]).cpu()  # the round's one host read
+    id_width = 8 // torch.empty(0, dtype=wire_dtype).element_size()
+    widths = [id_width + t.width for t in tables]
+    wire = []
+    for t, width in zip(tables, widths):
+        if t.others is None:
+            wire.append(torch.empty(0, width, dtype=wire_dtype, device=device))
+            continue
+        ids, values = t.others[0], t.others[1]
+        # Each row: its local id's 8 bytes reinterpreted in the wire dtype (exact), then its values.
+        wire.append(torch.cat([ids.contiguous().view(wire_dtype).view(-1, id_width), values.to(wire_dtype)], dim=1))
+    unit = common_unit(widths)
+    flat, send_sizes = pack(wire, host[0], counts, unit)
+    recv_sizes = (host[1] * torch.tensor(widths).unsqueeze(1)).sum(0).tolist()
+    recv = exchange_values(flat, send_sizes, recv_sizes, group, world_size, rank, stats)
+    # the ids' values are copied out first: a view into the buffer may start at an offset that is no multiple of 8 bytes
+    return [(rows[:, :id_width].reshape(-1).clone().view(torch.int64), rows[:, id_width:])
+            for rows in unpack(recv, host[1], recv_counts, widths, unit)]  # fmt: skip

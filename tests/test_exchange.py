@@ -52,7 +52,7 @@ def test_ids_per_owner_and_table_by_search_and_by_one_pass_agree(data, world_siz
     keys = [joint.key(t, torch.tensor(data.draw(st.lists(st.integers(0, n - 1), max_size=12)), dtype=torch.int64))
             for t, n in enumerate(sizes)]  # fmt: skip
     runs = SortedKeys(torch.cat(keys), joint.key_bound)
-    below = runs.counts_below(joint.part_boundaries())
+    below = runs.counts_below(joint.table_boundaries())
     sorted_keys = runs.sorted.to(torch.int64)
     blocks = joint.block(joint.owner_of_key(sorted_keys), joint.local_of_key(sorted_keys))
     assert runs.counts_in_blocks(blocks, world_size * len(sizes)).tolist() == (below[1:] - below[:-1]).tolist()
@@ -93,7 +93,7 @@ def _count_per_stage(accumulate: bool, device: str = "cpu"):
         opt = ls.SparseAdagrad([emb], lr=0.1)
         ids = torch.arange(rank, 1000, 7, device=device)
         lookups = 2 if accumulate else 1
-        emb(ids).sum().backward()  # the first round sizes the id slots of the next ones
+        emb(ids).sum().backward()  # the first round sizes the id room of the next ones
         opt.step()
         emb.stats.reset()
         opt.stats.reset()
@@ -128,7 +128,7 @@ def test_collectives_and_host_reads_per_stage(rank_pools, device):
 
 
 def _growing_lookups(device: str = "cpu"):
-    """Batches that outgrow the agreed id slots take an overflow round and stay exact."""
+    """Batches that outgrow the agreed id room take an overflow round and stay exact."""
     rank = torch.distributed.get_rank()
     emb = ls.SparseEmbedding(5000, 3, seed=2, device=device)
     rounds, outs = [], []

@@ -33,6 +33,7 @@ at all, see :func:`_one_rank_one_table`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -44,8 +45,8 @@ from lightning_sparse.lookup.joint_rows import TableMajor, rows_from_owners, tab
 from lightning_sparse.lookup.outputs import distinct_rows, expand_rows, gather
 from lightning_sparse.lookup.pooling import pool, select
 from lightning_sparse.lookup.units import LookupUnit, OneTable, ShardedTable
-from lightning_sparse.lookup.verdict import check_round, one_feature_header, raise_if_out_of_range, write_verdicts
-from lightning_sparse.wire.exchange import Route, ids_to_owners, parts_received
+from lightning_sparse.lookup.verdict import check_round, header_of, raise_if_out_of_range, write_verdicts
+from lightning_sparse.wire.exchange import Route, TableCounts, count_received_by_table, ids_to_owners
 from lightning_sparse.wire.grouping import SortedKeys
 from lightning_sparse.wire.header import OK, Headers, LookupHeader
 
@@ -77,12 +78,10 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
     device, world_size, group, rank = first.device, first.world_size, first.process_group, first.rank
     if world_size == 1 and len(tables) == len(read) == 1 and unit.feature_pooling[read[0].index] == "none":
         return {read[0].name: _one_rank_one_table(unit, read[0])}
-    header = LookupHeader(table=unit.unit_index, record=int(torch.is_grad_enabled()), error=problem.error, part=problem.part,
-                          detail=problem.detail, dtype=problem.dtype)  # fmt: skip
-    fields = one_feature_header(header, read, bad_offsets).fields(device)
+    fields = header_of(unit.unit_index, problem, read, bad_offsets).fields(device)
     if problem.error == OK and read:
         write_verdicts(fields, read, bad_offsets, tables)
-    keys = [joint.key(f.part, f.ids.clamp(0, tables[f.part].num_embeddings - 1)) for f in read]
+    keys = [joint.key(f.table, f.ids.clamp(0, tables[f.table].num_embeddings - 1)) for f in read]
     runs = SortedKeys(_concat(keys, device), joint.key_bound)
 
     def check(headers: Headers) -> None:
@@ -90,25 +89,37 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
 
     if world_size > 1:
         route = ids_to_owners(runs, joint, fields, group, rank, unit.stats, check)
-        mine = TableMajor(route.send_parts, route.device_parts[0])
-        theirs = TableMajor(route.recv_parts, route.device_parts[1])
+        mine = TableMajor(route.by_table.sent, route.by_table.device_sent)
+        theirs = TableMajor(route.by_table.received, route.by_table.device_received)
     else:  # nothing to exchange: one host read for the verdict and the ids per table
-        below = runs.counts_below(joint.part_boundaries(device))
+        below = runs.counts_below(joint.table_boundaries(device))
         per_table = (below[1:] - below[:-1]).view(1, -1)
         on_host = torch.cat([fields, per_table.view(-1)]).cpu()
         route, mine = None, TableMajor(on_host[LookupHeader.WIDTH - 1 :].view(1, -1), per_table)
         check(Headers.of(LookupHeader(0, *on_host[: LookupHeader.WIDTH - 1].tolist())))
     runs.finish(mine.total)
-    distinct = mine.split(runs.unique)  # each table's distinct joint keys, by owner
+    round_ = _Round(joint, runs, mine, route, table_routes(route, joint, theirs) if route is not None else None,
+                    distinct=mine.split(runs.unique))  # fmt: skip
     if route is not None:
-        routes = table_routes(route, joint, theirs)
-        rows = rows_from_owners(tables, route, mine, theirs, routes, unit.wire_dtype, unit.stats)
+        rows = rows_from_owners(tables, route, mine, theirs, round_.routes, unit.wire_dtype, unit.stats)
     else:
         with torch.no_grad():  # one owner: a joint local id less the table's offset is the row
-            rows = [table.shard.index_select(0, keys - joint.offsets[part])
-                    for part, (table, keys) in enumerate(zip(tables, distinct))]  # fmt: skip
-    _keep_for_backward(tables, joint, route, routes if route is not None else None, distinct, rows, read, mine, runs)
-    return _outputs(unit, read, rows, mine, runs)
+            rows = [table.shard.index_select(0, keys - joint.offsets[t])
+                    for t, (table, keys) in enumerate(zip(tables, round_.distinct))]  # fmt: skip
+    _keep_for_backward(tables, round_, rows, read)
+    return _outputs(unit, read, rows, round_)
+
+
+@dataclass(frozen=True)
+class _Round:
+    """A lookup round once its ids are sorted and routed: what the outputs and the backward need."""
+
+    joint: JointSharding
+    runs: SortedKeys  # the one sort of the round's joint keys
+    mine: TableMajor  # this rank's distinct keys in (owner, table) blocks
+    route: Route | None  # ``None`` with one rank
+    routes: list[Route] | None  # each table's share of ``route``
+    distinct: list[Tensor]  # each table's distinct joint keys, by owner
 
 
 def _one_rank_one_table(unit: LookupUnit, feature: FeatureIds) -> Tensor:
@@ -139,54 +150,39 @@ def _concat(keys: list[Tensor], device: torch.device) -> Tensor:
     return torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64, device=device)
 
 
-def _keep_for_backward(
-    tables: list[ShardedTable],
-    joint: JointSharding,
-    route: Route | None,
-    routes: list[Route] | None,
-    distinct: list[Tensor],
-    rows: list[Tensor],
-    read: list[FeatureIds],
-    mine: TableMajor,
-    runs: SortedKeys,
-) -> None:
+def _keep_for_backward(tables: list[ShardedTable], round_: _Round, rows: list[Tensor], read: list[FeatureIds]) -> None:
     """Each table's distinct rows in its output dtype (``rows``, in place), recorded for their gradient in grad mode.
 
     Also counts each table's distinct ids and keeps the round's route as the table's last.
     """
-    used = {f.part for f in read}
+    joint, route, routes, runs, mine = round_.joint, round_.route, round_.routes, round_.runs, round_.mine
+    used = {f.table for f in read}
     recording = torch.is_grad_enabled()
 
-    def occurrences(part: int) -> Callable[[], Tensor]:  # counted only if asked (duplicate_grads="mean")
-        return runs.counts if len(tables) == 1 else lambda: mine.split(runs.counts())[part]
+    def occurrences(t: int) -> Callable[[], Tensor]:  # counted only if asked (duplicate_grads="mean")
+        return lambda: mine.split(runs.counts())[t]
 
-    for part, (table, table_keys) in enumerate(zip(tables, distinct)):
+    for t, (table, table_keys) in enumerate(zip(tables, round_.distinct)):
         table.stats.unique_ids += len(table_keys)
         if route is not None and route.records:
-            table.pending.route = routes[part]
-        if not (recording and part in used):
-            rows[part] = distinct_rows(table, rows[part], None)
+            table.pending.route = routes[t]
+        if not (recording and t in used):
+            rows[t] = distinct_rows(table, rows[t], None)
             continue
-        local = table_keys  # one table: the joint keys are the table's own
-        if len(tables) > 1:
-            local = joint.local_of_key(table_keys) - joint.offsets[part]
-            if route is not None:  # the table's own owner-major keys
-                local = joint.owner_of_key(table_keys) * table.sharding.block_size + local
-        record = table.pending.new_record(routes[part] if route is not None else None, local, occurrences=occurrences(part))
-        rows[part] = distinct_rows(table, rows[part], record)
+        keys = joint.table_keys(t, table_keys)
+        record = table.pending.new_record(routes[t] if route is not None else None, keys, occurrences=occurrences(t))
+        rows[t] = distinct_rows(table, rows[t], record)
 
 
-def _outputs(
-    unit: LookupUnit, read: list[FeatureIds], rows: list[Tensor], mine: TableMajor, runs: SortedKeys
-) -> dict[str, Tensor]:
+def _outputs(unit: LookupUnit, read: list[FeatureIds], rows: list[Tensor], round_: _Round) -> dict[str, Tensor]:
     """Stage 5: each feature's rows (``index_select`` from its table's distinct rows) or pooled bags."""
-    tables = unit.table_list
+    tables, mine, runs = unit.table_list, round_.mine, round_.runs
     within = mine.within_table(runs.inverse().to(torch.int64))
     positions = within.split([len(f.ids) for f in read]) if len(read) != 1 else [within]
     out = {}
     for feature, position in zip(read, positions):
-        table_rows = rows[feature.part]
-        tables[feature.part].stats.ids_looked_up += len(feature.ids)
+        table_rows = rows[feature.table]
+        tables[feature.table].stats.ids_looked_up += len(feature.ids)
         mode = unit.feature_pooling[feature.index]
         if mode == "none" and len(tables) == len(read) == 1 and table_rows.requires_grad:  # a table on its own
             out[feature.name] = expand_rows(table_rows, position, runs).view(*feature.shape, table_rows.shape[1])
@@ -202,14 +198,15 @@ def serve(unit: LookupUnit, route: Route) -> None:
     """Answer the other ranks' lookup round of ``unit`` on a rank with no lookups of its own (stage 2 only)."""
     joint = unit.joint_sharding
     check_round(unit, route.headers)
-    if joint.num_parts == 1:
+    if joint.num_tables == 1:
         mine = theirs = None
     else:
-        device_recv = parts_received(route.received, route.recv_splits, joint)
-        route.recv_parts = device_recv.cpu()  # a host read: this rank is idle
-        nothing = torch.zeros(joint.world_size, joint.num_parts, dtype=torch.int64)
-        route.send_parts, route.device_parts = nothing, (nothing.to(device_recv.device), device_recv)
-        mine, theirs = TableMajor(route.send_parts, route.device_parts[0]), TableMajor(route.recv_parts, device_recv)
+        device_received = count_received_by_table(route.received, route.recv_splits, joint)
+        nothing = torch.zeros(joint.world_size, joint.num_tables, dtype=torch.int64)  # this rank sent no ids
+        # A host read (this rank is idle): the counts a rank with ids of its own learns with its headers.
+        by_table = TableCounts(nothing, device_received.cpu(), nothing.to(device_received.device), device_received)
+        route = replace(route, by_table=by_table)
+        mine, theirs = TableMajor(by_table.sent, by_table.device_sent), TableMajor(by_table.received, device_received)
     routes = table_routes(route, joint, theirs)
     rows_from_owners(unit.table_list, route, mine, theirs, routes, unit.wire_dtype, unit.stats)
     if route.records:

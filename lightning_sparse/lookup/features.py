@@ -92,7 +92,7 @@ class FeatureIds:
 
     name: str
     index: int  # position among the collection's features
-    part: int  # position of its table among the collection's tables
+    table: int  # position of its table among the collection's tables
     ids: Tensor  # flat int64
     shape: tuple[int, ...]  # output rows for pooling "none": the ids' shape
     offsets: Tensor | None = None  # [bags + 1] for pooled features
@@ -105,7 +105,7 @@ class Problem:
     """The first bad input found on this rank: header fields and this rank's own words."""
 
     error: int = OK
-    part: int = -1  # the feature's position
+    feature: int = -1  # the feature's position
     detail: int = 0
     dtype: int = -1
     words: str | None = None
@@ -160,7 +160,7 @@ def read_ids(ids: Any, name: str, device: torch.device) -> tuple[list[FeatureIds
 def read_features(
     features: Any,
     names: list[str],
-    parts: list[int],
+    table_of_feature: list[int],
     pooling: list[str],
     device: torch.device,
 ) -> tuple[list[FeatureIds], Problem, Tensor | None]:
@@ -168,7 +168,7 @@ def read_features(
 
     ``features``: a mapping of feature name to input, or a TorchRec ``KeyedJaggedTensor``.
 
-    ``names``, ``parts`` and ``pooling`` describe the collection's features. Features after a
+    ``names``, ``table_of_feature`` and ``pooling`` describe the collection's features. Features after a
     problem are left out (the lookup will raise on every rank anyway).
     """
     read: list[FeatureIds] = []
@@ -193,7 +193,7 @@ def read_features(
         if verdict.get("error", OK) != OK:
             return read, Problem(verdict["error"], index, verdict.get("detail", 0), verdict.get("dtype", -1), words), None
         shape = tuple(given.shape) if jagged is None else (len(flat),)
-        feature = FeatureIds(name, index, parts[index], flat, shape, dtype=verdict.get("dtype", -1))
+        feature = FeatureIds(name, index, table_of_feature[index], flat, shape, dtype=verdict.get("dtype", -1))
         words = _layout_problem(given, jagged, mode)
         if words is not None:
             return read, Problem(BAD_INPUT, index, dtype=verdict.get("dtype", -1), words=words), None

@@ -43,7 +43,7 @@ class SparseEmbeddingCollection(Protocol):
 
     name: str
     feature_names: list[str]
-    feature_parts: list[int]
+    table_of_feature: list[int]
     feature_pooling: list[str]
     pending: PendingGrads
     range_check: RangeCheck
@@ -81,8 +81,8 @@ def read(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -> 
         if name not in collection.feature_names:
             return None
         index = collection.feature_names.index(name)
-        part, mode = collection.feature_parts[index], collection.feature_pooling[index]
-        table = collection.table_list[part]
+        t, mode = collection.table_of_feature[index], collection.feature_pooling[index]
+        table = collection.table_list[t]
         jagged = given if isinstance(given, JaggedIds) else None
         ids = jagged.values if jagged is not None else given
         if not isinstance(ids, Tensor) or ids.dtype not in ID_DTYPES or ids.device != device:
@@ -110,7 +110,7 @@ def read(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -> 
             weights = weights.to(torch.float32).contiguous()
         flat = ids.reshape(-1)
         flat = flat.view(torch.int64) if flat.dtype == torch.uint64 else flat.to(torch.int64)
-        feature = Feature(flat.contiguous(), offsets, weights, per_bag, bags, part, table.shard.shape[0], mode == "mean", index)
+        feature = Feature(flat.contiguous(), offsets, weights, per_bag, bags, t, table.shard.shape[0], mode == "mean", index)
         read_in.append((name, feature, shape, code_of(ids.dtype, ID_SOURCE_DTYPES)))
     return read_in
 
@@ -193,4 +193,4 @@ def raise_failed(collection: SparseEmbeddingCollection, failed: list[int] | None
         code, low, high = failed[2 + 3 * index : 5 + 3 * index]
         if code:
             dtype = collection.range_check.dtype_code.get(index, -1)  # a collection's: per feature
-            check_round(collection, Headers.of(LookupHeader(error=code, part=index, id_min=low, id_max=high, dtype=dtype)))
+            check_round(collection, Headers.of(LookupHeader(error=code, feature=index, id_min=low, id_max=high, dtype=dtype)))

@@ -20,7 +20,7 @@ from torch.profiler import record_function
 from lightning_sparse.wire.alltoall import exchange_values
 from lightning_sparse.wire.exchange import Route, rows_to_requesters
 from lightning_sparse.wire.grouping import transpose_blocks, transposed_places
-from lightning_sparse.wire.packing import common_unit, pack, unpack
+from lightning_sparse.wire.packing import common_word, pack, unpack
 
 if TYPE_CHECKING:
     from lightning_sparse.lookup.units import ShardedTable
@@ -60,11 +60,11 @@ def table_routes(route: Route, joint: JointSharding, theirs: TableMajor | None) 
 
     ``theirs``: the round's received ids per (requester, table), as the owner turns them by table.
     """
-    if joint.num_parts == 1:
+    if joint.num_tables == 1:
         return [route]
     received = theirs.split(route.received)
-    return [Route(route.send_parts[:, part], route.recv_parts[:, part], rows - joint.offsets[part], route.headers)
-            for part, rows in enumerate(received)]  # fmt: skip
+    return [Route(route.by_table.sent[:, t], route.by_table.received[:, t], rows - joint.offsets[t], route.headers)
+            for t, rows in enumerate(received)]  # fmt: skip
 
 
 def rows_from_owners(
@@ -79,7 +79,7 @@ def rows_from_owners(
     """Stage 2 for all tables: owners gather every table's rows and send them in one buffer; returns each table's rows.
 
     ``mine``/``theirs``: the round's ids per (rank, table) both ways (``None`` for one table). ``wire``: one dtype that holds every table's rows exactly. When all tables have one width, a
-    row is one unit of the buffer, and the turns between (rank, table) and (table, rank) order
+    row is one word of the buffer, and the turns between (rank, table) and (table, rank) order
     are the ones ``mine`` and ``theirs`` made already. Collective: every rank of the tables'
     group must call it.
     """
@@ -89,14 +89,14 @@ def rows_from_owners(
             rows = first.shard.index_select(0, route.received)
         return [rows_to_requesters(rows, route, first.process_group, first.world_size, first.rank, stats)]
     widths = [t.embedding_dim for t in tables]
-    unit = common_unit(widths)
+    word = common_word(widths)
     one_width = len(set(widths)) == 1
     with record_function("lightning_sparse.rows_to_requesters"), torch.no_grad():
         gathered = [table.shard.index_select(0, table_route.received).to(wire) for table, table_route in zip(tables, routes)]
         send, send_sizes = pack(
-            gathered, route.recv_parts.t(), route.device_parts[1].t(), unit, theirs.gather if one_width else None
+            gathered, route.by_table.received.t(), route.by_table.device_received.t(), word, theirs.gather if one_width else None
         )
         recv_sizes = (mine.counts * torch.tensor(widths)).sum(1).tolist()
         back = exchange_values(send, send_sizes, recv_sizes, first.process_group, first.world_size, first.rank, stats)
-        rows = unpack(back, mine.counts.t(), mine.device_counts.t(), widths, unit, mine.gather if one_width else None)
+        rows = unpack(back, mine.counts.t(), mine.device_counts.t(), widths, word, mine.gather if one_width else None)
     return [piece.to(table.dtype) for piece, table in zip(rows, tables)]

@@ -15,6 +15,7 @@ so that the optimizer can send that lookup's gradients back the way its ids came
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from torch import Tensor
 
@@ -82,6 +83,14 @@ class LookupRecord:
         return self.occurrences
 
 
+class TakenGrads(NamedTuple):
+    """What a step takes of a table's pending gradients (:meth:`PendingGrads.take`)."""
+
+    route: Route | None  # the last recorded lookup's route
+    routed: LookupRecord | None  # this rank's record of that lookup, if it received a gradient
+    others: list[LookupRecord]  # every other record that received a gradient
+
+
 class PendingGrads:
     """A table's lookups that received a gradient since the last step, and its last recorded route."""
 
@@ -113,8 +122,8 @@ class PendingGrads:
             record.grad, record._listed = None, False
         self.received = []
 
-    def take(self) -> tuple[Route | None, LookupRecord | None, list[LookupRecord]]:
-        """Hand over everything: (last route, this rank's record of it, the other records with gradients).
+    def take(self) -> TakenGrads:
+        """Hand over everything: the last route, this rank's record of it, the other records with gradients.
 
         Forgets the received gradients and the route. Every rank of the table's group must take
         at the same point (an optimizer step), so that all agree on which route is in use.
@@ -127,4 +136,4 @@ class PendingGrads:
             else:
                 others.append(record)
         self.received, self.route = [], None
-        return route, routed, others
+        return TakenGrads(route, routed, others)

@@ -64,7 +64,7 @@ class LookupUnit(Protocol):
     unit_index: int  # its position among the module's lookup units (set by the strategy)
     stats: ExchangeStats
     feature_names: list[str]
-    feature_parts: list[int]
+    table_of_feature: list[int]
     feature_pooling: list[str]
 
     @property
@@ -81,7 +81,7 @@ class LookupUnit(Protocol):
 class OneTable:
     """A table as a lookup unit of one: one feature, named like the table, unpooled."""
 
-    feature_parts = [0]
+    table_of_feature = [0]
     feature_pooling = ["none"]
 
     def __init__(self, table: ShardedTable) -> None:
@@ -98,7 +98,7 @@ class OneTable:
 
     @property
     def joint_sharding(self) -> JointSharding:
-        """The table's sharding as a joint one of one part (its keys are the table's own owner-major keys)."""
+        """The table's sharding as a joint one of one table (its keys are the table's own owner-major keys)."""
         if self._joint is None or self._joint.shardings[0] != self.table.sharding:
             self._joint = JointSharding((self.table.sharding,))
         return self._joint

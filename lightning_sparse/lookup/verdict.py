@@ -37,7 +37,7 @@ class Subject(Protocol):
     """What an error message names: a lookup unit (a table, or a collection) and its features."""
 
     name: str
-    feature_parts: list[int]
+    table_of_feature: list[int]
 
     @property
     def table_list(self) -> list[ShardedTable]: ...
@@ -57,33 +57,40 @@ def write_verdicts(fields: Tensor, read: list[FeatureIds], bad_offsets: Tensor |
     if len(read) == 1 and bad_offsets is None:  # one feature (a table's lookup): fewer ops, its range always in
         low, high = ranges[0]
         fields[_ID_RANGE] = ranges[0]
-        fields[_ERROR] = ((low < 0) | (high >= tables[read[0].part].num_embeddings)) * OUT_OF_RANGE
-        return  # ``part`` and ``dtype`` are the feature's: the caller put them in the header (see one_feature_header)
+        fields[_ERROR] = ((low < 0) | (high >= tables[read[0].table].num_embeddings)) * OUT_OF_RANGE
+        return  # ``feature`` and ``dtype`` are the feature's: the caller put them in the header (see header_of)
     ranges = torch.stack(ranges)  # [F, (min, max)]
     # Per feature: its table's size, then (position + 1, dtype code): the + 1 makes "no feature" -1 below.
-    facts = torch.tensor([(tables[f.part].num_embeddings, f.index + 1, f.dtype) for f in read], device=device)
+    facts = torch.tensor([(tables[f.table].num_embeddings, f.index + 1, f.dtype) for f in read], device=device)
     codes = torch.where((ranges[:, 0] < 0) | (ranges[:, 1] >= facts[:, 0]), OUT_OF_RANGE, OK)
     if bad_offsets is not None:
         codes = torch.where((codes == OK) & bad_offsets, BAD_OFFSETS, codes)
     first = (codes != OK).to(torch.int64).argmax().view(1)
     summary = torch.cat([codes.view(-1, 1), facts[:, 1:], ranges], dim=1).index_select(0, first).view(-1)
-    summary = summary * (summary[0] != OK) - _PART_SHIFT.to(device)  # all zeros (part -1) when every feature is fine
+    summary = summary * (summary[0] != OK) - _FEATURE_SHIFT.to(device)  # all zeros (feature -1) when every feature is fine
     fields.index_copy_(0, _VERDICT_SLOTS.to(device), summary)
 
 
-_ERROR = LookupHeader.slot("error")
-_ID_RANGE = slice(LookupHeader.slot("id_min"), LookupHeader.slot("id_max") + 1)
+_ERROR = LookupHeader.field_index("error")
+_ID_RANGE = slice(LookupHeader.field_index("id_min"), LookupHeader.field_index("id_max") + 1)
 
-# Where write_verdicts puts (error, part, dtype, id_min, id_max) in the header fields, and the shift of ``part``.
-_VERDICT_SLOTS = torch.tensor([LookupHeader.slot(name) for name in ("error", "part", "dtype", "id_min", "id_max")])
-_PART_SHIFT = torch.tensor([0, 1, 0, 0, 0])
+# Where write_verdicts puts (error, feature, dtype, id_min, id_max) in the header fields, and the shift of ``feature``.
+_VERDICT_SLOTS = torch.tensor([LookupHeader.field_index(name) for name in ("error", "feature", "dtype", "id_min", "id_max")])
+_FEATURE_SHIFT = torch.tensor([0, 1, 0, 0, 0])
 
 
-def one_feature_header(header: LookupHeader, read: list[FeatureIds], bad_offsets: Tensor | None) -> LookupHeader:
-    """For a lookup of one feature, the header with its position and dtype, which :func:`write_verdicts` then leaves alone."""
+def header_of(
+    unit_index: int, problem: Problem, read: list[FeatureIds], bad_offsets: Tensor | None = None, stage: int = 0
+) -> LookupHeader:
+    """This rank's header for a round of lookup unit ``unit_index``: its problem, whether it records (grad mode), its stage.
+
+    A lookup of one feature also names the feature and its dtype, which :func:`write_verdicts` then leaves alone.
+    """
+    header = LookupHeader(unit=unit_index, record=int(torch.is_grad_enabled()), error=problem.error,
+                          feature=problem.feature, detail=problem.detail, dtype=problem.dtype, stage=stage)  # fmt: skip
     if len(read) != 1 or bad_offsets is not None or header.error != OK:
         return header
-    return replace(header, part=read[0].index, dtype=read[0].dtype)
+    return replace(header, feature=read[0].index, dtype=read[0].dtype)
 
 
 def check_one_unit(headers: Headers, name: str) -> None:
@@ -115,9 +122,9 @@ def check_round(unit: Subject, headers: Headers, problem: Problem | None = None)
 def _error(unit: Subject, h: LookupHeader, rank: int, own: bool, words: str | None) -> Exception:
     """The exception for rank ``rank``'s header ``h`` (``own``: it is this rank; ``words``: its own account)."""
     where = "this rank" if own else f"rank {rank}"
-    subject = unit.describe_feature(h.part)
+    subject = unit.describe_feature(h.feature)
     dtype = code_name(h.dtype, ID_SOURCE_DTYPES)
-    table = unit.table_list[unit.feature_parts[h.part] if 0 <= h.part < len(unit.feature_parts) else 0]
+    table = unit.table_list[unit.table_of_feature[h.feature] if 0 <= h.feature < len(unit.table_of_feature) else 0]
     if h.error == NOT_A_TENSOR:
         kind = words or code_name(h.detail, ID_SOURCE_TYPES, "another type")
         return TypeError(f"{subject} got ids of type {kind} on {where}; ids must be a torch.Tensor of integers. "
@@ -151,4 +158,4 @@ def _error(unit: Subject, h: LookupHeader, rank: int, own: bool, words: str | No
 def raise_if_out_of_range(unit: Subject, low: int, high: int, dtype: int) -> None:
     """Raise the out-of-range error of a one-rank lookup of one table whose ids ranged over ``low..high`` (host values)."""
     if low < 0 or high >= unit.table_list[0].num_embeddings:
-        check_round(unit, Headers.of(LookupHeader(error=OUT_OF_RANGE, id_min=low, id_max=high, part=0, dtype=dtype)))
+        check_round(unit, Headers.of(LookupHeader(error=OUT_OF_RANGE, id_min=low, id_max=high, feature=0, dtype=dtype)))

@@ -34,13 +34,16 @@ from lightning_sparse.kernels import Runs, StochasticRounding, UpdateRule, sort_
 from lightning_sparse.kernels.rounding import HALF, compute_dtype, noise_salt, writer_for
 from lightning_sparse.optim import checks, joint, row_grads
 from lightning_sparse.optim.row_grads import TableGrads
-from lightning_sparse.tables.dynamic import DynamicEmbedding
 from lightning_sparse.tables.embedding import SparseEmbedding
 from lightning_sparse.wire.alltoall import ExchangeStats
 from lightning_sparse.wire.grads_exchange import grads_to_owners
 from lightning_sparse.wire.replicas import grads_over_replicas
 
 DUPLICATE_GRADS = ("sum", "mean")
+
+
+# Where a table lives: one optimizer steps tables that share all of these (its step is one collective).
+_PLACEMENT = ("process_group", "world_size", "replica_group", "replicas")
 
 
 class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
@@ -94,8 +97,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
             table.materialize()
         known = list(self._tables.values())
         for table in tables:
-            placement = (table.process_group, table.world_size, table.replica_group, table.replicas)
-            if known and placement != (known[0].process_group, known[0].world_size, known[0].replica_group, known[0].replicas):
+            if known and any(getattr(table, name) != getattr(known[0], name) for name in _PLACEMENT):
                 raise ValueError(
                     f"{table.name} is sharded over a different process group than {known[0].name}. "
                     f"HINT: use one optimizer per process group."
@@ -106,14 +108,15 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         group = self.param_groups[-1]
         for table in tables:
             self.state[table.shard] = self.init_state(table, group)
-            if isinstance(table, DynamicEmbedding):  # its slots change ids: their state must start afresh
-                self._fresh_rows[table.shard] = {k: v[:1].clone() for k, v in self.state[table.shard].items() if v.dim()}
-                table.watch(self)
+            # A row's initial state, for tables whose rows change ids (reset_rows); one row per state tensor.
+            self._fresh_rows[table.shard] = {k: v[:1].clone() for k, v in self.state[table.shard].items() if v.dim()}
+            table.watch(self)
 
     def reset_rows(self, shard: Tensor, rows: Tensor) -> None:
         """Put the per-row state of ``rows`` of the table whose shard is ``shard`` back to its initial value.
 
-        Called by a :class:`~lightning_sparse.tables.dynamic.DynamicEmbedding` when it gives slots to new ids.
+        Called by a table that watches this optimizer (a :class:`~lightning_sparse.tables.dynamic.DynamicEmbedding`)
+        when it gives slots to new ids.
         """
         state = self.state[shard]
         for key, fresh in self._fresh_rows[shard].items():
@@ -162,7 +165,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         entries = [(group, p) for group in self.param_groups for p in group["params"]]
         rounds = []  # collections' rounds on one GPU: one launch for all their tables; taken now, dropped if the step raises
         for unit in joint.units_with_rounds(self.tables):
-            records = unit.pending.take()[2]
+            records = unit.pending.take().others
             if joint.takes(unit, self):
                 rounds.append((unit, records))
             else:
@@ -185,9 +188,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
                 if len(table_grads.rows):
                     self._apply(self._tables[p], state, group, table_grads)
             for _, p in entries:
-                table = self._tables[p]
-                if isinstance(table, DynamicEmbedding):
-                    table.after_step()
+                self._tables[p].after_step()
         self.stats.update_seconds += time.perf_counter() - start
         return loss
 

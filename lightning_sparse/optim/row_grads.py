@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning_sparse.kernels.rounding import compute_dtype
 from lightning_sparse.lookup.pending import LookupRecord
 from lightning_sparse.tables.embedding import SparseEmbedding
-from lightning_sparse.wire.grads_exchange import IncomingGrads, OutgoingGrads
+from lightning_sparse.wire.grads_exchange import IncomingGrads, OutgoingGrads, RowsByOwner
 from lightning_sparse.wire.grouping import SortedKeys, coalesce
 from lightning_sparse.wire.replicas import OwnedGrads
 
@@ -113,20 +113,22 @@ def outgoing(table: SparseEmbedding, mean: bool, check_finite: bool = False) -> 
     The last lookup's gradient rows go as they are (routed); the others are coalesced by row
     first, with one sort, which also groups them by owner.
     """
-    route, routed, others = table.pending.take()
-    out = OutgoingGrads(route, _values(routed, mean) if routed is not None else None, table.embedding_dim + mean)
-    if others:
-        if len(others) == 1 and others[0].distinct:  # already distinct and ascending
-            keys, values = others[0].keys, _values(others[0], mean)
+    route, routed, records = table.pending.take()
+    routed_values = _values(routed, mean) if routed is not None else None
+    others = None
+    if records:
+        if len(records) == 1 and records[0].distinct:  # already distinct and ascending
+            keys, values = records[0].keys, _values(records[0], mean)
         else:
-            runs = SortedKeys(_cat([record.keys for record in others]), table.sharding.key_bound).finish()
-            keys, values = runs.unique, runs.segment_sum(_cat([_values(record, mean) for record in others]))
+            runs = SortedKeys(_cat([record.keys for record in records]), table.sharding.key_bound).finish()
+            keys, values = runs.unique, runs.segment_sum(_cat([_values(record, mean) for record in records]))
         below = torch.searchsorted(keys, table.sharding.key_boundaries(table.device))
-        out.others = (table.sharding.local_of_key(keys), values, below[1:] - below[:-1])
+        others = RowsByOwner(table.sharding.local_of_key(keys), values, below[1:] - below[:-1])
+    nonfinite = None
     if check_finite:
-        flags = [(~torch.isfinite(v)).any() for v in (out.routed, out.others[1] if out.others else None) if v is not None]
-        out.nonfinite = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=table.device)
-    return out
+        flags = [(~torch.isfinite(v)).any() for v in (routed_values, others.values if others else None) if v is not None]
+        nonfinite = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=table.device)
+    return OutgoingGrads(route, routed_values, table.embedding_dim + mean, others, nonfinite)
 
 
 def wire_dtype(dtypes: list[torch.dtype], mean: bool) -> torch.dtype:

@@ -124,7 +124,7 @@ class SparseEmbeddingCollection(CompiledLookups, nn.Module):
         names = list(tables)
         self.feature_names = list(features)
         self.feature_tables = [features[f] for f in self.feature_names]
-        self.feature_parts = [names.index(t) for t in self.feature_tables]
+        self.table_of_feature = [names.index(t) for t in self.feature_tables]
         self.feature_pooling = [modes[f] for f in self.feature_names]
         self.name = "SparseEmbeddingCollection"
         self.has_given_name = False
@@ -227,7 +227,7 @@ class SparseEmbeddingCollection(CompiledLookups, nn.Module):
         specs = []
         for name, given in features.items():
             index = self.feature_names.index(name) if name in self.feature_names else 0  # an unknown name raises at run time
-            table, mode = self.table_list[self.feature_parts[index]], self.feature_pooling[index]
+            table, mode = self.table_list[self.table_of_feature[index]], self.feature_pooling[index]
             if isinstance(given, JaggedIds):
                 rows = len(given.values) if mode == "none" else given.num_bags
                 shape = (rows,)
@@ -248,7 +248,7 @@ class SparseEmbeddingCollection(CompiledLookups, nn.Module):
             out = joint_lookup.lookup(self, given) if given is not None else None
             if out is not None:
                 return out
-        read, problem, bad_offsets = read_features(features, self.feature_names, self.feature_parts, self.feature_pooling,
+        read, problem, bad_offsets = read_features(features, self.feature_names, self.table_of_feature, self.feature_pooling,
                                                    first.device)  # fmt: skip
         read = rows_of_features(self.table_list, read)  # dynamic tables: ids to rows first, a round per table
         return lookup(self, read, problem, bad_offsets)

@@ -181,7 +181,7 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
 
     # ------------------------------------------------------------------ optimizer steps
     def watch(self, optimizer: Any) -> None:
-        """Called by a sparse optimizer that holds this table: it will reset the state of slots given to new ids."""
+        """Called by a sparse optimizer that takes this table: it will reset the state of slots given to new ids."""
         self._optimizers.add(optimizer)
 
     def watchers(self) -> list[Any]:
@@ -217,10 +217,10 @@ def rows_of_features(tables: list[SparseEmbedding], read: list[FeatureIds]) -> l
     Collective: every rank of the group must call it; each dynamic table of the collection takes
     one round, in the collection's order, also on a rank whose batch has none of its features.
     """
-    for part, table in enumerate(tables):
+    for t, table in enumerate(tables):
         if not isinstance(table, DynamicEmbedding):
             continue
-        mine = [index for index, feature in enumerate(read) if feature.part == part]
+        mine = [index for index, feature in enumerate(read) if feature.table == t]
         ids = [read[index].ids for index in mine]
         rows = table.rows_of(torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=table.device))
         for index, feature_rows in zip(mine, rows.split([len(i) for i in ids])):

@@ -17,7 +17,7 @@ from torch import Tensor
 from lightning_sparse.lookup.engine import serve
 from lightning_sparse.lookup.features import Problem, read_ids
 from lightning_sparse.lookup.outputs import expand, gather
-from lightning_sparse.lookup.verdict import check_round
+from lightning_sparse.lookup.verdict import check_round, header_of
 from lightning_sparse.wire.exchange import Route, ids_to_owners, rows_to_requesters
 from lightning_sparse.wire.grouping import SortedKeys
 from lightning_sparse.wire.hashing import HashSharding, mix
@@ -31,13 +31,11 @@ RESOLVE, KEYED = 1, 2
 class DynamicLookupMixin:
     """The lookups of a dynamic table: one keyed round trip on 2 or more ranks, one sort on one."""
 
-    def _read(self, ids: Any) -> tuple[Tensor, LookupHeader, Problem]:
-        """Flat int64 ids on the table's device, this rank's header, and its problem (none raises here)."""
+    def _read(self, ids: Any, stage: int = 0) -> tuple[Tensor, LookupHeader, Problem]:
+        """Flat int64 ids on the table's device, this rank's header for a round of ``stage``, and its problem (none raises here)."""
         read, problem = read_ids(ids, self.name, self.device)
         flat = read[0].ids if read else torch.empty(0, dtype=torch.int64, device=self.device)
-        header = LookupHeader(table=self.table_index, record=int(torch.is_grad_enabled()), error=problem.error,
-                              detail=problem.detail, dtype=problem.dtype)  # fmt: skip
-        return flat, header, problem
+        return flat, header_of(self.table_index, problem, read, stage=stage), problem
 
     @torch.compiler.disable
     def lookup_rows(self, ids: Tensor) -> Tensor:
@@ -80,7 +78,7 @@ class DynamicLookupMixin:
         runs, sharding, route = self._keys_to_owners(ids, KEYED)
         self.stats.ids_looked_up += len(runs.sorted)
         self.stats.unique_ids += len(runs.unique)
-        back = self._answer_rows(route)
+        back, route = self._answer_rows(route)
         rows, slots = back[:, : self.embedding_dim], back[:, self.embedding_dim :].flatten().clone().view(torch.int64)
         record = None
         if torch.is_grad_enabled():
@@ -90,21 +88,21 @@ class DynamicLookupMixin:
             record = self.pending.new_record(route, global_rows, occurrences=runs.counts)
         return expand(self, rows, record, runs, ids.shape)
 
-    def _answer_rows(self, route: Route) -> Tensor:
+    def _answer_rows(self, route: Route) -> tuple[Tensor, Route]:
         """The owner's side of a keyed round: slots for the keys received, then their rows and slots sent back. Collective.
 
-        ``route.received`` becomes the slots (local rows), so the gradients of this lookup come
-        back to them. Returns the rows this rank asked for, each followed by its slot (an int64
-        in the rows' dtype, bit for bit).
+        Returns the rows this rank asked for, each followed by its slot (an int64 in the rows'
+        dtype, bit for bit), and the route with the slots (local rows) as what it received, so
+        that the gradients of this lookup come back to them.
         """
-        route.received = self._resolve_received(route)
+        route = replace(route, received=self._resolve_received(route))
         slot_columns = route.received.unsqueeze(1).view(self._shard.dtype)
         with torch.no_grad():
             rows = torch.cat([self._shard.index_select(0, route.received), slot_columns], dim=1)
         back = rows_to_requesters(rows, route, self.process_group, self.world_size, self.rank, self.stats)
         if route.records:
             self.pending.route = route
-        return back
+        return back, route
 
     def rows_of(self, ids: Any) -> Tensor:
         """Stage 1: the row of each id (flat int64), admitting ids on a training lookup. Collective.
@@ -124,9 +122,9 @@ class DynamicLookupMixin:
 
         Bad input (not a tensor, not integers) raises on every rank, as for ``SparseEmbedding``.
         """
-        flat, header, problem = self._read(ids)
+        flat, header, problem = self._read(ids, stage)
         runs, sharding = SortedKeys(mix(flat)), HashSharding(self.world_size)
-        fields = replace(header, stage=stage).fields(self.device)
+        fields = header.fields(self.device)
         check = partial(check_round, self.lookup_unit, problem=problem)
         route = ids_to_owners(runs, sharding, fields, self.process_group, self.rank, self.stats, check)
         runs.finish(sum(route.send_splits))

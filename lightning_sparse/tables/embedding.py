@@ -25,7 +25,6 @@ from lightning_sparse.lookup.pending import PendingGrads
 from lightning_sparse.lookup.range_check import RangeCheck
 from lightning_sparse.lookup.units import OneTable
 from lightning_sparse.tables import init as row_init
-from lightning_sparse.tables.shard_placement import ShardPlacementMixin
 from lightning_sparse.tables.shard_state import ShardStateMixin
 from lightning_sparse.wire.alltoall import ExchangeStats
 from lightning_sparse.wire.exchange import Route
@@ -36,7 +35,7 @@ from lightning_sparse.wire.sharding import SCHEMES
 _INIT_CHUNK_ELEMENTS = 1 << 16
 
 
-class SparseEmbedding(ShardPlacementMixin, ShardStateMixin, CompiledLookups, nn.Module):
+class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
     """An embedding table whose rows are sharded over the ranks of a process group.
 
     Args:
@@ -217,6 +216,17 @@ class SparseEmbedding(ShardPlacementMixin, ShardStateMixin, CompiledLookups, nn.
     def pending_grads(self) -> list[Tensor]:
         """The row gradients received since the last step (for unscaling, clipping, inspection)."""
         return self.pending.grads()
+
+    # ------------------------------------------------------------------ optimizer hooks
+    def watch(self, optimizer: Any) -> None:
+        """Called by a sparse optimizer that takes this table. A row's id never changes here: nothing to do.
+
+        (A :class:`~lightning_sparse.tables.dynamic.DynamicEmbedding` keeps the optimizer, to reset
+        the state of slots it gives to new ids.)
+        """
+
+    def after_step(self) -> None:
+        """Called by the sparse optimizer after each step that held this table (a dynamic table expires ids here)."""
 
     def adopt(self, name: str, table_index: int) -> None:
         """Called by the strategy that shards this table: its module path and position among the tables."""

@@ -3,9 +3,7 @@
 A table materializes its shard on first use (or :meth:`ShardPlacementMixin.materialize`): each
 rank allocates and initializes only the rows it owns under the table's sharding. The groups are
 held by weak reference, so ``destroy_process_group()`` really releases them; a table whose group
-is gone says so. The host provides ``name``, ``num_embeddings``, ``sharding_scheme``,
-``_initial_rows`` and the placement attributes its constructor sets (``_requested_group``,
-``_group``, ``_replica_group``, ``_rank``, ``_world_size``, ``_replicas``, ``_materialized``, ``_shard``).
+is gone says so. What the host table provides is declared at the top of the class.
 """
 
 from __future__ import annotations
@@ -22,6 +20,24 @@ from lightning_sparse.wire.sharding import RowSharding
 
 class ShardPlacementMixin:
     """A table's placement: group, rank, world size, replicas, sharding, and the shard itself."""
+
+    # Set by the host table's constructor (SparseEmbedding.__init__).
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    sharding_scheme: str
+    _requested_group: weakref.ref[dist.ProcessGroup] | None  # the group asked for (None: the default group)
+    _group: weakref.ref[dist.ProcessGroup] | None  # the group in use once materialized (None: the default group)
+    _replica_group: weakref.ref[dist.ProcessGroup] | None
+    _rank: int
+    _world_size: int
+    _replicas: int
+    _materialized: bool
+    _shard: Tensor  # an empty placeholder until materialized, then the shard (the same tensor for life)
+
+    def _initial_rows(self, global_ids: Tensor) -> Tensor:
+        """The initial values of rows ``global_ids`` (the host table's init)."""
+        raise NotImplementedError
 
     @property
     def world_size(self) -> int:

@@ -2,9 +2,8 @@
 
 Kept apart from the table's placement and lookups so that each class has one job: here a shard
 becomes the logical table (a gather, collective) and back (``local_rows``), and a state dict
-holds either this rank's shard (same placement) or the full table (any placement).
-The host class provides ``num_embeddings``, ``embedding_dim``, ``name``, ``sharding``,
-``sharding_scheme``, ``process_group``, ``shard``, ``materialize()`` and the placement fields.
+holds either this rank's shard (same placement) or the full table (any placement). It builds on
+the table's placement (:class:`~lightning_sparse.tables.shard_placement.ShardPlacementMixin`).
 """
 
 from __future__ import annotations
@@ -16,9 +15,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparse.faults.peers import collective
+from lightning_sparse.tables.shard_placement import ShardPlacementMixin
 
 
-class ShardStateMixin:
+class ShardStateMixin(ShardPlacementMixin):
     """Gather a shard into the logical table, take this rank's rows of one, and the table's state dict."""
 
     def full_weight(self) -> Tensor:

@@ -55,7 +55,17 @@ if TYPE_CHECKING:
 ProcessGroup = dist.ProcessGroup
 
 
-@dataclass
+@dataclass(frozen=True)
+class TableCounts:
+    """Ids per (rank, table) of a round of several tables, ``[W, T]`` int64: sent and received, on the host and on the ids' device."""
+
+    sent: Tensor
+    received: Tensor
+    device_sent: Tensor
+    device_received: Tensor
+
+
+@dataclass(frozen=True)
 class Route:
     """How one lookup's ids travelled, kept to send the rows back and, later, their gradients.
 
@@ -70,11 +80,8 @@ class Route:
     recv_counts: Tensor
     received: Tensor
     headers: Headers
-    # For several tables in one round (a JointSharding): ids per (rank, table), ``[W, T]`` int64,
-    # on the host (``send_parts``, ``recv_parts``) and on the ids' device (``device_parts``: send, recv).
-    send_parts: Tensor | None = None
-    recv_parts: Tensor | None = None
-    device_parts: tuple[Tensor, Tensor] | None = None
+    # The ids per (rank, table) of a round on a JointSharding (several tables, or one); else ``None``.
+    by_table: TableCounts | None = None
 
     @cached_property
     def send_splits(self) -> list[int]:
@@ -90,15 +97,15 @@ class Route:
         return self.headers.records
 
 
-# Id slots per destination in the next lookup round of each process group. Every rank derives it
+# Room for ids per destination in the next lookup round of each process group. Every rank derives it
 # from the same headers (the largest count of the last round, plus a margin), so all ranks agree
 # without a word; a lookup on any table of the group, or a rank serving others, uses it.
-_SLOTS: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
-_SLOT_MARGIN, _SLOT_ALIGN = 1.25, 16
+_ROOM: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
+_ROOM_MARGIN, _ROOM_ALIGN = 1.25, 16
 
 
-def _next_slots(most: int) -> int:
-    return -(-int(most * _SLOT_MARGIN) // _SLOT_ALIGN) * _SLOT_ALIGN if most else 0
+def _next_room(most: int) -> int:
+    return -(-int(most * _ROOM_MARGIN) // _ROOM_ALIGN) * _ROOM_ALIGN if most else 0
 
 
 def ids_to_owners(
@@ -114,13 +121,13 @@ def ids_to_owners(
 
     ``runs`` sorted this rank's owner-major keys (ids that fall outside the table go nowhere);
     ``fields`` is this rank's header without ``count`` (:meth:`LookupHeader.fields`). Each
-    destination gets a row of ``11 + slots`` int64: the header, then up to ``slots`` ids.
-    ``slots`` is agreed from the previous round; a rank with more ids for someone says so in
+    destination gets a row of ``11 + room`` int64: the header, then up to ``room`` ids.
+    ``room`` is agreed from the previous round; a rank with more ids for someone says so in
     its header (``most``), and an overflow round sends the rest. ``check`` sees every rank's
     header before the route is built; every rank sees the same headers, so if it raises, it
     raises on every rank and the group stays usable. One host read: the headers. With a
     :class:`~lightning_sparse.wire.sharding.JointSharding` (several tables), the same read also
-    brings the ids per (rank, table) both ways (``Route.send_parts``, ``Route.recv_parts``).
+    brings the ids per (rank, table) both ways (``Route.by_table``).
 
     Collective: every rank of ``group`` must call it.
     """
@@ -128,57 +135,56 @@ def ids_to_owners(
     world_size, width = sharding.world_size, LookupHeader.WIDTH
     device = runs.sorted.device
     with record_function("lightning_sparse.ids_to_owners"):
-        slots = _SLOTS.get(group, 0)
+        room = _ROOM.get(group, 0)
         below = sharding.owner_counts_below(runs, device)
         counts = below[1:] - below[:-1]
         keys = runs.sorted.to(torch.int64)
         owner, local = sharding.owner_of_key(keys), sharding.local_of_key(keys)
-        send = _pack(runs, owner, local, below, slots, world_size, device)
-        rows = send.view(world_size, width + slots)
+        send = _pack(runs, owner, local, below, room, world_size, device)
+        rows = send.view(world_size, width + room)
         rows[:, 0] = counts
         rows[:, 1:width] = fields
-        rows[:, 1 + LookupHeader.slot("most")] = counts.max()
-        recv = torch.empty(world_size * (width + slots), dtype=torch.int64, device=device)
-        parts = getattr(sharding, "num_parts", 0)
-        parts = 0 if parts == 1 else parts  # one table: its ids per rank are the counts themselves (below)
+        rows[:, 1 + LookupHeader.field_index("most")] = counts.max()
+        recv = torch.empty(world_size * (width + room), dtype=torch.int64, device=device)
+        num_tables = getattr(sharding, "num_tables", 0)
+        tables = num_tables if num_tables > 1 else 0  # one table: its ids per rank are the counts themselves (below)
         with collective("all-to-all of lookup ids"):
             dist.all_to_all_single(recv, send, group=group)
-            recv = recv.view(world_size, width + slots)
+            recv = recv.view(world_size, width + room)
             read = [counts, recv[:, :width].reshape(-1)]
-            if parts:
-                device_parts = (_parts_sent(runs, sharding, owner, local), _parts_in_slots(recv, sharding))
-                read += [part.reshape(-1) for part in device_parts]
+            if tables:
+                device_sent, device_received = _sent_by_table(runs, sharding, owner, local), _received_in_room(recv, sharding)
+                read += [device_sent.reshape(-1), device_received.reshape(-1)]
             on_host = torch.cat(read).cpu()  # the stage's one host read
         send_splits = on_host[:world_size].tolist()
         headers = Headers(on_host[world_size : world_size * (1 + width)].view(world_size, width))
-        if parts:
-            send_parts, recv_parts = on_host[world_size * (1 + width) :].view(2, world_size, parts).unbind(0)
+        if tables:
+            sent_by_table, received_by_table = on_host[world_size * (1 + width) :].view(2, world_size, tables).unbind(0)
         most = int(headers.column("most").max())
-        _SLOTS[group] = _next_slots(most)
+        _ROOM[group] = _next_room(most)
         if check is not None:
             check(headers)
-        recv_splits = headers.table[:, 0].tolist()
+        recv_splits = headers.tensor[:, 0].tolist()
         received = _segments(
-            recv.view(-1), torch.arange(world_size) * (width + slots) + width, headers.table[:, 0].clamp(max=slots)
+            recv.view(-1), torch.arange(world_size) * (width + room) + width, headers.tensor[:, 0].clamp(max=room)
         )
-        if most > slots:  # overflow: the ids beyond the slots, in a second round
-            received = _overflow(runs, sharding, send_splits, recv_splits, slots, received, group, rank, stats)
-            if parts:  # the slots held only some ids: count them all (a second host read, with the second round)
-                device_parts = (device_parts[0], parts_received(received, recv_splits, sharding))
-                recv_parts = device_parts[1].cpu()
+        if most > room:  # overflow: the ids beyond the room, in a second round
+            received = _overflow(runs, sharding, send_splits, recv_splits, room, received, group, rank, stats)
+            if tables:  # the room held only some ids: count them all (a second host read, with the second round)
+                device_received = count_received_by_table(received, recv_splits, sharding)
+                received_by_table = device_received.cpu()
     if stats is not None:
-        sent = world_size * (width + slots) * 8
+        sent = world_size * (width + room) * 8
         stats.bytes_sent += sent * (world_size - 1) // world_size
         stats.bytes_received += sent * (world_size - 1) // world_size
         stats.collectives += 1
         stats.exchange_seconds += time.perf_counter() - start
-    route = Route(on_host[:world_size], headers.table[:, 0], received, headers)
-    if parts:
-        route.send_parts, route.recv_parts, route.device_parts = send_parts, recv_parts, device_parts
-    elif getattr(sharding, "num_parts", 0) == 1:
-        route.send_parts, route.recv_parts = route.send_counts.view(-1, 1), route.recv_counts.view(-1, 1)
-        route.device_parts = (counts.view(-1, 1), recv[:, :1])
-    return route
+    by_table = None
+    if tables:
+        by_table = TableCounts(sent_by_table, received_by_table, device_sent, device_received)
+    elif num_tables == 1:
+        by_table = TableCounts(on_host[:world_size].view(-1, 1), headers.tensor[:, :1], counts.view(-1, 1), recv[:, :1])
+    return Route(on_host[:world_size], headers.tensor[:, 0], received, headers, by_table)
 
 
 # Binary searches per (owner, table) boundary beat one pass over the keys while the keys outnumber
@@ -186,65 +192,65 @@ def ids_to_owners(
 _KEYS_PER_BLOCK_TO_SEARCH = 16
 
 
-def _parts_sent(runs: SortedKeys, sharding: JointSharding, owner: Tensor, local: Tensor) -> Tensor:
+def _sent_by_table(runs: SortedKeys, sharding: JointSharding, owner: Tensor, local: Tensor) -> Tensor:
     """This rank's distinct ids per (owner, table), ``[W, T]``, without a host read.
 
     ``owner`` and ``local``: each sorted key's owner and joint local id. Few blocks for the keys:
     a binary search per block boundary; about as many blocks as keys (thousands of ranks): one
     pass over the keys.
     """
-    blocks = sharding.world_size * sharding.num_parts
+    blocks = sharding.world_size * sharding.num_tables
     if blocks * _KEYS_PER_BLOCK_TO_SEARCH < len(runs.sorted):
-        below = runs.counts_below(sharding.part_boundaries(owner.device))
+        below = runs.counts_below(sharding.table_boundaries(owner.device))
         counts = below[1:] - below[:-1]
     else:
         counts = runs.counts_in_blocks(sharding.block(owner, local), blocks)
-    return counts.view(sharding.world_size, sharding.num_parts)
+    return counts.view(sharding.world_size, sharding.num_tables)
 
 
-def _parts_in_slots(recv: Tensor, sharding: JointSharding) -> Tensor:
-    """Ids per (source, table) among the received slots, ``[W, T]``, without a host read."""
-    world_size, parts, width = sharding.world_size, sharding.num_parts, LookupHeader.WIDTH
+def _received_in_room(recv: Tensor, sharding: JointSharding) -> Tensor:
+    """Ids per (source, table) in the received room, ``[W, T]``, without a host read."""
+    world_size, tables, width = sharding.world_size, sharding.num_tables, LookupHeader.WIDTH
     ids = recv[:, width:].contiguous()  # a view with a row stride; bucketize wants contiguous values
     used = torch.arange(ids.shape[1], device=recv.device).unsqueeze(0) < recv[:, :1]
-    where = sharding.part_of_local(ids) + torch.arange(world_size, device=recv.device).unsqueeze(1) * parts
-    where = torch.where(used, where, world_size * parts).reshape(-1)  # unused slots count in a last bin, dropped
-    counts = torch.zeros(world_size * parts + 1, dtype=torch.int64, device=recv.device)
-    return counts.scatter_add_(0, where, torch.ones_like(where))[:-1].view(world_size, parts)
+    where = sharding.table_of_local(ids) + torch.arange(world_size, device=recv.device).unsqueeze(1) * tables
+    where = torch.where(used, where, world_size * tables).reshape(-1)  # unused places count in a last bin, dropped
+    counts = torch.zeros(world_size * tables + 1, dtype=torch.int64, device=recv.device)
+    return counts.scatter_add_(0, where, torch.ones_like(where))[:-1].view(world_size, tables)
 
 
-def parts_received(received: Tensor, recv_splits: Sequence[int], sharding: JointSharding) -> Tensor:
+def count_received_by_table(received: Tensor, recv_splits: Sequence[int], sharding: JointSharding) -> Tensor:
     """Ids per (source, table) in a route's ``received`` joint local ids, ``[W, T]`` on their device (no host read)."""
-    world_size, parts = sharding.world_size, sharding.num_parts
+    world_size, tables = sharding.world_size, sharding.num_tables
     source = torch.repeat_interleave(
         torch.arange(world_size, device=received.device), host_tensor(recv_splits, torch.int64, received.device),
         output_size=len(received),
     )  # fmt: skip
-    where = source * parts + sharding.part_of_local(received)
-    counts = torch.zeros(world_size * parts, dtype=torch.int64, device=received.device)
-    return counts.scatter_add_(0, where, torch.ones_like(where)).view(world_size, parts)
+    where = source * tables + sharding.table_of_local(received)
+    counts = torch.zeros(world_size * tables, dtype=torch.int64, device=received.device)
+    return counts.scatter_add_(0, where, torch.ones_like(where)).view(world_size, tables)
 
 
 def _pack(
-    runs: SortedKeys, owner: Tensor, local: Tensor, below: Tensor, slots: int, world_size: int, device: torch.device
+    runs: SortedKeys, owner: Tensor, local: Tensor, below: Tensor, room: int, world_size: int, device: torch.device
 ) -> Tensor:
-    """The send buffer of stage 1: per destination a header (filled by the caller) and ``slots`` ids.
+    """The send buffer of stage 1: per destination a header (filled by the caller) and ``room`` ids.
 
     ``owner`` and ``local`` are the owner and local id of each sorted key. Built without a host
-    read: each distinct key goes to slot ``its index among its owner's keys``; keys beyond the
-    slots, outside the table, or repeated go to scratch places past the end, which are not sent.
+    read: each distinct key goes to place ``its index among its owner's keys``; keys beyond the
+    room, outside the table, or repeated go to scratch places past the end, which are not sent.
     """
-    width = LookupHeader.WIDTH + slots
+    width = LookupHeader.WIDTH + room
     n = len(runs.sorted)
     send = torch.zeros(world_size * width + n, dtype=torch.int64, device=device)
-    if n == 0 or slots == 0:
+    if n == 0 or room == 0:
         return send[: world_size * width]
     inside = (owner >= 0) & (owner < world_size) & runs.is_first
     owner = owner.clamp(0, world_size - 1)
     within = runs.run_index() - below.index_select(0, owner)
     place = owner * width + LookupHeader.WIDTH + within
     scratch = torch.arange(world_size * width, world_size * width + n, device=device)
-    send.index_copy_(0, torch.where(inside & (within < slots), place, scratch), local)
+    send.index_copy_(0, torch.where(inside & (within < room), place, scratch), local)
     return send[: world_size * width]
 
 
@@ -259,18 +265,18 @@ def _segments(flat: Tensor, starts: Tensor, lengths: Tensor) -> Tensor:
     return flat.index_select(0, index.to(flat.device, non_blocking=True))
 
 
-def _overflow(runs, sharding, send_splits, recv_splits, slots, received, group, rank, stats) -> Tensor:
-    """The second round of stage 1: ids beyond the slots, then every requester's ids in order."""
+def _overflow(runs, sharding, send_splits, recv_splits, room, received, group, rank, stats) -> Tensor:
+    """The second round of stage 1: ids beyond the room, then every requester's ids in order."""
     world_size = sharding.world_size
     runs.finish(sum(send_splits))
     local = sharding.local_of_key(runs.unique)
     starts = split_starts(send_splits)
-    extra_send = [max(0, c - slots) for c in send_splits]
-    extra_recv = [max(0, c - slots) for c in recv_splits]
-    extra = _segments(local, torch.tensor(starts[:-1], dtype=torch.int64) + slots, torch.tensor(extra_send, dtype=torch.int64))
+    extra_send = [max(0, c - room) for c in send_splits]
+    extra_recv = [max(0, c - room) for c in recv_splits]
+    extra = _segments(local, torch.tensor(starts[:-1], dtype=torch.int64) + room, torch.tensor(extra_send, dtype=torch.int64))
     extra = exchange_values(extra, extra_send, extra_recv, group, world_size, rank, stats)
-    counts = torch.tensor([[min(c, slots) for c in recv_splits], extra_recv], dtype=torch.int64)  # [2, W]
-    both = torch.cat([received, extra])  # all slots' ids by source, then all extra ids by source
+    counts = torch.tensor([[min(c, room) for c in recv_splits], extra_recv], dtype=torch.int64)  # [2, W]
+    both = torch.cat([received, extra])  # all the room's ids by source, then all extra ids by source
     return both.index_select(0, to_device(transpose_blocks(counts, len(both)), both.device))  # by source
 
 

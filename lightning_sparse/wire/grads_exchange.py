@@ -21,26 +21,34 @@ from lightning_sparse.faults.peers import collective
 from lightning_sparse.kernels.host import host_tensor
 from lightning_sparse.wire.alltoall import ExchangeStats, exchange_counts, exchange_values
 from lightning_sparse.wire.exchange import Route
-from lightning_sparse.wire.packing import common_unit, pack, to_device, unpack
+from lightning_sparse.wire.packing import common_word, pack, to_device, unpack
 
 ProcessGroup = dist.ProcessGroup
 
 
 # ---------------------------------------------------------------------------- stage 3: grads to owners
-@dataclass
+@dataclass(frozen=True)
+class RowsByOwner:
+    """Gradient rows that go by the general round: distinct rows grouped by owner."""
+
+    local_ids: Tensor  # each row's index on its owner
+    values: Tensor  # [rows, width]
+    counts: Tensor  # [W] on the rows' device: rows for each owner
+
+
+@dataclass(frozen=True)
 class OutgoingGrads:
     """One table's row gradients on the requester, ready for :func:`grads_to_owners`.
 
     ``route`` is the table's last lookup (``None`` if no lookup since the last step recorded
     gradients) and ``routed`` this rank's gradient rows for it, in the route's order (``None``
-    if this rank has none). ``others`` holds any other gradient rows as (local row index, values)
-    grouped by owner, ``counts[j]`` of them for rank ``j``; ``None`` if there are none.
+    if this rank has none). ``others`` holds any other gradient rows; ``None`` if there are none.
     """
 
     route: Route | None
     routed: Tensor | None
     width: int
-    others: tuple[Tensor, Tensor, Tensor] | None = None  # (local ids, values, counts per owner)
+    others: RowsByOwner | None = None
     nonfinite: Tensor | None = None  # a 0-d device flag: 1 if a value above is inf or NaN (when checked)
 
 
@@ -115,8 +123,8 @@ def _keep_local(table: OutgoingGrads) -> IncomingGrads:
         incoming.rows.append(table.route.received)
         incoming.values.append(table.routed)
     if table.others is not None:
-        incoming.rows.append(table.others[0])
-        incoming.values.append(table.others[1])
+        incoming.rows.append(table.others.local_ids)
+        incoming.values.append(table.others.values)
     incoming.touched = bool(incoming.rows)
     return incoming
 
@@ -129,8 +137,8 @@ def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) ->
         if table.nonfinite is not None:  # device flag: no host read here
             code_values[index] += _NONFINITE * table.nonfinite.to(wire_dtype)
     routed = [t for t in tables if t.route is not None]
-    unit = common_unit([t.width for t in routed])
-    code_width = -(-len(tables) // unit) * unit  # the codes ride as one row per destination
+    word = common_word([t.width for t in routed])
+    code_width = -(-len(tables) // word) * word  # the codes ride as one row per destination
     code_row = torch.zeros(code_width, dtype=wire_dtype, device=device)
     code_row[: len(tables)] = code_values
     rows = [t.routed.to(wire_dtype) if t.routed is not None  # else placeholders, marked unused by the code
@@ -140,10 +148,10 @@ def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) ->
     send_counts = torch.stack([t.route.send_counts for t in routed] + [one_each])  # [tables + 1, W]
     recv_counts = torch.stack([t.route.recv_counts for t in routed] + [one_each])
     widths = [t.width for t in routed] + [code_width]
-    flat, send_sizes = pack(rows, send_counts, to_device(send_counts, device), unit)
+    flat, send_sizes = pack(rows, send_counts, to_device(send_counts, device), word)
     recv_sizes = (recv_counts * torch.tensor(widths).unsqueeze(1)).sum(0).tolist()
     recv = exchange_values(flat, send_sizes, recv_sizes, group, world_size, rank, stats)
-    *pieces, sources_codes = unpack(recv, recv_counts, to_device(recv_counts, device), widths, unit)
+    *pieces, sources_codes = unpack(recv, recv_counts, to_device(recv_counts, device), widths, word)
     with collective("all-to-all of gradients"):
         all_codes = sources_codes[:, : len(tables)].to(torch.int64).cpu()  # [W, T], the round's one host read
     touched = ((all_codes & (_HAS_ROUTED | _HAS_OTHERS)) != 0).any(0).tolist()
@@ -175,7 +183,7 @@ def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) ->
 def _general_round(tables, group, world_size, rank, wire_dtype, device, stats) -> list[tuple[Tensor, Tensor]]:
     """A header of counts per (owner, table), then rows of (local id, values) of every table in one buffer."""
     empty_counts = torch.zeros(world_size, dtype=torch.int64, device=device)
-    counts = torch.stack([t.others[2] if t.others is not None else empty_counts for t in tables])  # [T, W]
+    counts = torch.stack([t.others.counts if t.others is not None else empty_counts for t in tables])  # [T, W]
     recv_counts = exchange_counts(counts.t().contiguous(), group, world_size, stats).t()  # [T, W]: from each source
     with collective("all-to-all of gradient counts"):
         host = torch.stack([counts, recv_counts]).cpu()  # the round's one host read
@@ -186,13 +194,13 @@ def _general_round(tables, group, world_size, rank, wire_dtype, device, stats) -
         if t.others is None:
             wire.append(torch.empty(0, width, dtype=wire_dtype, device=device))
             continue
-        ids, values = t.others[0], t.others[1]
+        ids, values = t.others.local_ids, t.others.values
         # Each row: its local id's 8 bytes reinterpreted in the wire dtype (exact), then its values.
         wire.append(torch.cat([ids.contiguous().view(wire_dtype).view(-1, id_width), values.to(wire_dtype)], dim=1))
-    unit = common_unit(widths)
-    flat, send_sizes = pack(wire, host[0], counts, unit)
+    word = common_word(widths)
+    flat, send_sizes = pack(wire, host[0], counts, word)
     recv_sizes = (host[1] * torch.tensor(widths).unsqueeze(1)).sum(0).tolist()
     recv = exchange_values(flat, send_sizes, recv_sizes, group, world_size, rank, stats)
     # the ids' values are copied out first: a view into the buffer may start at an offset that is no multiple of 8 bytes
     return [(rows[:, :id_width].reshape(-1).clone().view(torch.int64), rows[:, id_width:])
-            for rows in unpack(recv, host[1], recv_counts, widths, unit)]  # fmt: skip
+            for rows in unpack(recv, host[1], recv_counts, widths, word)]  # fmt: skip

@@ -6,6 +6,7 @@ learns every rank's verdict on its input, and every rank raises the same error.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +28,10 @@ class LookupHeader:
     ``UNREADABLE``, ``OUT_OF_RANGE``, ``BAD_INPUT``, ``BAD_OFFSETS``) with an argument in
     ``detail``; ``dtype`` names the dtype of the ids it was given; ``id_min``/``id_max`` are the
     range of the ids (of the feature at fault, or of a lookup's only feature; 0 when there is
-    none), for the message; ``table`` and ``active`` let a rank that has run out of batches
+    none), for the message; ``unit`` (the lookup unit's index) and ``active`` let a rank that has run out of batches
     answer the others (``serve_lookups``) and catch ranks that call tables out of order;
     ``record`` says the rank records the lookup for a gradient (grad mode is on); ``most`` is
-    the largest ``count`` the rank sends to anyone, which sizes the next round; ``part`` names
+    the largest ``count`` the rank sends to anyone, which sizes the next round; ``feature`` names
     the feature that an error is about (``-1``: none); ``stage`` tells a round
     that looks up rows (0) from one that turns a dynamic table's ids into rows (1) and from one
     that sends a dynamic table's ids and gets their rows back (2, :mod:`lightning_sparse.tables.dynamic`),
@@ -42,12 +43,12 @@ class LookupHeader:
     detail: int = 0
     id_min: int = 0
     id_max: int = 0
-    table: int = -1
+    unit: int = -1
     active: int = 1
     record: int = 0
     most: int = 0
     dtype: int = -1
-    part: int = -1
+    feature: int = -1
     stage: int = 0
 
     WIDTH = 12
@@ -56,17 +57,20 @@ class LookupHeader:
         """The fields after ``count`` as an int64 tensor; ``id_range`` (device ``[min, max]``) fills ``id_min``/``id_max``."""
         fields = host_tensor(self.values()[1:], torch.int64, device)
         if id_range is not None:
-            fields[self.slot("id_min") : self.slot("id_max") + 1] = id_range
+            fields[self.field_index("id_min") : self.field_index("id_max") + 1] = id_range
         return fields
 
     def values(self) -> tuple[int, ...]:
-        """All fields in order, ``count`` first (``dataclasses.astuple`` without its deep copies: this is per lookup)."""
-        return tuple(self.__dict__.values())
+        """All fields in declaration order, ``count`` first (``dataclasses.astuple`` without its deep copies: this is per lookup)."""
+        return tuple(getattr(self, name) for name in _FIELD_NAMES)
 
     @classmethod
-    def slot(cls, name: str) -> int:
+    def field_index(cls, name: str) -> int:
         """Where field ``name`` sits in :meth:`fields` (which leaves out ``count``)."""
-        return list(cls.__dataclass_fields__).index(name) - 1
+        return _FIELD_NAMES.index(name) - 1
+
+
+_FIELD_NAMES = tuple(field.name for field in dataclasses.fields(LookupHeader))  # the wire order
 
 
 class Headers:
@@ -76,8 +80,8 @@ class Headers:
     gives rank ``r``'s header as a :class:`LookupHeader`, for the error messages.
     """
 
-    def __init__(self, table: Tensor) -> None:
-        self.table = table
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
 
     @classmethod
     def of(cls, header: LookupHeader) -> Headers:
@@ -85,13 +89,13 @@ class Headers:
         return cls(torch.tensor([header.values()], dtype=torch.int64))
 
     def __len__(self) -> int:
-        return len(self.table)
+        return len(self.tensor)
 
     def __getitem__(self, rank: int) -> LookupHeader:
-        return LookupHeader(*self.table[rank].tolist())
+        return LookupHeader(*self.tensor[rank].tolist())
 
     def column(self, name: str) -> Tensor:
-        return self.table[:, LookupHeader.slot(name) + 1]
+        return self.tensor[:, LookupHeader.field_index(name) + 1]
 
     def first(self, flags: Tensor) -> int | None:
         """The lowest rank whose flag is set, if any."""
@@ -104,7 +108,7 @@ class Headers:
 
     def active_units(self) -> list[int]:
         """The lookup units (tables, collections) that the active ranks called in this round, ascending."""
-        return torch.unique(self.column("table")[self.column("active") != 0]).tolist()
+        return torch.unique(self.column("unit")[self.column("active") != 0]).tolist()
 
     def active_stages(self) -> list[int]:
         """The stages (``LookupHeader.stage``) that the active ranks are in, ascending."""

@@ -7,9 +7,9 @@ scatter or gather per table (:func:`~lightning_sparse.wire.grouping.transposed_p
 :func:`~lightning_sparse.wire.grouping.transpose_blocks`), so the host work of a round does not grow
 with ranks x tables, and each row is copied once on each side.
 
-Rows of different widths move in *units* of ``unit`` values (a common divisor of the widths):
-a row of width ``w`` is ``w / unit`` consecutive units, so one gather moves whole rows. Equal
-widths give one unit per row; widths without a common divisor above 1 fall back to single
+Rows of different widths move in *words* of ``word`` values (a common divisor of the widths):
+a row of width ``w`` is ``w / word`` consecutive words, so one gather moves whole rows. Equal
+widths give one word per row; widths without a common divisor above 1 fall back to single
 values (correct, with a gather index as long as the buffer).
 """
 
@@ -24,8 +24,8 @@ from torch import Tensor
 from lightning_sparse.wire.grouping import transpose_blocks, transposed_places
 
 
-def common_unit(widths: list[int]) -> int:
-    """The largest unit that divides every width (1 when there are none)."""
+def common_word(widths: list[int]) -> int:
+    """The largest word that divides every width (1 when there are none)."""
     return math.gcd(*widths) if widths else 1
 
 
@@ -41,14 +41,14 @@ FEW_BLOCKS = 128
 
 
 def pack(
-    rows: list[Tensor], counts: Tensor, device_counts: Tensor, unit: int, places: Tensor | None = None
+    rows: list[Tensor], counts: Tensor, device_counts: Tensor, word: int, places: Tensor | None = None
 ) -> tuple[Tensor, list[int]]:
     """One flat buffer by destination, then table; and the number of values for each destination.
 
     ``rows[t]`` holds table ``t``'s rows ``[n_t, w_t]``, by destination: ``counts[t, d]`` rows for
     rank ``d`` (``counts`` ``[T, W]`` int64 on the host, ``device_counts`` the same on the rows'
-    device). Every ``w_t`` must be a multiple of ``unit``. ``places``: where each unit lands, if
-    the caller has it already (when every row is one unit, the gather of
+    device). Every ``w_t`` must be a multiple of ``word``. ``places``: where each word lands, if
+    the caller has it already (when every row is one word, the gather of
     ``transpose_blocks(device_counts.t(), ...)``: the turn that split the items by table).
     """
     if counts.numel() <= FEW_BLOCKS:  # few blocks: slices and one concatenation, sizes from the host lists
@@ -61,23 +61,23 @@ def pack(
         return torch.cat(pieces), sizes
     widths = torch.tensor([r.shape[1] for r in rows], dtype=torch.int64)
     sizes_per_destination = (counts * widths.unsqueeze(1)).sum(0).tolist()
-    unit_counts = device_counts * to_device(widths // unit, device_counts.device).unsqueeze(1)
-    sizes = [r.numel() // unit for r in rows]
-    places = (places if places is not None else transposed_places(unit_counts, sum(sizes))).split(sizes)
-    out = rows[0].new_empty(sum(sizes), unit)
+    word_counts = device_counts * to_device(widths // word, device_counts.device).unsqueeze(1)
+    sizes = [r.numel() // word for r in rows]
+    places = (places if places is not None else transposed_places(word_counts, sum(sizes))).split(sizes)
+    out = rows[0].new_empty(sum(sizes), word)
     for table_rows, table_places in zip(rows, places):  # each table's rows written once, straight into place
-        out.index_copy_(0, table_places, table_rows.reshape(-1, unit))
+        out.index_copy_(0, table_places, table_rows.reshape(-1, word))
     return out.view(-1), sizes_per_destination
 
 
 def unpack(
-    flat: Tensor, counts: Tensor, device_counts: Tensor, widths: list[int], unit: int, gather: Tensor | None = None
+    flat: Tensor, counts: Tensor, device_counts: Tensor, widths: list[int], word: int, gather: Tensor | None = None
 ) -> list[Tensor]:
     """The inverse of :func:`pack` on the receiving side: per table ``[rows, w_t]``, by source.
 
     ``flat`` holds, by source, then table, ``counts[t, s]`` rows of width ``widths[t]`` for each
     table ``t`` from source ``s`` (``counts`` ``[T, W]`` on the host, ``device_counts`` on ``flat``'s device).
-    ``gather``: the units' gather, if the caller has it already (when every row is one unit,
+    ``gather``: the words' gather, if the caller has it already (when every row is one word,
     ``transpose_blocks(device_counts.t(), ...)``).
     """
     if counts.numel() <= FEW_BLOCKS:  # few blocks: slices and one concatenation per table
@@ -85,9 +85,9 @@ def unpack(
         pieces = flat.split([lengths[t][s] * w for s in range(counts.shape[1]) for t, w in enumerate(widths)])
         tables = len(widths)
         return [torch.cat(pieces[t::tables]).view(-1, width) for t, width in enumerate(widths)]
-    units = torch.tensor(widths, dtype=torch.int64) // unit
-    by_source = flat.view(-1, unit)
-    unit_counts = (device_counts * to_device(units, device_counts.device).unsqueeze(1)).t()
-    gather = gather if gather is not None else transpose_blocks(unit_counts, len(by_source))
-    gathers = gather.split((counts.sum(1) * units).tolist())
+    words = torch.tensor(widths, dtype=torch.int64) // word
+    by_source = flat.view(-1, word)
+    word_counts = (device_counts * to_device(words, device_counts.device).unsqueeze(1)).t()
+    gather = gather if gather is not None else transpose_blocks(word_counts, len(by_source))
+    gathers = gather.split((counts.sum(1) * words).tolist())
     return [by_source.index_select(0, gather).view(-1, width) for gather, width in zip(gathers, widths)]

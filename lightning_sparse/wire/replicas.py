@@ -32,7 +32,7 @@ from torch.profiler import record_function
 from lightning_sparse.faults.peers import collective
 from lightning_sparse.wire.alltoall import ExchangeStats
 from lightning_sparse.wire.grouping import coalesce
-from lightning_sparse.wire.packing import common_unit, to_device, unpack
+from lightning_sparse.wire.packing import common_word, to_device, unpack
 
 _ID_BYTES = 8  # an int64 row id leads each row on the wire
 
@@ -129,10 +129,10 @@ def _sum_rows(tables, bounds, counts, sent, most, widths, group, replicas) -> li
     received = mine.new_empty(replicas * most)
     with collective("all-gather of the replicas' gradient rows"):
         _all_gather(received, padded, group)
-    unit = common_unit(widths)
-    pad_units = ((most - sent) // unit).unsqueeze(0)  # the tail of each replica's message: one more "table"
-    layout_counts = torch.cat([counts, pad_units])
-    per_table = unpack(received, layout_counts, to_device(layout_counts, received.device), [*widths, unit], unit)
+    word = common_word(widths)
+    pad_words = ((most - sent) // word).unsqueeze(0)  # the tail of each replica's message: one more "table"
+    layout_counts = torch.cat([counts, pad_words])
+    per_table = unpack(received, layout_counts, to_device(layout_counts, received.device), [*widths, word], word)
     out = []
     for table, rows_bytes, bound in zip(tables, per_table, bounds):
         ids = rows_bytes[:, :_ID_BYTES].contiguous().view(torch.int64).view(-1)

@@ -43,8 +43,37 @@ from lightning_sparse.wire.grouping import SortedKeys
 SCHEMES = ("mod", "range")
 
 
+class OwnerMajorKeys:
+    """Keys ``owner * block_size + local``: the arithmetic the exchange asks of a row sharding.
+
+    A subclass gives ``world_size`` and ``block_size`` (the keys each rank has room for).
+    """
+
+    world_size: int
+    block_size: int
+
+    @property
+    def key_bound(self) -> int:
+        """Every key is below this."""
+        return self.world_size * self.block_size
+
+    def owner_of_key(self, keys: Tensor) -> Tensor:
+        return torch.div(keys, self.block_size, rounding_mode="floor")
+
+    def local_of_key(self, keys: Tensor) -> Tensor:
+        return torch.remainder(keys, self.block_size)
+
+    def key_boundaries(self, device: torch.device | str | None = None) -> Tensor:
+        """``[W + 1]`` keys: rank ``r`` owns the keys in ``[boundaries[r], boundaries[r + 1])``."""
+        return torch.arange(self.world_size + 1, device=device) * self.block_size
+
+    def owner_counts_below(self, runs: SortedKeys, device: torch.device) -> Tensor:
+        """``[W + 1]``: how many distinct keys of ``runs`` go to ranks below each rank (and, last, all of them)."""
+        return runs.counts_below(self.key_boundaries(device))
+
+
 @dataclass(frozen=True)
-class RowSharding:
+class RowSharding(OwnerMajorKeys):
     """Row placement of one logical ``[num_embeddings, dim]`` table over ``world_size`` ranks."""
 
     num_embeddings: int
@@ -82,30 +111,11 @@ class RowSharding:
             return ids
         return torch.remainder(ids, self.world_size) * self.block_size + torch.div(ids, self.world_size, rounding_mode="floor")
 
-    def owner_of_key(self, keys: Tensor) -> Tensor:
-        return torch.div(keys, self.block_size, rounding_mode="floor")
-
-    def local_of_key(self, keys: Tensor) -> Tensor:
-        return torch.remainder(keys, self.block_size)
-
-    def owner_counts_below(self, runs: SortedKeys, device: torch.device) -> Tensor:
-        """``[W + 1]``: how many distinct keys of ``runs`` go to ranks below each rank (and, last, all of them)."""
-        return runs.counts_below(self.key_boundaries(device))
-
     def global_of_key(self, keys: Tensor) -> Tensor:
         """Inverse of :meth:`key`."""
         if self.scheme == "range":
             return keys
         return self.local_of_key(keys) * self.world_size + self.owner_of_key(keys)
-
-    @property
-    def key_bound(self) -> int:
-        """Every key is below this."""
-        return self.world_size * self.block_size
-
-    def key_boundaries(self, device: torch.device | str | None = None) -> Tensor:
-        """``[W + 1]`` keys: rank ``r`` owns the keys in ``[boundaries[r], boundaries[r + 1])``."""
-        return torch.arange(self.world_size + 1, device=device) * self.block_size
 
     def num_local_rows(self, rank: int) -> int:
         """Number of rows that ``rank`` holds."""
@@ -122,15 +132,15 @@ class RowSharding:
 
 
 @dataclass(frozen=True)
-class JointSharding:
+class JointSharding(OwnerMajorKeys):
     """Several tables' rows in one owner-major key space, so that one sort groups a batch by owner, then table.
 
     Table ``t``'s row with owner ``o`` and local index ``l`` has the key
     ``o * block_size + offsets[t] + l``, where ``block_size`` is the sum of the tables' own
     block sizes and ``offsets[t]`` the sum of those before ``t``. So keys sort by owner, then
     table, then local row, and ``local_of_key`` gives a *joint local id* (``offsets[t] + l``)
-    from which the owner reads the table (:meth:`part_of_local`). The interface is the one of
-    :class:`RowSharding` that the exchange uses, plus the parts (tables).
+    from which the owner reads the table (:meth:`table_of_local`). The interface is the one of
+    :class:`RowSharding` that the exchange uses, plus which table each key belongs to.
 
     >>> joint = JointSharding((RowSharding(5, 2, "mod"), RowSharding(3, 2, "range")))
     >>> joint.block_size, joint.offsets
@@ -150,7 +160,7 @@ class JointSharding:
         return self.shardings[0].world_size
 
     @property
-    def num_parts(self) -> int:
+    def num_tables(self) -> int:
         return len(self.shardings)
 
     @cached_property
@@ -162,40 +172,30 @@ class JointSharding:
     def block_size(self) -> int:
         return self.offsets[-1]
 
-    @cached_property
-    def key_bound(self) -> int:
-        return self.world_size * self.block_size
-
-    def key(self, part: int, ids: Tensor) -> Tensor:
-        """Joint keys of table ``part``'s rows ``ids`` (all inside the table)."""
-        sharding = self.shardings[part]
-        if self.num_parts == 1:  # one table: its own owner-major keys (the same values, fewer ops)
+    def key(self, table: int, ids: Tensor) -> Tensor:
+        """Joint keys of table ``table``'s rows ``ids`` (all inside the table)."""
+        sharding = self.shardings[table]
+        if self.num_tables == 1:  # one table: its own owner-major keys (the same values, fewer ops)
             return sharding.key(ids)
-        return sharding.owner(ids) * self.block_size + (sharding.to_local(ids) + self.offsets[part])
+        return sharding.owner(ids) * self.block_size + (sharding.to_local(ids) + self.offsets[table])
 
-    def key_boundaries(self, device: torch.device | str | None = None) -> Tensor:
-        return torch.arange(self.world_size + 1, device=device) * self.block_size
+    def table_keys(self, table: int, keys: Tensor) -> Tensor:
+        """Table ``table``'s own owner-major keys (:meth:`RowSharding.key`) of its joint keys ``keys``."""
+        if self.num_tables == 1:  # one table: the joint keys are the table's own
+            return keys
+        local = self.local_of_key(keys) - self.offsets[table]
+        return self.owner_of_key(keys) * self.shardings[table].block_size + local
 
-    def part_boundaries(self, device: torch.device | str | None = None) -> Tensor:
+    def table_boundaries(self, device: torch.device | str | None = None) -> Tensor:
         """The keys where each (owner, table) block starts, owner-major, and the bound: ``W * T + 1`` values."""
         starts = torch.arange(self.world_size, device=device).unsqueeze(1) * self.block_size
         starts = starts + torch.tensor(self.offsets[:-1], device=device)
         return torch.cat([starts.view(-1), torch.tensor([self.key_bound], device=device)])
 
-    def owner_of_key(self, keys: Tensor) -> Tensor:
-        return torch.div(keys, self.block_size, rounding_mode="floor")
-
-    def local_of_key(self, keys: Tensor) -> Tensor:
-        return torch.remainder(keys, self.block_size)
-
-    def owner_counts_below(self, runs: SortedKeys, device: torch.device) -> Tensor:
-        """``[W + 1]``: how many distinct keys of ``runs`` go to ranks below each rank (and, last, all of them)."""
-        return runs.counts_below(self.key_boundaries(device))
-
     def block(self, owner: Tensor, local: Tensor) -> Tensor:
         """The (owner, table) block of keys with these owners and joint local ids, owner-major: ``owner * T + table``."""
-        return owner * self.num_parts + self.part_of_local(local)
+        return owner * self.num_tables + self.table_of_local(local)
 
-    def part_of_local(self, local: Tensor) -> Tensor:
+    def table_of_local(self, local: Tensor) -> Tensor:
         """The table of each joint local id."""
         return torch.bucketize(local, torch.tensor(self.offsets[1:-1], dtype=local.dtype, device=local.device), right=True)

@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from ranks import start_ranks  # noqa: E402  (benchmarks/ranks.py)
 
 CRITEO = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306, 10,
           5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)  # fmt: skip
@@ -189,7 +189,7 @@ def _free_port() -> int:
 def run_distributed(max_rows: int, batch: int, rounds: int, steps_per_round: int) -> dict:
     cfg = {"max_rows": max_rows, "batch": batch, "rounds": rounds, "steps_per_round": steps_per_round}
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(cfg, _free_port(), out_dir), nprocs=2, start_method="spawn")
+        start_ranks(rank_main, (cfg, _free_port(), out_dir), 2)
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(2)]
     methods = {}
     for name in ranks[0]:

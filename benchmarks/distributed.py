@@ -3,7 +3,7 @@
 Each step, on each rank: look up a batch of Zipf-distributed ids (duplicates within and across
 ranks) -> ``mean((rows @ proj - target)^2)`` -> backward -> an Adagrad step -> zero_grad.
 
-Methods (each in 2 freshly spawned processes, so peak RSS, each rank's own ``VmHWM``, is per method):
+Methods (each in 2 fresh processes, ``ranks.py``, so peak RSS, each rank's own ``VmHWM``, is per method):
 
 * ``ours``: ``lightning_sparse.SparseEmbedding(sharding="mod")`` + ``SparseAdagrad``, plain torch loop.
 * ``sparse_ddp``: the same table in a LightningModule, ``Trainer(strategy="sparse_ddp")``.
@@ -36,8 +36,8 @@ os.environ.setdefault("DGLBACKEND", "pytorch")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from dynamic import peak_rss_mib  # noqa: E402  (benchmarks/dynamic.py)
+from ranks import start_ranks  # noqa: E402  (benchmarks/ranks.py)
 from torch import nn  # noqa: E402
 
 from lightning_sparse.faults import exits  # noqa: E402
@@ -311,7 +311,7 @@ def run_one(cfg: dict, method: str, rows: int) -> dict:
     row: dict = {"method": method, "rows": rows, "batch": cfg["batch"]}
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(rank_main, args=(cfg, method, rows, _free_port(), out_dir), nprocs=WORLD, start_method="spawn")
+            start_ranks(rank_main, (cfg, method, rows, _free_port(), out_dir), WORLD)
         except Exception as exc:  # a rank died (killed for memory), or aborted at exit after writing its results
             files = [Path(out_dir, f"rank{r}.json") for r in range(WORLD)]
             if not all(f.exists() for f in files):

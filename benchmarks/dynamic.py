@@ -37,7 +37,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from ranks import start_ranks  # noqa: E402  (benchmarks/ranks.py)
 
 import lightning_sparse as ls  # noqa: E402
 from lightning_sparse.faults import exits  # noqa: E402
@@ -182,7 +182,7 @@ def _free_port() -> int:
 
 def _on_ranks(job: str, cfg: dict, world: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank_main, args=(world, _free_port(), job, cfg, out), nprocs=world, start_method="spawn")
+        start_ranks(_rank_main, (world, _free_port(), job, cfg, out), world)
         return [json.loads(Path(out, f"{rank}.json").read_text()) for rank in range(world)]
 
 

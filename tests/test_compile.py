@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from pathlib import Path
 
@@ -13,7 +14,9 @@ from rank_pool import DEVICES
 from torch import nn
 
 import lightning_sparse as ls
+from lightning_sparse.kernels import backend
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 PACKAGE = str(Path(ls.__file__).parent)
 
 
@@ -60,6 +63,17 @@ def _train(model: nn.Module, tables: nn.Module, steps: int, device: str) -> None
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_compiled_model_has_no_graph_break_and_trains_like_eager(device):
+    _compiles_without_break_and_trains_like_eager(device)
+
+
+@pytest.mark.skipif(not (INTERPRETING and backend.triton_available()), reason="needs triton's interpreter")
+def test_a_compiled_model_trains_like_eager_with_the_gpu_kernels(monkeypatch):
+    """The GPU's lookup paths (one gather for a collection, whose outputs are views of one tensor) on CPU."""
+    monkeypatch.setenv(backend.ENV, "triton")
+    _compiles_without_break_and_trains_like_eager("cpu")
+
+
+def _compiles_without_break_and_trains_like_eager(device: str) -> None:
     torch._dynamo.reset()
     eager = Model(device)
     compiled_twin = copy.deepcopy(eager)

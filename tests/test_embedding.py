@@ -164,6 +164,9 @@ def _bad_lookup(bad_rank, bad_ids, device="cpu"):
     try:  # on a CPU, or on several ranks, the lookup raises; one GPU checks the ids on the device, and the step raises
         emb(ids).sum().backward()
         opt.step()
+        if device == "cuda":  # ... once the verdict's copy is done: else the next lookup (lookup/range_check.py)
+            torch.cuda.synchronize()
+            emb(torch.tensor([1], device=device))
     except (IndexError, TypeError, RuntimeError) as err:
         return type(err).__name__, str(err), time.monotonic() - start
     return None

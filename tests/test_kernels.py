@@ -8,6 +8,7 @@ hold runs longer than the hot threshold, so both reduction kernels run.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from lightning_sparse.kernels import Runs, StochasticRounding, UpdateRule, backend, segment_sum, sort_runs, update_rows
 from lightning_sparse.kernels import rows as kernel_rows
+from lightning_sparse.kernels import runs as kernel_runs
 from lightning_sparse.kernels.rounding import noise_salt, rounding_noise, stochastic_round
 from lightning_sparse.kernels.runs import TableSet, table_entries
 from lightning_sparse.optim import functional as F
@@ -198,6 +200,32 @@ def test_gather_reads_clamped_rows_and_widens_the_verdict(device, ids_dtype):
     out, _ = kernel_rows.gather(table.to(device), bad.to(device), torch.float32, device_verdict, keys=False)
     assert device_verdict.tolist() == [-2, 25]
     torch.testing.assert_close(out.cpu(), table[[4, 0, 19, 19]], rtol=0, atol=0)  # clamped for the read
+
+
+if backend.triton_available():
+    import triton
+    import triton.language as tl
+
+    from lightning_sparse.kernels.triton_runs import _one_minus_power
+
+    @triton.jit
+    def _bias_probe(steps, out, log2_beta, n, BLOCK: tl.constexpr):
+        """``out = 1 - beta**steps`` as the Adam kernel computes it."""
+        at = tl.arange(0, BLOCK)
+        t = tl.load(steps + at, mask=at < n, other=1).to(tl.float32)
+        tl.store(out + at, _one_minus_power(t, log2_beta), mask=at < n)
+
+
+@pytest.mark.skipif(not backend.triton_available(), reason="needs triton")
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_adam_bias_correction_is_the_cpu_paths_near_one(device):
+    """``1 - beta**t`` as torch computes it in float32, to one ulp of the power: a GPU's fast exp2 missed by four."""
+    steps = torch.tensor([1, 2, 3, 10, 100, 693, 1000, 10_000, 10**6], dtype=torch.int64)
+    for beta in (0.9, 0.999, 0.99999, 0.0):
+        out = torch.empty(len(steps), dtype=torch.float32, device=device)
+        _bias_probe[(1,)](steps.to(device), out, kernel_runs._log2_float32(beta), len(steps), BLOCK=16)
+        expected = 1 - torch.pow(torch.tensor(beta, dtype=torch.float32), steps.float())  # the CPU path's (optim/functional.py)
+        torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=1.2e-7, msg=f"beta={beta}")
 
 
 # ---------------------------------------------------------------- compiled for an H100, without one

@@ -189,6 +189,12 @@ def tile(dim: int, elements: int) -> tuple[int, int]:
     return max(1, elements // block_d), block_d
 
 
+def _log2_float32(beta: float) -> float:
+    """log2 of ``beta`` rounded to float32: the per-row bias correction's ``beta**t`` is float32's, as on the CPU path."""
+    beta = struct.unpack("<f", struct.pack("<f", beta))[0]
+    return math.log2(beta) if beta > 0 else -math.inf
+
+
 def _launch(runs: Runs, values: Tensor, *, family: str, out: Tensor | None = None, shift: int = 0,
             weights: Tensor | None = None, counts: Tensor | None = None, mean: bool = False, divisor: float = 1.0,
             table: Tensor | None = None, rule: UpdateRule | None = None, rounding: StochasticRounding | None = None,
@@ -210,7 +216,7 @@ def _launch(runs: Runs, values: Tensor, *, family: str, out: Tensor | None = Non
     scalars = dict(
         lr=rule.lr, step_size=rule.step_size, weight_decay=rule.weight_decay, decay=1.0 - rule.lr * rule.weight_decay,
         eps=rule.eps, beta1=beta1, beta2=beta2, one_minus_beta1=1.0 - beta1, one_minus_beta2=1.0 - beta2,
-        log2_beta1=math.log2(beta1) if beta1 > 0 else -math.inf, log2_beta2=math.log2(beta2) if beta2 > 0 else -math.inf,
+        log2_beta1=_log2_float32(beta1), log2_beta2=_log2_float32(beta2),
         salt=rounding.salt if rounding else 0, row_multiplier=ROW_MULTIPLIER, global_mul=rounding.global_mul if rounding else 1,
         global_add=rounding.global_add if rounding else 0,
     )  # fmt: skip

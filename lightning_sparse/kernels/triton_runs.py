@@ -55,6 +55,28 @@ def _rounding_noise(global_rows, cols, half_columns, salt, row_multiplier):
 
 
 @triton.jit
+def _one_minus_power(t, log2_beta):
+    """``1 - beta**t`` as the CPU path computes it in float32 (``torch.pow`` of ``beta`` rounded to float32).
+
+    ``log2_beta`` is that float32 ``beta``'s log2. A GPU's fast ``exp2`` is off by about 2**-22 of
+    its value, and ``1 - beta**t`` cancels near 1: ``1 - 0.999`` came out about 1e-4 of itself
+    wrong, and Adam's per-row bias correction with it. So near 1 (``|y| < 0.5``, ``y = t ln(beta)``)
+    the power is ``1 + expm1(y)``, ``expm1`` summed from its series (9 terms: relative error below
+    1e-9), rounded once; further out ``exp2`` is exact enough.
+    """
+    y = t * log2_beta * 0.6931471805599453
+    series = 1.0 + y * (1.0 / 9.0)
+    series = 1.0 + y * series * (1.0 / 8.0)
+    series = 1.0 + y * series * (1.0 / 7.0)
+    series = 1.0 + y * series * (1.0 / 6.0)
+    series = 1.0 + y * series * (1.0 / 5.0)
+    series = 1.0 + y * series * (1.0 / 4.0)
+    series = 1.0 + y * series * (1.0 / 3.0)
+    series = 1.0 + y * series * 0.5
+    return 1.0 - tl.where(y > -0.5, 1.0 + y * series, tl.exp2(t * log2_beta))
+
+
+@triton.jit
 def apply_rows(
     row, state1_row, state2_row, state_one, global_rows, lane, g, cols, col_ok, dim, dim_f, element,
     lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
@@ -70,7 +92,21 @@ def apply_rows(
     """
     mask = lane[:, None] & col_ok[None, :]
     at = row[:, None] + cols[None, :]
+    first, second = state1_row[:, None] + cols[None, :], state2_row[:, None] + cols[None, :]
+    # Every read before the first write. A row's per-row state (and a hot run's whole [1, D] tile) is held
+    # by several warps at once; a warp that read after another wrote would step the row twice (seen on an
+    # H100: Adam's per-row step counter read as t + 1 by some warps). One barrier between the two halves.
     value = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+    if FAMILY == 2:
+        state = tl.load(first, mask=mask, other=0.0)
+    elif FAMILY == 3:
+        state = tl.load(state_one, mask=lane, other=0.0)
+    elif FAMILY == 4:
+        m = tl.load(first, mask=mask, other=0.0)
+        v = tl.load(second, mask=mask, other=0.0)
+        if ROW_BIAS:
+            t = tl.load(state_one, mask=lane, other=0) + 1
+    tl.debug_barrier()
     if WEIGHT_DECAY:
         if DECOUPLED:
             value = value * decay  # AdamW: row *= 1 - lr * weight_decay
@@ -79,18 +115,14 @@ def apply_rows(
     if FAMILY == 1:  # SGD: row -= lr * g
         delta = g * -lr
     elif FAMILY == 2:  # Adagrad: sum += g^2; row -= clr * g / (sqrt(sum) + eps)
-        state = state1_row[:, None] + cols[None, :]
-        total = tl.load(state, mask=mask, other=0.0) + g * g
-        tl.store(state, total, mask=mask)
+        total = state + g * g
+        tl.store(first, total, mask=mask)
         delta = tl.div_rn(g, tl.sqrt_rn(total) + eps) * -lr
     elif FAMILY == 3:  # row-wise Adagrad: sum += mean(g^2); row -= lr * g / (sqrt(sum) + eps)
-        total = tl.load(state_one, mask=lane, other=0.0) + tl.div_rn(tl.sum(g * g, axis=1), dim_f)
+        total = state + tl.div_rn(tl.sum(g * g, axis=1), dim_f)
         tl.store(state_one, total, mask=lane)
         delta = g * (tl.div_rn(1.0, tl.sqrt_rn(total[:, None]) + eps) * -lr)
     else:  # Adam (lazy): m = lerp(m, g, 1 - beta1); v = beta2 v + (1 - beta2) g^2
-        first, second = state1_row[:, None] + cols[None, :], state2_row[:, None] + cols[None, :]
-        m = tl.load(first, mask=mask, other=0.0)
-        v = tl.load(second, mask=mask, other=0.0)
         if LERP_FROM_END:
             m = g - (g - m) * (1.0 - one_minus_beta1)
         else:
@@ -99,10 +131,9 @@ def apply_rows(
         tl.store(first, m, mask=mask)
         tl.store(second, v, mask=mask)
         if ROW_BIAS:  # each row's own step t: row -= lr * m_hat / (sqrt(v_hat) + eps)
-            t = tl.load(state_one, mask=lane, other=0) + 1
             tl.store(state_one, t, mask=lane)
             t = t.to(tl.float32)[:, None]
-            denom = (tl.sqrt_rn(tl.div_rn(v, 1.0 - tl.exp2(t * log2_beta2))) + eps) * (1.0 - tl.exp2(t * log2_beta1))
+            denom = (tl.sqrt_rn(tl.div_rn(v, _one_minus_power(t, log2_beta2))) + eps) * _one_minus_power(t, log2_beta1)
             delta = tl.div_rn(m, denom) * -lr
         else:  # one step for the table: step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t)
             delta = tl.div_rn(m, tl.sqrt_rn(v) + eps) * -step_size

@@ -115,7 +115,25 @@ def _lookup(token: Tensor, unit: int, layout: str, tensors: list[Tensor], record
         outputs = module.eager_lookup(unflatten(layout, tensors))
     handle = torch.zeros((), dtype=torch.int64)
     handle.lookup_outputs = outputs  # the handle is saved for backward: the eager graph lives as long as the compiled one
-    return [output.detach() for output in outputs], handle
+    return _unaliased(outputs, tensors), handle
+
+
+def _unaliased(outputs: list[Tensor], inputs: list[Tensor]) -> list[Tensor]:
+    """The outputs, detached; a copy of each that shares memory with an input or an earlier output.
+
+    A custom op's outputs may not alias (torch checks it): a collection's outputs on one GPU are
+    views of one gathered tensor (``lookup/joint.py``), so all but the first are copied here.
+    """
+    seen = {given.untyped_storage().data_ptr() for given in inputs}
+    unaliased = []
+    for output in outputs:
+        output = output.detach()
+        storage = output.untyped_storage().data_ptr()
+        if storage in seen:
+            output = output.clone()
+        seen.add(storage)
+        unaliased.append(output)
+    return unaliased
 
 
 @_lookup.register_fake

@@ -8,7 +8,6 @@ hold runs longer than the hot threshold, so both reduction kernels run.
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -206,7 +205,7 @@ if backend.triton_available():
     import triton
     import triton.language as tl
 
-    from lightning_sparse.kernels.triton_runs import _one_minus_power
+    from lightning_sparse.kernels.triton_update import _one_minus_power
 
     @triton.jit
     def _bias_probe(steps, out, log2_beta, n, BLOCK: tl.constexpr):

@@ -200,6 +200,7 @@ def _launch(runs: Runs, values: Tensor, *, family: str, out: Tensor | None = Non
             table: Tensor | None = None, rule: UpdateRule | None = None, rounding: StochasticRounding | None = None,
             verdict: Tensor | None = None, unique: Tensor | None = None) -> None:  # fmt: skip
     from lightning_sparse.kernels import triton_runs as k
+    from lightning_sparse.kernels.triton_update import NEAREST, STOCHASTIC_BF16
 
     many = table if isinstance(table, TableSet) else None
     if many is not None:
@@ -225,7 +226,7 @@ def _launch(runs: Runs, values: Tensor, *, family: str, out: Tensor | None = Non
         HAS_COUNTS=counts is not None, MEAN=mean, DIVIDE=(not mean) and divisor != 1.0, CHECK=verdict is not None,
         COUNT_UNIQUE=unique is not None, WEIGHT_DECAY=rule.weight_decay != 0.0, DECOUPLED=rule.decoupled_weight_decay,
         ROW_BIAS=rule.row_bias, LERP_FROM_END=1.0 - beta1 >= 0.5,
-        ROUNDING=k.STOCHASTIC_BF16 if rounding is not None else k.NEAREST, MANY=many is not None, HOT_RUN=k.HOT,
+        ROUNDING=STOCHASTIC_BF16 if rounding is not None else NEAREST, MANY=many is not None, HOT_RUN=k.HOT,
     )  # fmt: skip
     args = (runs.keys, runs.perm, n, values, values.stride(0), weights, counts, counts.stride(0) if counts is not None else 0,
             dim, float(dim), out, out.stride(0) if out is not None else 0, many.shift if many else shift, float(divisor),

@@ -13,7 +13,9 @@ DEFAULT_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "wn18rr"
 def data_dir(path: str | os.PathLike | None = None) -> Path:
     found = Path(path or os.environ.get("WN18RR_DIR", DEFAULT_DIR))
     if not (found / "train.txt").is_file():
-        raise FileNotFoundError(f"WN18RR not found in {found}. HINT: pass --data DIR or set WN18RR_DIR.")
+        raise FileNotFoundError(
+            f"WN18RR not found in {found}. HINT: pass --data DIR or set WN18RR_DIR (docs/kge.md says where to get it)."
+        )
     return found
 
 

@@ -388,11 +388,11 @@ def test_the_admission_sketch_never_underestimates_and_fades():
     assert bool((sketch.add(keys[:10], torch.zeros(10, dtype=torch.int64)) >= 2).all())  # halved, still not below
 
 
-def test_the_readme_example_runs():
+def test_the_guide_example_runs():
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "dynamic.md").read_text()
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "DynamicEmbedding(capacity=" in b]
     namespace: dict = {}
     exec(block, namespace)

@@ -73,7 +73,8 @@ class KGDataModule(LightningDataModule):
         self.data_dir = Path(data_dir or os.environ.get("WN18RR_DIR", DEFAULT_DIR))
         if not (self.data_dir / "train.txt").is_file():
             raise FileNotFoundError(
-                f"No train.txt in {self.data_dir}. HINT: pass --data.data_dir DIR (head<TAB>relation<TAB>tail files)."
+                f"No train.txt in {self.data_dir}. HINT: pass --data.data_dir DIR or set WN18RR_DIR "
+                f"(head<TAB>relation<TAB>tail files; docs/kge.md says where to get WN18RR)."
             )
         self.entities, self.relations = self._vocabulary()
 

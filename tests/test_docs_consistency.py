@@ -1,0 +1,62 @@
+"""The docs agree with the code, the benchmark results and themselves (rules: tests/docs_consistency.py).
+
+Each rule runs on the real pages, and on a planted mismatch that it must catch.
+"""
+
+from __future__ import annotations
+
+import docs_consistency as docs
+
+BENCHMARKS = (docs.ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_every_figure_in_the_readme_and_the_guide_is_a_measured_one():
+    assert docs.figure_problems(docs.user_pages(), BENCHMARKS) == []
+
+
+def test_a_figure_that_was_not_measured_is_caught():
+    planted = {"README.md": "Two ranks: 1.3-1.7x faster than DGL.\n", "docs/guide/half.md": "bf16 costs 1.64x.\n"}
+    problems = docs.figure_problems(planted, BENCHMARKS)
+    assert len(problems) == 1 and "README.md:1" in problems[0] and "1.3-1.7x" in problems[0]  # 1.64x was measured
+
+
+def test_the_gpu_status_is_said_in_one_place():
+    assert docs.status_problems(docs.all_pages()) == []
+    readme = (docs.ROOT / "README.md").read_text()
+    assert docs.STATUS.search(readme), "the README's status table is marked"
+    for page in ("docs/index.md", "docs/guide/quickstart.md", "docs/guide/launching.md", "docs/benchmarks.md"):
+        assert docs.STATUS_INCLUDE in (docs.ROOT / page).read_text(), f"{page} includes the status table"
+
+
+def test_a_second_gpu_status_is_caught():
+    planted = {
+        "README.md": "The CUDA tests are parametrized by device: all of them passed on one H100.\n",
+        "docs/benchmarks.md": "Every CUDA-parametrized test passes.\n",
+        "docs/guide/launching.md": "The Triton kernels have not yet run on a GPU.\n",
+        "docs/guide/gpu.md": "Each pass over the rows on a GPU reads them once.\n",  # not a status claim
+    }
+    found = {problem.split(":")[0] for problem in docs.status_problems(planted)}
+    assert found == {"README.md", "docs/benchmarks.md", "docs/guide/launching.md"}
+
+
+def test_every_name_the_docs_mention_exists():
+    assert docs.name_problems(docs.all_pages()) == []
+
+
+def test_a_name_that_moved_is_caught():
+    planted = {
+        "docs/design.md": "`lookup._Lookup` is gone; `outputs._Expand` is here.\n",
+        "docs/api.md": "::: lightning_sparse.checkpoint.load\n",
+        "docs/guide/x.md": "`ls.SparseEmbedding` and `ls.SparseEmbedingCollection`; see `lightning_sparse/strategy.py`.\n",
+    }
+    problems = "\n".join(docs.name_problems(planted))
+    assert "_Lookup" in problems and "_Expand" not in problems
+    assert "lightning_sparse.checkpoint.load does not exist" in problems
+    assert "ls.SparseEmbedingCollection" in problems and "ls.SparseEmbedding does" not in problems
+    assert "lightning_sparse/strategy.py is not in the repository" in problems
+
+
+def test_cross_references_are_links():
+    assert docs.see_problems(docs.all_pages()) == []
+    planted = {"docs/guide/lightning.md": 'for bf16 tables see "Half-precision tables".\nsee ["X"](x.md)\n'}
+    assert len(docs.see_problems(planted)) == 1

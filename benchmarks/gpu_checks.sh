@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one go (6 minutes at most on one H100): the CUDA-parametrized tests
 # (the Triton kernels compiled, the one-process step under sync debug mode "error"), a Lightning fit
-# on one GPU (NCCL), and the GPU benchmark (benchmarks/gpu.py) into a copy of benchmarks/results/bench.json.
+# on one GPU (NCCL), the GPU benchmark (benchmarks/gpu.py) into a copy of benchmarks/results/bench.json, and a
+# CUDA-graph capture of a one-process step against the eager step (benchmarks/gpu_capture.py).
 # Run from the repository root on a machine with CUDA, torch and lightning installed:
 #
 #     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh
@@ -31,3 +32,6 @@ echo "== Lightning fit on one GPU (sparse_ddp, NCCL)"
 echo "== GPU benchmarks"
 cp benchmarks/results/bench.json "$OUT/bench.json"
 timeout "${BENCH_S:-140}" python3 benchmarks/bench.py --only gpu --out "$OUT/bench.json" --no-report 2>&1 | tail -20
+
+echo "== CUDA graph capture of a one-process step (benchmarks/gpu_capture.py)"
+timeout "${CAPTURE_S:-60}" python3 benchmarks/gpu_capture.py 2>&1 | tee "$OUT/capture.json" | tail -40

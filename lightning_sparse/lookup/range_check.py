@@ -17,6 +17,11 @@ regime of one GPU, the copy is done long before), or, if the GPU runs far behind
 the first later step or lookup of that table that finds the copy done: until then the table's
 rows stay as they were. A lookup without grad mode has no step to wait for: it waits for its
 own verdict (one host read) and raises before returning.
+
+While a CUDA graph is being captured the host side stands aside (no copy, no event, no read:
+none of them may run in a capture): a replayed step keeps the verdict on the device, where the
+update kernels read it and update no row of the table, and the next eager lookup or step of
+the table reports it.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class RangeCheck:
 
     def sent(self) -> None:
         """After a lookup's gather: start copying the verdict to the host, without waiting."""
+        if self._capturing():
+            return
         self._host.copy_(self._verdict, non_blocking=True)
         if self._event is not None:
             self._event.record()
@@ -66,7 +73,7 @@ class RangeCheck:
         ``wait``: wait for the copy (a host read; for a lookup without a step to protect). A
         failure read here clears the verdict: it is reported once.
         """
-        if not self._unread:
+        if not self._unread or self._capturing():
             return None
         if self._event is not None and not self._event.query():
             if not wait:
@@ -78,3 +85,7 @@ class RangeCheck:
             return None
         self._verdict.zero_()
         return values
+
+    def _capturing(self) -> bool:
+        """Whether the current CUDA stream is capturing a graph (see the module)."""
+        return self._verdict is not None and self._verdict.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,115 @@
+"""One GPU: a one-process training step captured in a CUDA graph, as the code stands, against the same step eager.
+
+On the H100 that measures the library, a step is bound by kernel launches (about 40 us of host
+time each; see docs/benchmarks.md), so capture is the lever for issue 32's ``capturable=True``.
+This measures, for ``SparseEmbedding`` with SGD, Adagrad and row-wise Adagrad (whose kernel
+arguments do not change from step to step) and for ``nn.Embedding(sparse=True)`` with Adagrad:
+
+* whether the step (forward, backward, optimizer step, zero_grad, with the bench's loss) can be
+  captured in a ``torch.cuda.CUDAGraph`` after a warm-up on a side stream;
+* whether replaying it on new ids, copied into a static input buffer, trains the table as the
+  eager step does on the same ids (the largest difference of the final tables);
+* the median replayed step against the median eager step (CUDA events).
+
+Families whose kernel arguments change per step (Adam's bias correction, bf16's rounding draws,
+a decaying Adagrad) need the step count on the device first (issue 32) and are not measured.
+Run on a GPU: ``python benchmarks/gpu_capture.py [rows dim batch]``; prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+CASES = {
+    "ours/sgd": ("SparseSGD", dict(lr=0.1)),
+    "ours/adagrad": ("SparseAdagrad", dict(lr=0.1)),
+    "ours/rowwise_adagrad": ("SparseRowWiseAdagrad", dict(lr=0.1)),
+    "torch_sparse/adagrad": (None, dict(lr=0.1)),
+}
+
+
+def _model(case: str, rows: int, dim: int, device: torch.device) -> tuple[nn.Module, Callable[[], None], Callable[[], None]]:
+    """(table, step of its optimizer, zero_grad) for one case, the table starting from zeros."""
+    import lightning_sparse as ls
+
+    cls, kwargs = CASES[case]
+    if cls is None:
+        table = nn.Embedding(rows, dim, sparse=True, device=device)
+        nn.init.zeros_(table.weight)
+        opt = torch.optim.Adagrad([table.weight], **kwargs)
+    else:
+        table = ls.SparseEmbedding(rows, dim, init=ls.init.zeros(), device=device)
+        opt = getattr(ls, cls)([table], **kwargs)
+    return table, opt.step, opt.zero_grad
+
+
+def _weights(table: nn.Module) -> torch.Tensor:
+    return table.full_weight() if hasattr(table, "full_weight") else table.weight.detach()
+
+
+def _median_ms(fn: Callable[[], None], steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(case: str, rows: int, dim: int, batch: int, steps: int = 30) -> dict:
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    batches = [(rows * torch.rand(batch, generator=gen) ** 4).long().to(device) for _ in range(steps + 3)]
+    proj = torch.randn(dim, 1, generator=gen).to(device)
+    target = torch.randn(batch, 1, generator=gen).to(device)
+
+    def train_step(table, step, zero_grad, ids):
+        ((table(ids) @ proj - target) ** 2).mean().backward()
+        step()
+        zero_grad()
+
+    eager = _model(case, rows, dim, device)
+    for ids in batches:
+        train_step(*eager, ids)
+    expected = _weights(eager[0]).clone()
+    eager_ms = _median_ms(lambda: train_step(*eager, batches[0]), steps)
+
+    captured = _model(case, rows, dim, device)
+    static_ids = batches[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up on a side stream, as torch.cuda.graphs asks: the first batch, trained
+        train_step(*captured, static_ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            train_step(*captured, static_ids)  # captured, not run: the second batch is the first replay
+    except Exception as err:  # noqa: BLE001 - the probe reports what breaks capture
+        return {"eager_ms": eager_ms, "captured": False, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+    for ids in batches[1:]:
+        static_ids.copy_(ids)
+        graph.replay()
+    torch.cuda.synchronize()
+    difference = (_weights(captured[0]) - expected).abs().max().item()
+    replay_ms = _median_ms(graph.replay, steps)
+    return {"eager_ms": eager_ms, "captured": True, "replay_ms": replay_ms, "replay_over_eager": replay_ms / eager_ms,
+            "max_difference_from_eager": difference}  # fmt: skip
+
+
+def run(rows: int = 1_000_000, dim: int = 64, batch: int = 65_536) -> dict:
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "dim": dim, "batch": batch,
+            "cases": {case: measure(case, rows, dim, batch) for case in CASES}}  # fmt: skip
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(*map(int, sys.argv[1:4])), indent=1))

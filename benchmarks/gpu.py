@@ -208,7 +208,8 @@ def _release(device: torch.device) -> None:
 
 def measure_collection(tables: int, rows: int, dim: int, batch: int, steps: int, warmup: int, device: torch.device) -> dict:
     """A collection of ``tables`` tables (one unpooled feature each, ``batch`` skewed ids per table per step) against as
-    many ``nn.Embedding(sparse=True)`` tables with torch's Adagrad; and the kernels of a 2-table collection's step."""
+    many ``nn.Embedding(sparse=True)`` tables with torch's Adagrad; and the kernels of a 2-table collection's step
+    (each with its loss's own kernels, counted apart)."""
     import lightning_sparse as ls
 
     gen = torch.Generator().manual_seed(2)
@@ -235,6 +236,13 @@ def measure_collection(tables: int, rows: int, dim: int, batch: int, steps: int,
             counted = _counts(step, device)
             if counted:
                 result["kernels"][label], result["syncs"][label] = counted["kernels"], counted["syncs"]
+                # The loss's own kernels grow with the features (a sum each): counted apart, as for one table.
+                outputs = [torch.zeros(batch, dim, device=device, requires_grad=True) for _ in range(count)]
+
+                def loss_alone(i, outputs=outputs):
+                    sum(v.sum() for v in outputs).backward()
+
+                result.setdefault("loss_kernels", {})[label] = _counts(loss_alone, device)["kernels"]
             del collection, opt, step
             _release(device)
     embeddings = [nn.Embedding(rows, dim, sparse=True, device=device) for _ in range(tables)]

@@ -47,6 +47,7 @@ class SparseAdagrad(SparseOptimizer):
         *,
         duplicate_grads: str = "sum",
         check_finite: bool = False,
+        capturable: bool = False,
     ) -> None:
         _check(lr, weight_decay, initial_accumulator_value, eps)
         if lr_decay < 0.0:
@@ -54,7 +55,7 @@ class SparseAdagrad(SparseOptimizer):
         defaults = dict(
             lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
             initial_accumulator_value=initial_accumulator_value, duplicate_grads=duplicate_grads,
-            check_finite=check_finite,
+            check_finite=check_finite, capturable=capturable,
         )  # fmt: skip
         super().__init__(params, defaults)
 
@@ -64,13 +65,18 @@ class SparseAdagrad(SparseOptimizer):
             "sum": torch.full_like(table.shard, group["initial_accumulator_value"], dtype=compute_dtype(table.dtype)),
         }
 
+    def step_scalars(self, step: int | Tensor, group: dict[str, Any]) -> tuple[float | Tensor, float]:
+        """torch's decayed learning rate ``clr = lr / (1 + (step - 1) * lr_decay)``."""
+        return group["lr"] / (1 + (step - 1) * group["lr_decay"]), 0.0
+
     def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule:
-        return UpdateRule("adagrad", _clr(state, group), state=(state["sum"], None, None), weight_decay=group["weight_decay"],
+        return UpdateRule("adagrad", group["lr"], state=(state["sum"], None, None), weight_decay=group["weight_decay"],
                           eps=group["eps"])  # fmt: skip
 
     def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
                write: RowWriter | None = None) -> None:  # fmt: skip
-        F.adagrad_(shard, state["sum"], rows, grad, clr=_clr(state, group), weight_decay=group["weight_decay"],
+        clr, _ = self.step_scalars(int(state["step"]), group)
+        F.adagrad_(shard, state["sum"], rows, grad, clr=clr, weight_decay=group["weight_decay"],
                    eps=group["eps"], write=write)  # fmt: skip
 
 
@@ -94,12 +100,13 @@ class SparseRowWiseAdagrad(SparseOptimizer):
         *,
         duplicate_grads: str = "sum",
         check_finite: bool = False,
+        capturable: bool = False,
     ) -> None:
         _check(lr, weight_decay, initial_accumulator_value, eps)
         defaults = dict(
             lr=lr, weight_decay=weight_decay, eps=eps,
             initial_accumulator_value=initial_accumulator_value, duplicate_grads=duplicate_grads,
-            check_finite=check_finite,
+            check_finite=check_finite, capturable=capturable,
         )  # fmt: skip
         super().__init__(params, defaults)
 
@@ -122,8 +129,3 @@ class SparseRowWiseAdagrad(SparseOptimizer):
         F.rowwise_adagrad_(
             shard, state["sum"], rows, grad, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], write=write
         )
-
-
-def _clr(state: dict[str, Tensor], group: dict[str, Any]) -> float:
-    """torch.optim.Adagrad's decayed learning rate at this step (``state["step"]``, a host counter: no device read)."""
-    return group["lr"] / (1 + (int(state["step"]) - 1) * group["lr_decay"])

@@ -43,6 +43,7 @@ class SparseAdam(SparseOptimizer):
         bias_correction: str = "row",
         duplicate_grads: str = "sum",
         check_finite: bool = False,
+        capturable: bool = False,
     ) -> None:
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -59,7 +60,7 @@ class SparseAdam(SparseOptimizer):
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
             bias_correction=bias_correction, duplicate_grads=duplicate_grads,
-            check_finite=check_finite,
+            check_finite=check_finite, capturable=capturable,
         )  # fmt: skip
         super().__init__(params, defaults)
 
@@ -75,14 +76,17 @@ class SparseAdam(SparseOptimizer):
         return state
 
     def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule:
-        beta1, beta2 = group["betas"]
-        row_bias, step = group["bias_correction"] == "row", int(state["step"])
         return UpdateRule(
             "adam", group["lr"], state=(state["exp_avg"], state["exp_avg_sq"], state.get("row_step")),
             weight_decay=group["weight_decay"], decoupled_weight_decay=group["decoupled_weight_decay"], eps=group["eps"],
-            betas=(beta1, beta2), row_bias=row_bias,
-            step_size=0.0 if row_bias else F.adam_step_size(group["lr"], beta1, beta2, step),
+            betas=tuple(group["betas"]), row_bias=group["bias_correction"] == "row",
         )  # fmt: skip
+
+    def step_scalars(self, step: int | Tensor, group: dict[str, Any]) -> tuple[float, float | Tensor]:
+        """Global bias correction's step size ``lr * sqrt(1 - b2^t) / (1 - b1^t)`` (per-row: each row's own, in the kernel)."""
+        if group["bias_correction"] == "row":
+            return group["lr"], 0.0
+        return group["lr"], F.adam_step_size(group["lr"], *group["betas"], step)
 
     def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
                write: RowWriter | None = None) -> None:  # fmt: skip

@@ -30,9 +30,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_sparse.kernels import Runs, StochasticRounding, UpdateRule, sort_runs, update_rows, uses_triton
-from lightning_sparse.kernels.rounding import HALF, compute_dtype, noise_salt, writer_for
-from lightning_sparse.optim import checks, joint, row_grads
+from lightning_sparse.kernels import UpdateRule
+from lightning_sparse.kernels.rounding import HALF, compute_dtype, writer_for
+from lightning_sparse.optim import checks, fused, joint, row_grads
 from lightning_sparse.optim.row_grads import TableGrads
 from lightning_sparse.tables.embedding import SparseEmbedding
 from lightning_sparse.wire.alltoall import ExchangeStats
@@ -61,15 +61,22 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
     raises ``FloatingPointError`` on every rank, naming the table and the ranks, and updates
     nothing (the gradients are dropped: catching the error and going on is safe). The flag rides
     with the gradients, so the check costs one pass over them and no extra collective.
+
+    ``capturable`` (default ``False``, torch's word): each table's ``step`` count and the step's
+    scalars live on the table's device and a step reads no host value, so that a one-process step
+    can be captured in a CUDA graph (docs/guide/gpu.md; :mod:`lightning_sparse.optim.fused`).
     """
 
     def __init__(self, params: Iterable[SparseEmbedding] | Iterable[dict[str, Any]], defaults: dict[str, Any]) -> None:
         if not isinstance(defaults.get("check_finite", False), bool):
             raise ValueError(f"Invalid check_finite: {defaults.get('check_finite')!r}. HINT: pass True or False.")
+        if not isinstance(defaults.setdefault("capturable", False), bool):
+            raise ValueError(f"Invalid capturable: {defaults['capturable']!r}. HINT: pass True or False.")
         if defaults.get("duplicate_grads") not in DUPLICATE_GRADS:
             raise ValueError(f"Invalid duplicate_grads: {defaults.get('duplicate_grads')!r}. HINT: use one of {DUPLICATE_GRADS}.")
         self._tables: dict[Tensor, SparseEmbedding] = {}
         self._fresh_rows: dict[Tensor, dict[str, Tensor]] = {}  # per dynamic table: one initial row of each state
+        self._entries = fused.Entries()  # capturable: each table's entry, its scalars written on the device
         self.stats = ExchangeStats()
         super().__init__(params, defaults)
 
@@ -107,7 +114,11 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         super().add_param_group({**param_group, "params": [table.shard for table in tables]})
         group = self.param_groups[-1]
         for table in tables:
+            if group["capturable"]:
+                fused.check_capturable(type(self).__name__, table, self.has_fused_update)
             self.state[table.shard] = self.init_state(table, group)
+            if group["capturable"] and "step" in self.state[table.shard]:
+                self.state[table.shard]["step"] = self.state[table.shard]["step"].to(table.device)
             # A row's initial state, for tables whose rows change ids (reset_rows); one row per state tensor.
             self._fresh_rows[table.shard] = {k: v[:1].clone() for k, v in self.state[table.shard].items() if v.dim()}
             table.watch(self)
@@ -151,9 +162,16 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         """This step's update as the fused GPU kernel applies it (:class:`~lightning_sparse.kernels.UpdateRule`).
 
         ``None`` (the default, e.g. for a subclass of one's own): the step sums the gradient rows
-        and calls :meth:`update`. Called after ``state["step"]`` has counted this step.
+        and calls :meth:`update`. Called after ``state["step"]`` has counted this step. The rule's
+        ``lr`` and ``step_size`` are this step's :meth:`step_scalars`, filled in by the caller.
         """
         return None
+
+    def step_scalars(self, step: int | Tensor, group: dict[str, Any]) -> tuple[float | Tensor, float | Tensor]:
+        """(learning rate, step size) of a table's ``step``-th update (``group["lr"]``, 0 unless overridden).
+
+        ``step``: an int, or (``capturable``) a float64 tensor on the device, where the same arithmetic then runs."""
+        return group["lr"], 0.0
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -195,19 +213,18 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
     def _apply(self, table: SparseEmbedding, state: dict[str, Tensor], group: dict[str, Any], grads: TableGrads) -> None:
         """Sum the table's gradient rows per row and update those rows: one fused kernel on a GPU, else sum then update."""
         mean = group["duplicate_grads"] == "mean"
-        step = int(state.get("step", 0))
-        rule = self.update_rule(state, group) if uses_triton(table.shard) and _fusable(table) else None
+        rule = self.update_rule(state, group) if fused.takes(table) else None
         if rule is None:
             rows, grad = row_grads.summed(table, grads, mean)
-            write = writer_for(table, step)  # a half table's rows: rounded
+            write = writer_for(table, int(state.get("step", 0)))  # a half table's rows: rounded
             self.update(table.shard, rows, grad, state, group, **({"write": write} if write is not None else {}))
             return
-        runs = Runs(grads.rows) if grads.distinct else sort_runs(grads.rows, table.sharding.key_bound)
-        update_rows(
-            runs, grads.values, table.shard, rule, counts=grads.counts, mean=mean, divisor=table.world_size * table.replicas,
-            rounding=_rounding(table, step), verdict=table.range_check.device_verdict if grads.per_id else None,
-            unique=table.stats.on_device("unique_ids", table.device) if grads.per_id else None,
-        )  # fmt: skip
+        if group["capturable"]:  # the step count on the device, the scalars computed there
+            step = state["step"].double() if "step" in state else 0
+            fused.update(table, grads, rule, self.step_scalars(step, group), mean, entries=self._entries)
+        else:
+            step = int(state.get("step", 0))
+            fused.update(table, grads, rule, self.step_scalars(step, group), mean, step=step)
 
     def _grads_to_owners(self, entries: list[tuple[dict[str, Any], Tensor]]) -> list[TableGrads]:
         """Per table: its gradient rows on this rank, their owner (not summed yet)."""
@@ -279,18 +296,3 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
                         f"holds {p.shape[0]} (rank {table.rank} of {table.world_size}, {table.sharding_scheme}). "
                         f"HINT: load optimizer state saved with the same world size and sharding."
                     )
-
-
-def _fusable(table: SparseEmbedding) -> bool:
-    """Whether the fused kernel covers the table's dtype: float32, bf16, and fp16 rounded to nearest."""
-    return table.dtype in (torch.float32, torch.bfloat16) or (table.dtype == torch.float16 and table.stochastic_rounding is False)
-
-
-def _rounding(table: SparseEmbedding, step: int) -> StochasticRounding | None:
-    """A bf16 table's stochastic rounding at its ``step``-th update; local row ``r`` is global ``r * mul + add``."""
-    if table.dtype != torch.bfloat16 or table.stochastic_rounding is False:
-        return None
-    sharding, rank = table.sharding, table.rank
-    if sharding.scheme == "mod":
-        return StochasticRounding(noise_salt(table.seed, step), sharding.world_size, rank)
-    return StochasticRounding(noise_salt(table.seed, step), 1, rank * sharding.block_size)

@@ -119,6 +119,6 @@ def adam_(
     _apply(param, rows, delta, values, write)
 
 
-def adam_step_size(lr: float, beta1: float, beta2: float, step: int) -> float:
-    """torch.optim.SparseAdam's step size at step ``step``: ``lr * sqrt(1 - beta2^t) / (1 - beta1^t)``."""
+def adam_step_size(lr: float, beta1: float, beta2: float, step: int | Tensor) -> float | Tensor:
+    """torch.optim.SparseAdam's step size at step ``step``: ``lr * sqrt(1 - beta2^t) / (1 - beta1^t)`` (a tensor: on its device)."""
     return lr * (1 - beta2**step) ** 0.5 / (1 - beta1**step)

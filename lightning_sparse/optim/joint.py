@@ -68,7 +68,8 @@ def takes(unit: SparseEmbeddingCollection, optimizer: Any) -> bool:
     if any(s not in optimizer.tracked_shards for s in shards) or any(t.pending.received for t in tables):
         return False
     groups = {id(optimizer.group_of(s)) for s in shards}
-    return len(groups) == 1 and optimizer.has_fused_update
+    # capturable: each table steps on its own (its entry's scalars on the device, optim/base.py), not yet one launch
+    return len(groups) == 1 and optimizer.has_fused_update and not optimizer.group_of(shards[0])["capturable"]
 
 
 def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer: Any, mean: bool, check_finite: bool) -> None:
@@ -98,7 +99,8 @@ def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer
     rules = {i: optimizer.update_rule(optimizer.state[tables[i].shard], group) for i in touched}  # no key reaches the others
     counters = [t.stats.on_device("unique_ids", t.device) if i in rules else None for i, t in enumerate(tables)]
     entries = table_entries([t.shard for t in tables], [rules[i].state if i in rules else (None,) * 3 for i in range(len(tables))],
-                            counters, [_scalars(rules.get(i)) for i in range(len(tables))])  # fmt: skip
+                            counters, [_scalars(optimizer, tables[i], group) if i in rules else (0.0, 0.0, 1.0)
+                                       for i in range(len(tables))])  # fmt: skip
     runs = sort_runs(keys, len(tables) << shift)
     by_bag = _cat(sources).index_select(0, runs.perm)
     sorted_weights = weights.index_select(0, runs.perm) if weights is not None else None
@@ -108,9 +110,10 @@ def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer
                 mean=mean, verdict=unit.range_check.device_verdict)  # fmt: skip
 
 
-def _scalars(rule: Any) -> tuple[float, float, float]:
-    """A table's learning rate, step size and decay for its entry (zeros for a table this step does not touch)."""
-    return (rule.lr, rule.step_size, 1.0 - rule.lr * rule.weight_decay) if rule is not None else (0.0, 0.0, 1.0)
+def _scalars(optimizer: Any, table: SparseEmbedding, group: dict[str, Any]) -> tuple[float, float, float]:
+    """A touched table's learning rate, step size and decay for its entry, as its step count has them."""
+    lr, step_size = optimizer.step_scalars(int(optimizer.state[table.shard].get("step", 0)), group)
+    return lr, step_size, 1.0 - lr * group["weight_decay"]
 
 
 def _cat(pieces: list[Tensor]) -> Tensor:

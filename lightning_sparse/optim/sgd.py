@@ -30,14 +30,14 @@ class SparseSGD(SparseOptimizer):
         weight_decay: float = 0.0,
         duplicate_grads: str = "sum",
         check_finite: bool = False,
+        capturable: bool = False,
     ) -> None:
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if weight_decay < 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        super().__init__(
-            params, dict(lr=lr, weight_decay=weight_decay, duplicate_grads=duplicate_grads, check_finite=check_finite)
-        )
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, duplicate_grads=duplicate_grads,
+                                      check_finite=check_finite, capturable=capturable))  # fmt: skip
 
     def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
         return {"step": torch.zeros((), dtype=torch.int64)}

@@ -1,0 +1,107 @@
+"""How an optimizer step reaches the fused GPU update (:func:`~lightning_sparse.kernels.update_rows`) for one table.
+
+The optimizer gives the table's :class:`~lightning_sparse.kernels.UpdateRule` (which kernel, which
+state) and this step's scalars (learning rate, step size). Two ways to hand the scalars over:
+
+* as kernel arguments, computed on the host from the host's step count (the default);
+* ``capturable=True``: computed on the device from a device step count and written into the
+  table's entry of a one-table :class:`~lightning_sparse.kernels.runs.TableSet`, which the kernel
+  reads. The entry (the table's and its state's addresses, then the scalars) is made once and
+  kept while those tensors stay where they are, so a step captured in a CUDA graph replays the
+  same entry with new scalars: the step reads no host value.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.kernels import (
+    Runs,
+    StochasticRounding,
+    TableSet,
+    UpdateRule,
+    sort_runs,
+    table_entries,
+    update_rows,
+    uses_triton,
+)
+from lightning_sparse.kernels.rounding import noise_salt
+
+if TYPE_CHECKING:
+    from lightning_sparse.optim.row_grads import TableGrads
+    from lightning_sparse.tables.embedding import SparseEmbedding
+
+
+def takes(table: SparseEmbedding) -> bool:
+    """Whether the fused kernel steps ``table``: Triton for its device, and float32, bf16, or fp16 rounded to nearest."""
+    fusable = table.dtype in (torch.float32, torch.bfloat16) or (
+        table.dtype == torch.float16 and table.stochastic_rounding is False
+    )
+    return fusable and uses_triton(table.shard)
+
+
+def check_capturable(optimizer: str, table: SparseEmbedding, has_fused_update: bool) -> None:
+    """``capturable=True`` on a GPU needs the fused update without stochastic rounding, which read no host value."""
+    if table.device.type != "cuda" and not uses_triton(table.shard):
+        return  # elsewhere the step counts on the table's device too, and its host reads are no GPU's
+    if not (has_fused_update and takes(table) and rounding(table, 0) is None):
+        raise ValueError(
+            f"{optimizer}(capturable=True) cannot step {table.name} ({table.dtype}) without reading the host: it needs "
+            f"the fused update (float32, bf16 or fp16 tables with Triton), and no stochastic rounding, whose draws are "
+            f"keyed by the host's step count. HINT: stochastic_rounding=False for a half table, or capturable=False."
+        )
+
+
+def rounding(table: SparseEmbedding, step: int) -> StochasticRounding | None:
+    """A bf16 table's stochastic rounding at its ``step``-th update; local row ``r`` is global ``r * mul + add``."""
+    if table.dtype != torch.bfloat16 or table.stochastic_rounding is False:
+        return None
+    sharding, rank = table.sharding, table.rank
+    if sharding.scheme == "mod":
+        return StochasticRounding(noise_salt(table.seed, step), sharding.world_size, rank)
+    return StochasticRounding(noise_salt(table.seed, step), 1, rank * sharding.block_size)
+
+
+class Entries:
+    """Each capturable table's one-table ``TableSet`` entry, kept while its tensors stay where they are."""
+
+    def __init__(self) -> None:
+        self._kept: dict[Tensor, tuple[tuple[int, ...], Tensor]] = {}
+
+    def table_set(self, table: SparseEmbedding, rule: UpdateRule, unique: Tensor | None, lr: float | Tensor,
+                  step_size: float | Tensor) -> TableSet:  # fmt: skip
+        """The table as a one-table set, its entry's scalars written by device ops (a fill or a copy each)."""
+        counter = table.stats.on_device("unique_ids", table.device)
+        tensors = (table.shard, *rule.state, counter)
+        where = tuple(t.data_ptr() if t is not None else 0 for t in tensors)
+        if self._kept.get(table.shard, ((), None))[0] != where:  # new, or its state was loaded anew
+            self._kept[table.shard] = (where, table_entries([table.shard], [rule.state], [counter], [(0.0, 0.0, 1.0)]))
+        entry = self._kept[table.shard][1]
+        scalars = entry.view(torch.float64)[0]
+        for slot, value in ((5, lr), (6, step_size), (7, 1.0 - lr * rule.weight_decay)):
+            scalars[slot].copy_(value) if isinstance(value, Tensor) else scalars[slot].fill_(value)
+        return TableSet(entry, max(1, table.shard.shape[0].bit_length()), (table.shard, *rule.state, unique))
+
+
+def update(table: SparseEmbedding, grads: TableGrads, rule: UpdateRule, scalars: tuple[float | Tensor, float | Tensor],
+           mean: bool, *, step: int = 0, entries: Entries | None = None) -> None:  # fmt: skip
+    """Sum each row's gradient and apply ``rule`` with ``scalars`` (learning rate, step size): one sort, one fused launch.
+
+    ``step``: the table's host step count (for a bf16 table's rounding draws); ``entries``: the
+    optimizer's, when it is capturable (``scalars`` are then tensors on the device, or constants).
+    """
+    runs = Runs(grads.rows) if grads.distinct else sort_runs(grads.rows, table.sharding.key_bound)
+    unique = table.stats.on_device("unique_ids", table.device) if grads.per_id else None
+    lr, step_size = scalars
+    if entries is not None:
+        target, draws = entries.table_set(table, rule, unique, lr, step_size), None
+    else:
+        target, draws = table.shard, rounding(table, step)
+        rule = UpdateRule(**{**rule.__dict__, "lr": lr, "step_size": step_size})
+    update_rows(
+        runs, grads.values, target, rule, counts=grads.counts, mean=mean, divisor=table.world_size * table.replicas,
+        rounding=draws, verdict=table.range_check.device_verdict if grads.per_id else None, unique=unique,
+    )  # fmt: skip

@@ -1,0 +1,126 @@
+"""capturable=True: the step count and the step's scalars on the device, so that a one-process step can be captured.
+
+On CPU the GPU's path runs through Triton's interpreter: a capturable step trains as the default
+one does and reads the host never (not even its step count). On a GPU a step is also captured in
+a CUDA graph, beside a dense part, and replayed on new ids: it trains as the eager steps do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from host_reads import HostReads
+from test_kernels import KERNEL_DEVICES
+from torch import nn
+
+import lightning_sparse as ls
+from lightning_sparse.kernels import backend
+
+CASES = {
+    "sgd": ("SparseSGD", dict(lr=0.3, weight_decay=0.1)),
+    "adagrad": ("SparseAdagrad", dict(lr=0.2, lr_decay=0.05, weight_decay=0.05)),
+    "rowwise_adagrad": ("SparseRowWiseAdagrad", dict(lr=0.2)),
+    "adam-row": ("SparseAdam", dict(lr=0.05)),
+    "adam-global": ("SparseAdam", dict(lr=0.05, bias_correction="global")),
+    "adamw-global": ("SparseAdam", dict(lr=0.05, weight_decay=0.1, decoupled_weight_decay=True, bias_correction="global")),
+}
+
+
+@pytest.fixture
+def gpu_path(monkeypatch):
+    monkeypatch.setenv(backend.ENV, "triton")
+
+
+def _batches(device: str, count: int = 4) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [(300 * torch.rand(128, generator=gen) ** 3).long().to(device) for _ in range(count)]
+
+
+def _train(
+    case: str, capturable: bool, device: str, batches: list[torch.Tensor]
+) -> tuple[ls.SparseEmbedding, ls.SparseOptimizer]:
+    name, kwargs = CASES[case]
+    emb = ls.SparseEmbedding(300, 8, seed=1, device=device)
+    opt = getattr(ls, name)([emb], capturable=capturable, **kwargs)
+    target = torch.linspace(-1, 1, 8, device=device)
+    for ids in batches:
+        (emb(ids) - target).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return emb, opt
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_capturable_step_trains_as_the_default_one(gpu_path, device, case):
+    batches = _batches(device)
+    (emb, opt), (twin, twin_opt) = _train(case, True, device, batches), _train(case, False, device, batches)
+    exact = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-6, atol=1e-7)  # a GPU's float64 pow may differ by an ulp
+    torch.testing.assert_close(emb.full_weight(), twin.full_weight(), **exact)
+    step = opt.state[emb.shard]["step"]
+    assert step.device == emb.shard.device and int(step) == int(twin_opt.state[twin.shard]["step"]) == len(batches)
+
+
+@pytest.mark.parametrize("case", ["adagrad", "adam-global"])
+def test_a_capturable_step_on_the_cpu_path_trains_as_the_default_one(case):
+    batches = _batches("cpu")
+    (emb, _), (twin, _) = _train(case, True, "cpu", batches), _train(case, False, "cpu", batches)
+    torch.testing.assert_close(emb.full_weight(), twin.full_weight(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("case", ["adagrad", "adam-global"])
+def test_a_capturable_step_reads_the_host_never_not_even_its_count(gpu_path, device, case):
+    batches = _batches(device, 2)
+    emb, opt = _train(case, True, device, batches[:1])  # the first step makes the buffers and the table's entry
+    with HostReads() as reads:  # nothing ignored: the step count is a device tensor
+        emb(batches[1]).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert reads.calls == []
+
+
+def test_capturable_refuses_a_table_whose_step_must_read_the_host(gpu_path):
+    table = ls.SparseEmbedding(10, 4, dtype=torch.bfloat16)  # stochastic rounding: draws keyed by the host's count
+    with pytest.raises(ValueError, match=r"capturable=True\) cannot step .*HINT: stochastic_rounding=False"):
+        ls.SparseAdagrad([table], capturable=True)
+    ls.SparseAdagrad([ls.SparseEmbedding(10, 4, dtype=torch.bfloat16, stochastic_rounding=False)], capturable=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not backend.triton_available(), reason="needs CUDA and triton")
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps_train(case):
+    """A table and a dense layer, captured once in a CUDA graph, replayed on new ids: bitwise the eager run."""
+    batches, name, kwargs = _batches("cuda", 6), *CASES[case]
+
+    def model():
+        torch.manual_seed(0)
+        emb, dense = ls.SparseEmbedding(300, 8, seed=1, device="cuda"), nn.Linear(8, 1, device="cuda")
+        sparse = getattr(ls, name)([emb], capturable=True, **kwargs)
+        return emb, dense, sparse, torch.optim.Adam(dense.parameters(), lr=0.01, capturable=True)
+
+    def step(emb, dense, sparse, adam, ids):
+        dense(emb(ids)).pow(2).mean().backward()
+        sparse.step()
+        adam.step()
+        sparse.zero_grad()
+        adam.zero_grad(set_to_none=False)  # captured: the dense gradients stay in the graph's memory
+
+    eager = model()
+    for ids in batches:
+        step(*eager, ids)
+    captured, static_ids = model(), batches[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up on a side stream (torch.cuda.graphs): the first batch, trained
+        step(*captured, static_ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(*captured, static_ids)
+    for ids in batches[1:]:
+        static_ids.copy_(ids)
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured[0].full_weight(), eager[0].full_weight(), rtol=0, atol=0)
+    torch.testing.assert_close(captured[1].weight, eager[1].weight, rtol=0, atol=0)

@@ -80,6 +80,47 @@ def test_a_capturable_step_reads_the_host_never_not_even_its_count(gpu_path, dev
     assert reads.calls == []
 
 
+def _collection(case: str, capturable: bool, device: str) -> tuple[ls.SparseEmbeddingCollection, ls.SparseOptimizer]:
+    """Three tables of one dim (one GPU: one gather, one launch), an unpooled feature and a summed bag."""
+    tables = {name: ls.SparseEmbedding(rows, 8, seed=seed, device=device) for name, rows, seed in
+              (("users", 300, 1), ("items", 120, 2), ("tags", 50, 3))}  # fmt: skip
+    collection = ls.SparseEmbeddingCollection(tables, features={"user": "users", "item": "items", "tags": "tags"},
+                                              pooling={"tags": "sum"})  # fmt: skip
+    name, kwargs = CASES[case]
+    return collection, getattr(ls, name)([collection], capturable=capturable, **kwargs)
+
+
+def _features(step: int, device: str) -> dict:
+    gen = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 4, (32,), generator=gen)
+    tags = ls.JaggedIds(torch.randint(0, 50, (int(lengths.sum()),), generator=gen).to(device), lengths=lengths.to(device))
+    users, items = (300 * torch.rand(32, generator=gen) ** 3).long(), torch.randint(0, 120, (32,), generator=gen)
+    return {"user": users.to(device), "item": items.to(device), "tags": tags}
+
+
+def _collection_step(collection, opt, features: dict) -> None:
+    sum(out.pow(2).sum() for out in collection(features).values()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("case", ["adagrad", "adam-global", "adam-row"])
+def test_a_collections_capturable_step_trains_as_the_default_one_and_reads_the_host_never(gpu_path, device, case):
+    (collection, opt), (twin, twin_opt) = _collection(case, True, device), _collection(case, False, device)
+    batches = [_features(step, device) for step in range(4)]
+    for features in batches[:3]:
+        _collection_step(collection, opt, features)
+        _collection_step(twin, twin_opt, features)
+    with HostReads() as reads:
+        _collection_step(collection, opt, batches[3])
+    assert reads.calls == []
+    _collection_step(twin, twin_opt, batches[3])
+    exact = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-6, atol=1e-7)
+    for name, table in collection.tables.items():
+        torch.testing.assert_close(table.full_weight(), twin.tables[name].full_weight(), msg=name, **exact)
+
+
 def test_capturable_refuses_a_table_whose_step_must_read_the_host(gpu_path):
     table = ls.SparseEmbedding(10, 4, dtype=torch.bfloat16)  # stochastic rounding: draws keyed by the host's count
     with pytest.raises(ValueError, match=r"capturable=True\) cannot step .*HINT: stochastic_rounding=False"):
@@ -124,3 +165,31 @@ def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps_train(case):
     torch.cuda.synchronize()
     torch.testing.assert_close(captured[0].full_weight(), eager[0].full_weight(), rtol=0, atol=0)
     torch.testing.assert_close(captured[1].weight, eager[1].weight, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not backend.triton_available(), reason="needs CUDA and triton")
+@pytest.mark.parametrize("case", ["adagrad", "adam-global", "adam-row"])
+def test_a_collection_step_captured_in_a_cuda_graph_replays_as_eager_steps_train(case):
+    """Three tables in one gather and one launch, fixed-size bags: captured once, replayed on new ids, bitwise eager."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [{"user": (300 * torch.rand(32, generator=gen) ** 3).long().cuda(), "item": torch.randint(0, 120, (32,), generator=gen).cuda(),
+                "tags": torch.randint(0, 50, (32, 3), generator=gen).cuda()} for _ in range(5)]  # fmt: skip
+    eager = _collection(case, True, "cuda")
+    for features in batches:
+        _collection_step(*eager, features)
+    captured, static = _collection(case, True, "cuda"), {name: ids.clone() for name, ids in batches[0].items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _collection_step(*captured, static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _collection_step(*captured, static)
+    for features in batches[1:]:
+        for name, ids in features.items():
+            static[name].copy_(ids)
+        graph.replay()
+    torch.cuda.synchronize()
+    for name, table in captured[0].tables.items():
+        torch.testing.assert_close(table.full_weight(), eager[0].tables[name].full_weight(), rtol=0, atol=0, msg=name)

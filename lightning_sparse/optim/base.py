@@ -76,7 +76,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
             raise ValueError(f"Invalid duplicate_grads: {defaults.get('duplicate_grads')!r}. HINT: use one of {DUPLICATE_GRADS}.")
         self._tables: dict[Tensor, SparseEmbedding] = {}
         self._fresh_rows: dict[Tensor, dict[str, Tensor]] = {}  # per dynamic table: one initial row of each state
-        self._entries = fused.Entries()  # capturable: each table's entry, its scalars written on the device
+        self.table_sets = fused.KeptTableSets()  # capturable: the TableSet entries kept, their scalars written on the device
         self.stats = ExchangeStats()
         super().__init__(params, defaults)
 
@@ -221,7 +221,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
             return
         if group["capturable"]:  # the step count on the device, the scalars computed there
             step = state["step"].double() if "step" in state else 0
-            fused.update(table, grads, rule, self.step_scalars(step, group), mean, entries=self._entries)
+            fused.update(table, grads, rule, self.step_scalars(step, group), mean, table_sets=self.table_sets)
         else:
             step = int(state.get("step", 0))
             fused.update(table, grads, rule, self.step_scalars(step, group), mean, step=step)

@@ -8,7 +8,9 @@ state) and this step's scalars (learning rate, step size). Two ways to hand the 
   table's entry of a one-table :class:`~lightning_sparse.kernels.runs.TableSet`, which the kernel
   reads. The entry (the table's and its state's addresses, then the scalars) is made once and
   kept while those tensors stay where they are, so a step captured in a CUDA graph replays the
-  same entry with new scalars: the step reads no host value.
+  same entry with new scalars: the step reads no host value. A collection's tables on one GPU
+  keep one entry for all of them (:mod:`lightning_sparse.optim.joint`), each table's scalars from
+  its own count.
 """
 
 from __future__ import annotations
@@ -65,39 +67,48 @@ def rounding(table: SparseEmbedding, step: int) -> StochasticRounding | None:
     return StochasticRounding(noise_salt(table.seed, step), 1, rank * sharding.block_size)
 
 
-class Entries:
-    """Each capturable table's one-table ``TableSet`` entry, kept while its tensors stay where they are."""
+class KeptTableSets:
+    """Capturable steps' ``TableSet`` entries (a table's, or a collection's tables'), kept while their tensors stay put."""
 
     def __init__(self) -> None:
-        self._kept: dict[Tensor, tuple[tuple[int, ...], Tensor]] = {}
+        self._kept: dict[int, tuple[tuple[int, ...], Tensor]] = {}
 
-    def table_set(self, table: SparseEmbedding, rule: UpdateRule, unique: Tensor | None, lr: float | Tensor,
-                  step_size: float | Tensor) -> TableSet:  # fmt: skip
-        """The table as a one-table set, its entry's scalars written by device ops (a fill or a copy each)."""
-        counter = table.stats.on_device("unique_ids", table.device)
-        tensors = (table.shard, *rule.state, counter)
+    def table_set(self, owner: object, tables: list[SparseEmbedding], rules: list[UpdateRule], shift: int,
+                  like: tuple[Tensor | None, ...], lr: float | Tensor, step_size: float | Tensor) -> TableSet:  # fmt: skip
+        """``tables`` as one set (keys ``table << shift | row``), their scalars written by device ops (a fill or a copy each).
+
+        ``owner``: the table or collection the entry belongs to. ``lr`` and ``step_size``: one value
+        for every table, or (a tensor) one per table.
+        """
+        counters = [t.stats.on_device("unique_ids", t.device) for t in tables]
+        tensors = [x for table, rule, counter in zip(tables, rules, counters) for x in (table.shard, *rule.state, counter)]
         where = tuple(t.data_ptr() if t is not None else 0 for t in tensors)
-        if self._kept.get(table.shard, ((), None))[0] != where:  # new, or its state was loaded anew
-            self._kept[table.shard] = (where, table_entries([table.shard], [rule.state], [counter], [(0.0, 0.0, 1.0)]))
-        entry = self._kept[table.shard][1]
-        scalars = entry.view(torch.float64)[0]
-        for slot, value in ((5, lr), (6, step_size), (7, 1.0 - lr * rule.weight_decay)):
-            scalars[slot].copy_(value) if isinstance(value, Tensor) else scalars[slot].fill_(value)
-        return TableSet(entry, max(1, table.shard.shape[0].bit_length()), (table.shard, *rule.state, unique))
+        if self._kept.get(id(owner), ((), None))[0] != where:  # new, or its state was loaded anew
+            states = [rule.state for rule in rules]
+            self._kept[id(owner)] = (
+                where,
+                table_entries([t.shard for t in tables], states, counters, [(0.0, 0.0, 1.0)] * len(tables)),
+            )
+        entry = self._kept[id(owner)][1]
+        scalars = entry.view(torch.float64)
+        for slot, value in ((5, lr), (6, step_size), (7, 1.0 - lr * rules[0].weight_decay)):
+            scalars[:, slot].copy_(value) if isinstance(value, Tensor) else scalars[:, slot].fill_(value)
+        return TableSet(entry, shift, like)
 
 
 def update(table: SparseEmbedding, grads: TableGrads, rule: UpdateRule, scalars: tuple[float | Tensor, float | Tensor],
-           mean: bool, *, step: int = 0, entries: Entries | None = None) -> None:  # fmt: skip
+           mean: bool, *, step: int = 0, table_sets: KeptTableSets | None = None) -> None:  # fmt: skip
     """Sum each row's gradient and apply ``rule`` with ``scalars`` (learning rate, step size): one sort, one fused launch.
 
-    ``step``: the table's host step count (for a bf16 table's rounding draws); ``entries``: the
+    ``step``: the table's host step count (for a bf16 table's rounding draws); ``table_sets``: the
     optimizer's, when it is capturable (``scalars`` are then tensors on the device, or constants).
     """
     runs = Runs(grads.rows) if grads.distinct else sort_runs(grads.rows, table.sharding.key_bound)
     unique = table.stats.on_device("unique_ids", table.device) if grads.per_id else None
     lr, step_size = scalars
-    if entries is not None:
-        target, draws = entries.table_set(table, rule, unique, lr, step_size), None
+    if table_sets is not None:
+        shift, like = max(1, table.shard.shape[0].bit_length()), (table.shard, *rule.state, unique)
+        target, draws = table_sets.table_set(table, [table], [rule], shift, like, lr, step_size), None
     else:
         target, draws = table.shard, rounding(table, step)
         rule = UpdateRule(**{**rule.__dict__, "lr": lr, "step_size": step_size})

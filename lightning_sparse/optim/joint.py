@@ -68,8 +68,7 @@ def takes(unit: SparseEmbeddingCollection, optimizer: Any) -> bool:
     if any(s not in optimizer.tracked_shards for s in shards) or any(t.pending.received for t in tables):
         return False
     groups = {id(optimizer.group_of(s)) for s in shards}
-    # capturable: each table steps on its own (its entry's scalars on the device, optim/base.py), not yet one launch
-    return len(groups) == 1 and optimizer.has_fused_update and not optimizer.group_of(shards[0])["capturable"]
+    return len(groups) == 1 and optimizer.has_fused_update
 
 
 def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer: Any, mean: bool, check_finite: bool) -> None:
@@ -96,18 +95,31 @@ def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer
         state = optimizer.state[tables[index].shard]
         if "step" in state:
             state["step"] += 1
-    rules = {i: optimizer.update_rule(optimizer.state[tables[i].shard], group) for i in touched}  # no key reaches the others
-    counters = [t.stats.on_device("unique_ids", t.device) if i in rules else None for i, t in enumerate(tables)]
-    entries = table_entries([t.shard for t in tables], [rules[i].state if i in rules else (None,) * 3 for i in range(len(tables))],
-                            counters, [_scalars(optimizer, tables[i], group) if i in rules else (0.0, 0.0, 1.0)
-                                       for i in range(len(tables))])  # fmt: skip
     runs = sort_runs(keys, len(tables) << shift)
     by_bag = _cat(sources).index_select(0, runs.perm)
     sorted_weights = weights.index_select(0, runs.perm) if weights is not None else None
     first = touched[0]
-    like = (tables[first].shard, *rules[first].state, counters[first])
-    update_rows(Runs(runs.keys, by_bag), values, TableSet(entries, shift, like), rules[first], weights=sorted_weights,
-                mean=mean, verdict=unit.range_check.device_verdict)  # fmt: skip
+    rule = optimizer.update_rule(optimizer.state[tables[first].shard], group)
+    like = (tables[first].shard, *rule.state, tables[first].stats.on_device("unique_ids", tables[first].device))
+    update_rows(Runs(runs.keys, by_bag), values, _table_set(unit, optimizer, group, touched, shift, like), rule,
+                weights=sorted_weights, mean=mean, verdict=unit.range_check.device_verdict)  # fmt: skip
+
+
+def _table_set(unit: SparseEmbeddingCollection, optimizer: Any, group: dict[str, Any], touched: list[int], shift: int,
+               like: tuple[Tensor | None, ...]) -> TableSet:  # fmt: skip
+    """The collection's tables as one set: an entry made from the host's step counts, or (capturable) kept, with scalars
+    computed on the device from the tables' device counts (:class:`~lightning_sparse.optim.fused.KeptTableSets`)."""
+    tables, states = unit.table_list, [optimizer.state[t.shard] for t in unit.table_list]
+    if group["capturable"]:
+        rules = [optimizer.update_rule(state, group) for state in states]
+        lr, step_size = optimizer.step_scalars(torch.stack([state["step"] for state in states]).double(), group)
+        return optimizer.table_sets.table_set(unit, tables, rules, shift, like, lr, step_size)
+    rules = {i: optimizer.update_rule(states[i], group) for i in touched}  # no key reaches the others
+    counters = [t.stats.on_device("unique_ids", t.device) if i in rules else None for i, t in enumerate(tables)]
+    entries = table_entries([t.shard for t in tables], [rules[i].state if i in rules else (None,) * 3 for i in range(len(tables))],
+                            counters, [_scalars(optimizer, tables[i], group) if i in rules else (0.0, 0.0, 1.0)
+                                       for i in range(len(tables))])  # fmt: skip
+    return TableSet(entries, shift, like)
 
 
 def _scalars(optimizer: Any, table: SparseEmbedding, group: dict[str, Any]) -> tuple[float, float, float]:

@@ -1,18 +1,17 @@
-"""One GPU: a one-process training step captured in a CUDA graph, as the code stands, against the same step eager.
+"""One GPU: a one-process training step captured in a CUDA graph (``capturable=True``) against the same step eager.
 
 On the H100 that measures the library, a step is bound by kernel launches (about 40 us of host
-time each; see docs/benchmarks.md), so capture is the lever for issue 32's ``capturable=True``.
-This measures, for ``SparseEmbedding`` with SGD, Adagrad and row-wise Adagrad (whose kernel
-arguments do not change from step to step) and for ``nn.Embedding(sparse=True)`` with Adagrad:
+time each; see docs/benchmarks.md), so capture is the lever (issue 32). This measures, for
+``SparseEmbedding`` with SGD, Adagrad, row-wise Adagrad and Adam (global bias correction), for
+a collection of 26 tables with row-wise Adagrad (issue 32's many-tables workload, fixed-size
+inputs), and for ``nn.Embedding(sparse=True)`` with Adagrad (torch's own, capturable or not):
 
 * whether the step (forward, backward, optimizer step, zero_grad, with the bench's loss) can be
   captured in a ``torch.cuda.CUDAGraph`` after a warm-up on a side stream;
-* whether replaying it on new ids, copied into a static input buffer, trains the table as the
-  eager step does on the same ids (the largest difference of the final tables);
+* whether replaying it on new ids, copied into static input buffers, trains the tables as the
+  eager steps do on the same ids (the largest difference of the final tables: 0 expected);
 * the median replayed step against the median eager step (CUDA events).
 
-Families whose kernel arguments change per step (Adam's bias correction, bf16's rounding draws,
-a decaying Adagrad) need the step count on the device first (issue 32) and are not measured.
 Run on a GPU: ``python benchmarks/gpu_capture.py [rows dim batch]``; prints one JSON object.
 """
 
@@ -30,8 +29,11 @@ CASES = {
     "ours/sgd": ("SparseSGD", dict(lr=0.1)),
     "ours/adagrad": ("SparseAdagrad", dict(lr=0.1)),
     "ours/rowwise_adagrad": ("SparseRowWiseAdagrad", dict(lr=0.1)),
+    "ours/adam": ("SparseAdam", dict(lr=1e-3, bias_correction="global")),
+    "ours/collection_26_tables_rowwise_adagrad": ("SparseRowWiseAdagrad", dict(lr=0.1)),
     "torch_sparse/adagrad": (None, dict(lr=0.1)),
 }
+COLLECTION = dict(tables=26, rows=200_000, dim=64, batch=16_384)  # as benchmarks/gpu.py's many-tables workload
 
 
 def _model(case: str, rows: int, dim: int, device: torch.device) -> tuple[nn.Module, Callable[[], None], Callable[[], None]]:
@@ -43,13 +45,19 @@ def _model(case: str, rows: int, dim: int, device: torch.device) -> tuple[nn.Mod
         table = nn.Embedding(rows, dim, sparse=True, device=device)
         nn.init.zeros_(table.weight)
         opt = torch.optim.Adagrad([table.weight], **kwargs)
+    elif "collection" in case:
+        table = ls.SparseEmbeddingCollection({f"t{t}": ls.SparseEmbedding(COLLECTION["rows"], dim, init=ls.init.zeros(),
+                                                                           device=device) for t in range(COLLECTION["tables"])})  # fmt: skip
+        opt = getattr(ls, cls)([table], capturable=True, **kwargs)
     else:
         table = ls.SparseEmbedding(rows, dim, init=ls.init.zeros(), device=device)
-        opt = getattr(ls, cls)([table], **kwargs)
+        opt = getattr(ls, cls)([table], capturable=True, **kwargs)
     return table, opt.step, opt.zero_grad
 
 
 def _weights(table: nn.Module) -> torch.Tensor:
+    if hasattr(table, "tables"):  # a collection: its tables side by side
+        return torch.cat([t.full_weight() for t in table.tables.values()])
     return table.full_weight() if hasattr(table, "full_weight") else table.weight.detach()
 
 
@@ -68,12 +76,17 @@ def _median_ms(fn: Callable[[], None], steps: int) -> float:
 def measure(case: str, rows: int, dim: int, batch: int, steps: int = 30) -> dict:
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
-    batches = [(rows * torch.rand(batch, generator=gen) ** 4).long().to(device) for _ in range(steps + 3)]
+    many = "collection" in case
+    if many:  # one unpooled feature per table
+        rows, batch, names = COLLECTION["rows"], COLLECTION["batch"], [f"t{t}" for t in range(COLLECTION["tables"])]
+    draw = lambda: (rows * torch.rand(batch, generator=gen) ** 4).long().to(device)  # noqa: E731
+    batches = [{name: draw() for name in names} if many else draw() for _ in range(steps + 3)]
     proj = torch.randn(dim, 1, generator=gen).to(device)
     target = torch.randn(batch, 1, generator=gen).to(device)
 
     def train_step(table, step, zero_grad, ids):
-        ((table(ids) @ proj - target) ** 2).mean().backward()
+        outputs = table(ids).values() if many else [table(ids)]
+        sum(((out @ proj - target) ** 2).mean() for out in outputs).backward()
         step()
         zero_grad()
 
@@ -84,7 +97,7 @@ def measure(case: str, rows: int, dim: int, batch: int, steps: int = 30) -> dict
     eager_ms = _median_ms(lambda: train_step(*eager, batches[0]), steps)
 
     captured = _model(case, rows, dim, device)
-    static_ids = batches[0].clone()
+    static_ids = {name: ids.clone() for name, ids in batches[0].items()} if many else batches[0].clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up on a side stream, as torch.cuda.graphs asks: the first batch, trained
@@ -97,7 +110,8 @@ def measure(case: str, rows: int, dim: int, batch: int, steps: int = 30) -> dict
     except Exception as err:  # noqa: BLE001 - the probe reports what breaks capture
         return {"eager_ms": eager_ms, "captured": False, "error": f"{type(err).__name__}: {str(err)[:300]}"}
     for ids in batches[1:]:
-        static_ids.copy_(ids)
+        for name, given in ids.items() if many else [(None, ids)]:
+            (static_ids[name] if many else static_ids).copy_(given)
         graph.replay()
     torch.cuda.synchronize()
     difference = (_weights(captured[0]) - expected).abs().max().item()

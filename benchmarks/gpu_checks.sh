@@ -34,4 +34,4 @@ cp benchmarks/results/bench.json "$OUT/bench.json"
 timeout "${BENCH_S:-140}" python3 benchmarks/bench.py --only gpu --out "$OUT/bench.json" --no-report 2>&1 | tail -20
 
 echo "== CUDA graph capture of a one-process step (benchmarks/gpu_capture.py)"
-timeout "${CAPTURE_S:-60}" python3 benchmarks/gpu_capture.py 2>&1 | tee "$OUT/capture.json" | tail -40
+timeout "${CAPTURE_S:-90}" python3 benchmarks/gpu_capture.py 2>&1 | tee "$OUT/capture.json" | tail -40

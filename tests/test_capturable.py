@@ -193,3 +193,24 @@ def test_a_collection_step_captured_in_a_cuda_graph_replays_as_eager_steps_train
     torch.cuda.synchronize()
     for name, table in captured[0].tables.items():
         torch.testing.assert_close(table.full_weight(), eager[0].tables[name].full_weight(), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_a_capturable_optimizer_resumes_from_its_state_dict(gpu_path, device):
+    """torch loads a capturable group's ``step`` as float32 on the table's device: the step goes on from there, exactly."""
+    batches = _batches(device, 4)
+    uninterrupted, _ = _train("adam-global", True, device, batches)
+    emb, opt = _train("adam-global", True, device, batches[:2])
+    resumed = ls.SparseEmbedding(300, 8, seed=1, device=device)
+    resumed.load_state_dict(emb.state_dict())
+    name, kwargs = CASES["adam-global"]
+    resumed_opt = getattr(ls, name)([resumed], capturable=True, **kwargs)
+    resumed_opt.load_state_dict(opt.state_dict())
+    assert resumed_opt.state[resumed.shard]["step"].device == resumed.shard.device
+    target = torch.linspace(-1, 1, 8, device=device)
+    for ids in batches[2:]:
+        (resumed(ids) - target).pow(2).sum().backward()
+        resumed_opt.step()
+        resumed_opt.zero_grad()
+    exact = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(resumed.full_weight(), uninterrupted.full_weight(), **exact)

@@ -90,6 +90,12 @@ def _compiles_without_break_and_trains_like_eager(device: str) -> None:
     assert not torch.equal(eager.users.full_weight(), Model(device).users.full_weight()), "the run must train"
 
 
+def test_the_lookup_ops_stay_out_of_inductors_cuda_graphs():
+    """mode="reduce-overhead" would replay a lookup's kernels without its records for the step: the ops say so."""
+    for op in (torch.ops.lightning_sparse.lookup.default, torch.ops.lightning_sparse.lookup_backward.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags
+
+
 def test_weights_that_need_a_gradient_run_eagerly_under_compile():
     """The one input the op does not take: a graph break, and the weights' gradient as eagerly."""
     torch._dynamo.reset()

@@ -107,7 +107,13 @@ def unflatten(layout: str, tensors: list[Tensor]) -> Tensor | dict[str, Any]:
     return features
 
 
-@torch.library.custom_op("lightning_sparse::lookup", mutates_args=())
+# A lookup runs Python and leaves records on the host for the optimizer's step: a CUDA graph would replay its kernels
+# without them, and the step would miss the gradients. Inductor's CUDA graphs (``mode="reduce-overhead"``) leave ops
+# with this tag out of their capture (a step of one's own is capturable: ``capturable=True``, docs/guide/gpu.md).
+NOT_IN_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,)
+
+
+@torch.library.custom_op("lightning_sparse::lookup", mutates_args=(), tags=NOT_IN_CUDA_GRAPHS)
 def _lookup(token: Tensor, unit: int, layout: str, tensors: list[Tensor], record: bool) -> tuple[list[Tensor], Tensor]:
     """The eager lookup of unit ``unit``: its outputs, detached, and a handle holding them with their graph."""
     module = _UNITS[unit]
@@ -155,7 +161,7 @@ def _backward(ctx: Any, grads: list[Tensor | None], _handle_grad: Tensor | None)
     return token_grad, None, None, [None] * ctx.num_tensors, None
 
 
-@torch.library.custom_op("lightning_sparse::lookup_backward", mutates_args=())
+@torch.library.custom_op("lightning_sparse::lookup_backward", mutates_args=(), tags=NOT_IN_CUDA_GRAPHS)
 def _lookup_backward(grads: list[Tensor], outputs: list[int], handle: Tensor) -> Tensor:
     """The eager lookup's backward for the outputs that received a gradient; returns the token's gradient (zeros)."""
     eager = getattr(handle, "lookup_outputs", None)

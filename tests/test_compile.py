@@ -96,6 +96,18 @@ def test_the_lookup_ops_stay_out_of_inductors_cuda_graphs():
         assert torch.Tag.cudagraph_unsafe in op.tags
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reduce_overhead_on_cuda_captures_the_dense_part_and_trains_like_eager():
+    torch._dynamo.reset()
+    eager = Model("cuda")
+    twin = copy.deepcopy(eager)
+    _train(torch.compile(twin, mode="reduce-overhead"), twin, 3, "cuda")
+    _train(eager, eager, 3, "cuda")
+    for (name, expected), got in zip(eager.state_dict().items(), twin.state_dict().values()):
+        if isinstance(expected, torch.Tensor):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_weights_that_need_a_gradient_run_eagerly_under_compile():
     """The one input the op does not take: a graph break, and the weights' gradient as eagerly."""
     torch._dynamo.reset()

@@ -17,7 +17,8 @@ Per workload also: CUDA kernels per step (torch.profiler, one step, the loss's o
 counted apart), host syncs per step (``torch.cuda.set_sync_debug_mode("warn")``), and the fused
 update kernel alone against a device copy of the bytes it must move (each touched row and its
 state read and written, each id's gradient row, key and position read once); for the first
-workload a profile summary of our Adagrad step.
+workload a profile summary of our Adagrad step, and the host side of it and of torch's sparse Adagrad step
+(ops and CUDA runtime calls by their own CPU time: where a launch-bound step spends it).
 
 Then the many-tables workload: a collection of 26 tables (200k x 64 each, 16,384 ids per table
 per step, one unpooled feature each) with row-wise Adagrad and with Adagrad, against 26
@@ -109,6 +110,20 @@ def _counts(fn: Callable[[int], object], device: torch.device) -> dict:
     return {"kernels": len(kernels), "syncs": len(syncs), "profile": prof}
 
 
+def _host_profile(fn: Callable[[int], object], device: torch.device) -> list[str]:
+    """The host side of one call: ops and CUDA runtime calls by their own CPU time (a launch-bound step shows where)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        fn(0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12).splitlines()
+
+
 def _methods(rows: int, dim: int, device: torch.device):
     """(name, family, builder) per method; a builder returns (step(i), lookup(i) or None, teardown objects)."""
     import lightning_sparse as ls
@@ -185,6 +200,8 @@ def measure(rows: int, dim: int, batch: int, draw: str, steps: int, warmup: int,
             if profile and name == "ours/adagrad":
                 table = counted["profile"].key_averages().table(sort_by="cuda_time_total", row_limit=10)
                 result["profile_ours_adagrad"] = table.splitlines()
+        if profile and name in ("ours/adagrad", "torch_sparse/adagrad"):  # where the host's time goes
+            result.setdefault("host_profile", {})[name] = _host_profile(step, device)
         if name == "ours/adagrad":
             result["lookup_ms"] = {"ours, grad mode": _median_ms(lambda i, emb=emb: emb(batches[i % 4]), steps, warmup, device)}
             with torch.no_grad():

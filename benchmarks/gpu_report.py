@@ -106,6 +106,9 @@ def markdown(gpu: dict) -> list[str]:
         if w.get("profile_ours_adagrad"):
             lines += ["", "<details><summary>Profile of our Adagrad step</summary>", "", "```",
                       *w["profile_ours_adagrad"], "```", "", "</details>"]  # fmt: skip
+        for name, table in w.get("host_profile", {}).items():
+            lines += ["", f"<details><summary>Host side of a step, {name} (by own CPU time)</summary>", "", "```",
+                      *table, "```", "", "</details>"]  # fmt: skip
     many = gpu.get("collection")
     if many:
         lines += ["", f"**{many['tables']} tables of {many['rows'] / 1e3:g}k x {many['dim']}, {many['batch']:,} ids per table "

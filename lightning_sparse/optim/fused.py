@@ -15,6 +15,8 @@ state) and this step's scalars (learning rate, step size). Two ways to hand the 
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,7 +73,7 @@ class KeptTableSets:
     """Capturable steps' ``TableSet`` entries (a table's, or a collection's tables'), kept while their tensors stay put."""
 
     def __init__(self) -> None:
-        self._kept: dict[int, tuple[tuple[int, ...], Tensor]] = {}
+        self._kept: weakref.WeakKeyDictionary[object, tuple[tuple[int, ...], Tensor]] = weakref.WeakKeyDictionary()
 
     def table_set(self, owner: object, tables: list[SparseEmbedding], rules: list[UpdateRule], shift: int,
                   like: tuple[Tensor | None, ...], lr: float | Tensor, step_size: float | Tensor) -> TableSet:  # fmt: skip
@@ -83,13 +85,13 @@ class KeptTableSets:
         counters = [t.stats.on_device("unique_ids", t.device) for t in tables]
         tensors = [x for table, rule, counter in zip(tables, rules, counters) for x in (table.shard, *rule.state, counter)]
         where = tuple(t.data_ptr() if t is not None else 0 for t in tensors)
-        if self._kept.get(id(owner), ((), None))[0] != where:  # new, or its state was loaded anew
+        if self._kept.get(owner, ((), None))[0] != where:  # new, or its state was loaded anew
             states = [rule.state for rule in rules]
-            self._kept[id(owner)] = (
+            self._kept[owner] = (
                 where,
                 table_entries([t.shard for t in tables], states, counters, [(0.0, 0.0, 1.0)] * len(tables)),
             )
-        entry = self._kept[id(owner)][1]
+        entry = self._kept[owner][1]
         scalars = entry.view(torch.float64)
         for slot, value in ((5, lr), (6, step_size), (7, 1.0 - lr * rules[0].weight_decay)):
             scalars[:, slot].copy_(value) if isinstance(value, Tensor) else scalars[:, slot].fill_(value)
@@ -111,7 +113,7 @@ def update(table: SparseEmbedding, grads: TableGrads, rule: UpdateRule, scalars:
         target, draws = table_sets.table_set(table, [table], [rule], shift, like, lr, step_size), None
     else:
         target, draws = table.shard, rounding(table, step)
-        rule = UpdateRule(**{**rule.__dict__, "lr": lr, "step_size": step_size})
+        rule = dataclasses.replace(rule, lr=lr, step_size=step_size)
     update_rows(
         runs, grads.values, target, rule, counts=grads.counts, mean=mean, divisor=table.world_size * table.replicas,
         rounding=draws, verdict=table.range_check.device_verdict if grads.per_id else None, unique=unique,

@@ -110,7 +110,7 @@ def unflatten(layout: str, tensors: list[Tensor]) -> Tensor | dict[str, Any]:
 # A lookup runs Python and leaves records on the host for the optimizer's step: a CUDA graph would replay its kernels
 # without them, and the step would miss the gradients. Inductor's CUDA graphs (``mode="reduce-overhead"``) leave ops
 # with this tag out of their capture (a step of one's own is capturable: ``capturable=True``, docs/guide/gpu.md).
-NOT_IN_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,)
+NOT_IN_CUDA_GRAPHS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)  # 2025 on
 
 
 @torch.library.custom_op("lightning_sparse::lookup", mutates_args=(), tags=NOT_IN_CUDA_GRAPHS)

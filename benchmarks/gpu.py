@@ -68,7 +68,8 @@ def _loss(out: torch.Tensor, target: torch.Tensor, proj: torch.Tensor) -> torch.
     return ((out @ proj) - target).pow(2).mean()
 
 
-def _median_ms(fn: Callable[[int], object], steps: int, warmup: int, device: torch.device) -> float:
+def median_ms(fn: Callable[[int], object], steps: int, warmup: int, device: torch.device) -> float:
+    """The median of ``steps`` calls ``fn(i)`` after ``warmup``: CUDA events on a GPU, wall-clock time elsewhere (ms)."""
     for i in range(warmup):
         fn(i)
     times = []
@@ -164,10 +165,10 @@ def _update_bandwidth(rows: int, dim: int, batch: torch.Tensor, steps: int, devi
     out = []
     for family, rule in rules.items():
         moved = distinct * 2 * (4 * dim + STATE_BYTES[family](dim)) + len(batch) * (4 * dim + 4 + 8)
-        ms = _median_ms(lambda i, rule=rule: update_rows(runs, values, table, rule), steps, 3, device)
+        ms = median_ms(lambda i, rule=rule: update_rows(runs, values, table, rule), steps, 3, device)
         src = torch.empty(moved // 8 + 1, device=device)  # a copy reads and writes: moved / 2 bytes each way
         dst = torch.empty_like(src)
-        copy_ms = _median_ms(lambda i, dst=dst, src=src: dst.copy_(src), steps, 3, device)
+        copy_ms = median_ms(lambda i, dst=dst, src=src: dst.copy_(src), steps, 3, device)
         out.append({"family": family, "distinct_rows": distinct, "bytes": moved, "update_ms": ms, "copy_ms": copy_ms,
                     "update_gbps": moved / ms / 1e6, "copy_gbps": 2 * src.numel() * 4 / copy_ms / 1e6})  # fmt: skip
         out[-1]["fraction_of_copy"] = out[-1]["update_gbps"] / out[-1]["copy_gbps"]
@@ -193,7 +194,7 @@ def measure(rows: int, dim: int, batch: int, draw: str, steps: int, warmup: int,
             opt.step()
             opt.zero_grad()
 
-        result["step_ms"][name] = _median_ms(step, steps, warmup, device)
+        result["step_ms"][name] = median_ms(step, steps, warmup, device)
         counted = _counts(step, device)
         if counted:
             result["kernels"][name], result["syncs"][name] = counted["kernels"], counted["syncs"]
@@ -203,13 +204,13 @@ def measure(rows: int, dim: int, batch: int, draw: str, steps: int, warmup: int,
         if profile and name in ("ours/adagrad", "torch_sparse/adagrad"):  # where the host's time goes
             result.setdefault("host_profile", {})[name] = _host_profile(step, device)
         if name == "ours/adagrad":
-            result["lookup_ms"] = {"ours, grad mode": _median_ms(lambda i, emb=emb: emb(batches[i % 4]), steps, warmup, device)}
+            result["lookup_ms"] = {"ours, grad mode": median_ms(lambda i, emb=emb: emb(batches[i % 4]), steps, warmup, device)}
             with torch.no_grad():
-                result["lookup_ms"]["ours, no_grad"] = _median_ms(lambda i, emb=emb: emb(batches[i % 4]), steps, warmup, device)
+                result["lookup_ms"]["ours, no_grad"] = median_ms(lambda i, emb=emb: emb(batches[i % 4]), steps, warmup, device)
         if name == "torch_sparse/adagrad":
             with torch.no_grad():
                 lookup = lambda i, emb=emb: F.embedding(batches[i % 4], emb.weight)  # noqa: E731
-                result["lookup_ms"]["torch F.embedding"] = _median_ms(lookup, steps, warmup, device)
+                result["lookup_ms"]["torch F.embedding"] = median_ms(lookup, steps, warmup, device)
         del emb, opt, step
         _release(device)
     result["update"] = _update_bandwidth(rows, dim, batches[0], steps, device)
@@ -249,7 +250,7 @@ def measure_collection(tables: int, rows: int, dim: int, batch: int, steps: int,
 
             label = name if count == tables else f"{name}, 2 tables"
             if count == tables:
-                result["step_ms"][label] = _median_ms(step, steps, warmup, device)
+                result["step_ms"][label] = median_ms(step, steps, warmup, device)
             counted = _counts(step, device)
             if counted:
                 result["kernels"][label], result["syncs"][label] = counted["kernels"], counted["syncs"]
@@ -270,7 +271,7 @@ def measure_collection(tables: int, rows: int, dim: int, batch: int, steps: int,
         opt.step()
         opt.zero_grad()
 
-    result["step_ms"]["torch_sparse/adagrad"] = _median_ms(torch_step, steps, warmup, device)
+    result["step_ms"]["torch_sparse/adagrad"] = median_ms(torch_step, steps, warmup, device)
     counted = _counts(torch_step, device)
     if counted:
         result["kernels"]["torch_sparse/adagrad"], result["syncs"]["torch_sparse/adagrad"] = counted["kernels"], counted["syncs"]

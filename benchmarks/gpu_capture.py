@@ -18,11 +18,11 @@ Run on a GPU: ``python benchmarks/gpu_capture.py [rows dim batch]``; prints one 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from collections.abc import Callable
 
 import torch
+from gpu import median_ms
 from torch import nn
 
 CASES = {
@@ -61,18 +61,6 @@ def _weights(table: nn.Module) -> torch.Tensor:
     return table.full_weight() if hasattr(table, "full_weight") else table.weight.detach()
 
 
-def _median_ms(fn: Callable[[], None], steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure(case: str, rows: int, dim: int, batch: int, steps: int = 30) -> dict:
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -94,7 +82,7 @@ def measure(case: str, rows: int, dim: int, batch: int, steps: int = 30) -> dict
     for ids in batches:
         train_step(*eager, ids)
     expected = _weights(eager[0]).clone()
-    eager_ms = _median_ms(lambda: train_step(*eager, batches[0]), steps)
+    eager_ms = median_ms(lambda i: train_step(*eager, batches[0]), steps, 0, device)
 
     captured = _model(case, rows, dim, device)
     static_ids = {name: ids.clone() for name, ids in batches[0].items()} if many else batches[0].clone()
@@ -115,7 +103,7 @@ def measure(case: str, rows: int, dim: int, batch: int, steps: int = 30) -> dict
         graph.replay()
     torch.cuda.synchronize()
     difference = (_weights(captured[0]) - expected).abs().max().item()
-    replay_ms = _median_ms(graph.replay, steps)
+    replay_ms = median_ms(lambda i: graph.replay(), steps, 0, device)
     return {"eager_ms": eager_ms, "captured": True, "replay_ms": replay_ms, "replay_over_eager": replay_ms / eager_ms,
             "max_difference_from_eager": difference}  # fmt: skip
 

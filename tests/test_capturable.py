@@ -128,6 +128,19 @@ def test_capturable_refuses_a_table_whose_step_must_read_the_host(gpu_path):
     ls.SparseAdagrad([ls.SparseEmbedding(10, 4, dtype=torch.bfloat16, stochastic_rounding=False)], capturable=True)
 
 
+def _captured(step) -> torch.cuda.CUDAGraph:
+    """``step`` run once on a side stream (the warm-up torch.cuda.graphs asks for: it trains), then captured, not run."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not backend.triton_available(), reason="needs CUDA and triton")
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps_train(case):
@@ -151,14 +164,7 @@ def test_a_step_captured_in_a_cuda_graph_replays_as_eager_steps_train(case):
     for ids in batches:
         step(*eager, ids)
     captured, static_ids = model(), batches[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up on a side stream (torch.cuda.graphs): the first batch, trained
-        step(*captured, static_ids)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(*captured, static_ids)
+    graph = _captured(lambda: step(*captured, static_ids))
     for ids in batches[1:]:
         static_ids.copy_(ids)
         graph.replay()
@@ -178,14 +184,7 @@ def test_a_collection_step_captured_in_a_cuda_graph_replays_as_eager_steps_train
     for features in batches:
         _collection_step(*eager, features)
     captured, static = _collection(case, True, "cuda"), {name: ids.clone() for name, ids in batches[0].items()}
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _collection_step(*captured, static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _collection_step(*captured, static)
+    graph = _captured(lambda: _collection_step(*captured, static))
     for features in batches[1:]:
         for name, ids in features.items():
             static[name].copy_(ids)

@@ -62,17 +62,18 @@ def _collection_example() -> str:
     return _block(GUIDE / "collections.md", "SparseEmbeddingCollection(")
 
 
-def _run_collection_example() -> dict:
+def _run_example(code: str, output: str) -> dict:
+    """Run a guide example as written, then a backward and a step through its outputs; each output's shape."""
     namespace: dict = {}
-    exec(_collection_example(), namespace)
-    out = namespace["out"]
+    exec(code, namespace)
+    out = namespace[output]
     sum(v.sum() for v in out.values()).backward()
     namespace["optimizer"].step()
     return {k: tuple(v.shape) for k, v in out.items()}
 
 
 def test_the_collection_guide_example_runs_on_every_rank(rank_pools):
-    for shapes in rank_pools(2).run(_run_collection_example):
+    for shapes in rank_pools(2).run(_run_example, _collection_example(), "out"):
         assert shapes == {"user": (2, 16), "candidate": (2, 2, 16), "history": (2, 16)}
 
 
@@ -87,17 +88,8 @@ def test_the_readme_quickstart_trains_as_written(tmp_path):
     assert len(losses) == 5 and losses[-1] < 0.5 * losses[0], run.stdout
 
 
-def _torchrec_example() -> dict:
-    namespace: dict = {}
-    exec(_block(GUIDE / "torchrec.md", "SparseEmbeddingCollection("), namespace)
-    pooled = namespace["pooled"]
-    sum(v.sum() for v in pooled.values()).backward()
-    namespace["optimizer"].step()
-    return {k: tuple(v.shape) for k, v in pooled.items()}
-
-
 def test_the_torchrec_guide_example_runs_on_every_rank(rank_pools):
-    for shapes in rank_pools(2).run(_torchrec_example):
+    for shapes in rank_pools(2).run(_run_example, _block(GUIDE / "torchrec.md", "SparseEmbeddingCollection("), "pooled"):
         assert shapes == {"user": (2, 64), "clicked": (2, 64)}
 
 

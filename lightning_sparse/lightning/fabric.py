@@ -46,7 +46,7 @@ from typing_extensions import override
 from lightning_sparse import checkpoint
 from lightning_sparse.lightning import checkpoint_format as lightning_format
 from lightning_sparse.lightning import compat
-from lightning_sparse.lightning.placement import STRATEGY_NAME, place_tables, register
+from lightning_sparse.lightning.placement import STRATEGY_NAME, place_tables, register, shard_in_dense_optimizer
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.tables.embedding import SparseEmbedding
 
@@ -203,14 +203,12 @@ def _follow_table(optimizer: SparseOptimizer, table: SparseEmbedding) -> None:
 
 
 def _refuse_shards(optimizer: Optimizer, tables: list[SparseEmbedding]) -> None:
-    shards = {id(t.shard): t.name for t in tables}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) in shards:
-                raise ValueError(
-                    f"The shard of SparseEmbedding {shards[id(p)]} was given to the dense optimizer {type(optimizer).__name__}. "
-                    f"HINT: give the table to a lightning_sparse optimizer (SparseAdagrad([model.table], ...))."
-                )
+    name = shard_in_dense_optimizer(optimizer, tables)
+    if name is not None:
+        raise ValueError(
+            f"The shard of SparseEmbedding {name} was given to the dense optimizer {type(optimizer).__name__}. "
+            f"HINT: give the table to a lightning_sparse optimizer (SparseAdagrad([model.table], ...))."
+        )
 
 
 def _refuse_sparse_clipping(optimizer: Optimizer) -> None:

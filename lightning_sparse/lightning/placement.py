@@ -1,11 +1,13 @@
 """What the Trainer's and Fabric's ``"sparse_ddp"`` strategies share: placing a module's tables when they
-set it up, their registration, and the check that refuses any other strategy.
+set it up, their registration, the check that refuses any other strategy, and the one that finds a
+table's shard in a dense optimizer.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_sparse.lightning import compat
 from lightning_sparse.tables.collection import SparseEmbeddingCollection
@@ -70,3 +72,9 @@ def refuse_foreign_strategy(table: SparseEmbedding) -> None:
 
 
 SparseEmbedding.first_lookup_checks.append(refuse_foreign_strategy)
+
+
+def shard_in_dense_optimizer(optimizer: Optimizer, tables: list[SparseEmbedding]) -> str | None:
+    """The name of a table whose shard ``optimizer`` (a dense one) was given, if any: each strategy raises its own error."""
+    shards = {id(t.shard): t.name for t in tables}
+    return next((shards[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in shards), None)

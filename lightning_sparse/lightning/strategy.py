@@ -43,7 +43,7 @@ from lightning_sparse.lightning import compat
 from lightning_sparse.lightning.checkpoint_hooks import SparseCheckpointHooks
 from lightning_sparse.lightning.launcher import SparseMultiProcessingLauncher
 from lightning_sparse.lightning.lost_peers import LostPeerHooks
-from lightning_sparse.lightning.placement import STRATEGY_NAME, place_tables, register
+from lightning_sparse.lightning.placement import STRATEGY_NAME, place_tables, register, shard_in_dense_optimizer
 from lightning_sparse.lightning.precision import SparseMixedPrecision
 from lightning_sparse.lightning.table_summary import summarize
 from lightning_sparse.lightning.uneven_evaluation import UnevenEvaluationHooks
@@ -186,21 +186,19 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHo
             rank_zero_info("\n" + summarize(self._tables, optimizers))
 
     def _check_dense_optimizers(self) -> None:
-        shards = {id(t.shard): t.name for t in self._tables}
         for optimizer in self.optimizers:
             if isinstance(optimizer, SparseOptimizer):
                 raise MisconfigurationException(
                     f"configure_optimizers returned {type(optimizer).__name__}. HINT: return sparse optimizers from "
                     f"`configure_sparse_optimizers(self)` instead."
                 )
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if id(p) in shards:
-                        raise MisconfigurationException(
-                            f"The shard of SparseEmbedding {shards[id(p)]} was given to the dense optimizer "
-                            f"{type(optimizer).__name__}. HINT: give the table to a sparse optimizer in "
-                            f"configure_sparse_optimizers; dense optimizers take self.parameters(), which excludes it."
-                        )
+            name = shard_in_dense_optimizer(optimizer, self._tables)
+            if name is not None:
+                raise MisconfigurationException(
+                    f"The shard of SparseEmbedding {name} was given to the dense optimizer {type(optimizer).__name__}. "
+                    f"HINT: give the table to a sparse optimizer in configure_sparse_optimizers; dense optimizers take "
+                    f"self.parameters(), which excludes it."
+                )
 
     # ------------------------------------------------------------------ training step
     @property

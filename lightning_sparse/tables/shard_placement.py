@@ -9,6 +9,7 @@ is gone says so. What the host table provides is declared at the top of the clas
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -34,10 +35,7 @@ class ShardPlacementMixin:
     _replicas: int
     _materialized: bool
     _shard: Tensor  # an empty placeholder until materialized, then the shard (the same tensor for life)
-
-    def _initial_rows(self, global_ids: Tensor) -> Tensor:
-        """The initial values of rows ``global_ids`` (the host table's init)."""
-        raise NotImplementedError
+    _initial_rows: Callable[[Tensor], Tensor]  # the host table's method: the initial values of rows ``global_ids``
 
     @property
     def world_size(self) -> int:

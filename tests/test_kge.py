@@ -81,9 +81,13 @@ def _fit(config: str, args: list[str]) -> str:
 
 @needs_wn18rr
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("config, epochs", [("distmult.yaml", 3), ("complex.yaml", 6)])  # DistMult: MRR 0.018 after 3
+@pytest.mark.parametrize("config, epochs", [("complex.yaml", 6)])
 def test_ci_sized_run_trains_on_two_processes(config, epochs):
-    """A slice of WN18RR, a few steps, one evaluation: the MRR beats chance by far."""
+    """A slice of WN18RR, a few steps, one evaluation: the MRR beats chance by far.
+
+    ComplEx only: DistMult trains by the same 1-vs-all path (its scores are held to brute force above, on 1 and 2
+    ranks), and a run of its own cost the suite 11 s (MRR 0.018 after 3 epochs: ``--config distmult.yaml``).
+    """
     out = _fit(config, ["--data.limit_train", "3000", "--data.limit_eval", "200", "--trainer.max_epochs", str(epochs),
                         "--trainer.check_val_every_n_epoch", str(epochs), "--model.dim", "32", "--model.lr", "0.3"])  # fmt: skip
     mrr = [float(v) for v in re.findall(r"val: mrr ([0-9.]+)", out)]

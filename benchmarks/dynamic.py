@@ -138,15 +138,14 @@ def _stream(rank: int, world: int, cfg: dict) -> dict:
     steps = -(-cfg["distinct"] // (world * cfg["batch"]))
     early, start, most, marks, current, jumps, peak = None, time.perf_counter(), 0, {}, {}, [], peak_rss_mib()
     for step in range(steps):
-        rebuilds = table.slots.map.rebuilds if table.slots is not None else 0
         first = (step * world + rank) * cfg["batch"]
         ids = mix(torch.arange(min(first, cfg["distinct"]), min(first + cfg["batch"], cfg["distinct"])))
         table(ids).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
         most = max(most, table.slots.occupancy)
-        if peak_rss_mib() > peak + 1 and len(jumps) < 30:  # where the peak rises, and whether the slot map was rebuilt then
-            jumps.append({"step": step, "peak_mib": peak_rss_mib(), "rebuilt": table.slots.map.rebuilds > rebuilds})
+        if peak_rss_mib() > peak + 1 and len(jumps) < 30:  # where the peak rises
+            jumps.append({"step": step, "peak_mib": peak_rss_mib()})
         peak = peak_rss_mib()
         if step == steps // 10:
             early = peak_rss_mib()
@@ -157,7 +156,7 @@ def _stream(rank: int, world: int, cfg: dict) -> dict:
     stats = table.slot_stats
     return {"steps": steps, "seconds": time.perf_counter() - start, "peak_rss_mib_at_10pct": early,
             "peak_rss_mib_at_end": peak_rss_mib(), "peak_rss_mib_by_progress": marks,
-            "rss_mib_by_progress": {**current, "100%": peak_rss_mib("VmRSS")}, "map_rebuilds": table.slots.map.rebuilds, "peak_jumps": jumps, "occupancy": stats.occupancy, "most_occupancy": most,
+            "rss_mib_by_progress": {**current, "100%": peak_rss_mib("VmRSS")}, "peak_jumps": jumps, "occupancy": stats.occupancy, "most_occupancy": most,
             "rank_capacity": table.slots.capacity, "admissions": stats.admissions, "evictions": stats.evictions,
             "rejections": stats.rejections}  # fmt: skip
 

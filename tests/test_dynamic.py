@@ -41,35 +41,37 @@ def test_mix_is_a_bijection_that_spreads_ids_over_owners():
 
 def test_slot_map_finds_inserts_and_removes_batches():
     gen = torch.Generator().manual_seed(0)
-    slots = SlotMap(2000)
+    slots = SlotMap(2001)
     keys = mix(torch.randperm(10**6, generator=gen)[:2000])
-    slots.insert(keys, torch.arange(2000))
-    assert torch.equal(slots.find(keys), torch.arange(2000))
-    for round_ in range(5):  # remove half, insert others into the freed slots: marks pile up, then a rebuild
-        freed = torch.arange(round_ % 2, 2000, 2)
+    assert bool(slots.place(keys, torch.arange(1, 2001)).all())
+    assert torch.equal(slots.find(keys), torch.arange(1, 2001))
+    for round_ in range(5):  # remove half, insert others into the freed slots, in batches as a table does
+        freed = torch.arange(1 + round_ % 2, 2001, 2)
         slots.remove(freed)
-        assert bool((slots.find(keys[freed]) == -1).all())
-        keys[freed] = mix(torch.arange(len(freed)) + 10**7 * (round_ + 1))
-        slots.insert(keys[freed], freed)
-        assert torch.equal(slots.find(keys), torch.arange(2000))
-    assert torch.equal(slots.find(mix(torch.arange(-50, 0))), torch.full((50,), -1))
+        assert bool((slots.find(keys[freed - 1]) == 0).all()) and not bool(slots.used()[freed].any())
+        keys[freed - 1] = mix(torch.arange(len(freed)) + 10**7 * (round_ + 1))
+        entries = slots.reserve(keys[freed - 1])
+        assert bool((entries >= 0).all()) and len(torch.unique(entries)) == len(freed)
+        slots.write(entries, keys[freed - 1], freed)
+        assert torch.equal(slots.find(keys), torch.arange(1, 2001))
+    assert torch.equal(slots.find(mix(torch.arange(-50, 0))), torch.zeros(50, dtype=torch.int64))
 
 
-def test_slot_map_probes_past_a_window_and_new_keys_that_share_a_stop_all_get_in():
-    slots = SlotMap(100)
-    clustered = torch.arange(1, 61) << 40  # one home bucket for all: probes run 60 buckets, past several windows
-    found, stops = slots.find_with_stops(clustered[:40])
-    assert bool((found == -1).all()) and bool((stops == stops[0]).all())  # all stop at the same empty bucket
-    slots.insert(clustered[:40], torch.arange(40), stops)
-    assert torch.equal(slots.find(clustered[:40]), torch.arange(40))
-    slots.remove(torch.arange(0, 40, 3))  # marks inside the run: probes walk over them, inserts reuse them
-    found, stops = slots.find_with_stops(clustered)
-    expected = torch.where((torch.arange(60) < 40) & (torch.arange(60) % 3 != 0), torch.arange(60), -1)
-    assert torch.equal(found, expected)
-    new = torch.nonzero(found < 0).view(-1)
-    slots.insert(clustered[new], 40 + torch.arange(len(new)), stops[new])
-    assert torch.equal(slots.find(clustered[new]), 40 + torch.arange(len(new)))
-    assert torch.equal(slots.find(clustered[expected >= 0]), expected[expected >= 0])
+def test_slot_map_keys_that_share_their_groups_fill_both_then_find_no_room_and_padding_takes_none():
+    slots = SlotMap(20)  # 16 groups of 8 entries
+    crowded = (torch.arange(1, 21) << 40) + (1 << 32)  # the same two groups for all (low bits, bits 32 to 34)
+    valid = torch.arange(20) % 5 != 4  # every fifth key is padding
+    entries = slots.reserve(crowded, valid)
+    placed = entries >= 0
+    assert not bool(placed[~valid].any())
+    assert int(placed.sum()) == 16 and set((entries[placed] // 8).tolist()) == set(slots._groups(crowded[:1])[0].tolist())
+    assert len(torch.unique(entries[placed])) == 16  # no entry twice
+    given = torch.where(torch.arange(20) < 10, torch.arange(1, 21), 0)  # the last ones get no slot: entries back
+    slots.write(entries, crowded, given)
+    expected = torch.where(placed, given, 0)  # 0: the null slot, no row
+    assert torch.equal(slots.find(crowded), expected)
+    assert int((slots.buckets[:-1] > 0).sum()) == int((expected > 0).sum())
+    assert int((slots.buckets[:-1] < 0).sum()) == 0  # no reservation left behind
 
 
 def _table(capacity: int, **kwargs) -> SlotTable:
@@ -89,7 +91,7 @@ def test_slots_admit_after_k_requests_and_evict_the_least_recently_used():
     table.resolve(keys[1:2], one[:1])  # 20 used at step 1, 10 last used at step 0
     table.tick()
     slots, new, _ = table.resolve(keys[2:], one[:1])  # 30's second request: takes 10's slot
-    assert table.stats.evictions == 1 and table.map.find(keys[:1]).tolist() == [-1]
+    assert table.stats.evictions == 1 and table.map.find(keys[:1]).tolist() == [0]
     assert slots.tolist() == new.tolist() and table.map.find(keys[2:]).tolist() == new.tolist()
 
 
@@ -110,7 +112,7 @@ def test_lfu_keeps_frequent_ids_and_ttl_expires_unused_ones():
     table.resolve(keys, torch.tensor([5, 1]))  # id 1 asked 5 times (by 5 ranks), id 2 once
     table.tick()
     table.resolve(mix(torch.tensor([3])), torch.tensor([1]))
-    assert table.map.find(keys).tolist()[0] >= 1 and table.map.find(keys).tolist()[1] == -1  # 2 was evicted
+    assert table.map.find(keys).tolist()[0] >= 1 and table.map.find(keys).tolist()[1] == 0  # 2 was evicted
     for _ in range(3):
         table.tick()
     assert table.occupancy == 0 and table.stats.expirations == 2

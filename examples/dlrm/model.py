@@ -27,6 +27,7 @@ import lightning_sparse as ls
 TABLES = ("static", "dynamic", "modulo")  # Criteo-shaped row ids; hashed ids: DynamicEmbedding, or id % N
 INT64, INT32 = 8, 4  # bytes
 SKETCH_DEPTH = 4  # rows of a DynamicEmbedding's admission sketch
+GROUP_WIDTH = 8  # entries of a group of its slot map
 
 
 def _power_of_two_at_least(n: int, smallest: int = 16) -> int:
@@ -40,11 +41,11 @@ def dynamic_bytes_per_rank(capacity: int, embedding_dim: int, ranks: int, *, adm
     With ``H = ceil(capacity / ranks)`` ids held at most and ``R = H + 1`` slots (the null slot too):
 
     * rows: ``R * embedding_dim * value_bytes``;
-    * per slot, 4 int64: the key it holds, its last use, its request count, its bucket;
-    * the index: ``B = 2^ceil(log2(2R))`` int64 buckets (at least 16);
-    * the free-slot stack: ``H`` int64;
+    * per slot, 4 int64: the key it holds, its last use, its request count, its entry in the index;
+    * the index: ``G + 1`` groups of 8 int32 entries (``G = 2^ceil(log2(R / 2))``, at least 2);
+    * the free-slot stack: ``H + 1`` int64, with the free count and 4 stats counters (int64);
     * with ``admit_after > 1``, the count sketch: 4 rows of ``S`` int32, ``S`` = ``sketch_width``
-      (default ``4H``) rounded up to a power of two (at least 16).
+      (default ``4H``) rounded up to a power of two (at least 16), and its int64 request count.
 
     These are all the tensors a rank's table keeps between steps (tests/test_dlrm.py checks the
     sum against a materialized table); optimizer state is not counted (a row-wise optimizer adds
@@ -53,9 +54,10 @@ def dynamic_bytes_per_rank(capacity: int, embedding_dim: int, ranks: int, *, adm
     held = -(-capacity // ranks)
     slots = held + 1
     total = slots * embedding_dim * value_bytes + 4 * slots * INT64
-    total += _power_of_two_at_least(2 * slots) * INT64 + held * INT64
+    total += (_power_of_two_at_least(-(-slots // 2), smallest=2) + 1) * GROUP_WIDTH * INT32
+    total += (held + 1) * INT64 + 5 * INT64
     if admit_after > 1:
-        total += SKETCH_DEPTH * _power_of_two_at_least(sketch_width or 4 * held) * INT32
+        total += SKETCH_DEPTH * _power_of_two_at_least(sketch_width or 4 * held) * INT32 + INT64
     return total
 
 

@@ -17,3 +17,39 @@ def host_tensor(values: Sequence[int | float], dtype: torch.dtype, device: torch
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class LateRead:
+    """A device value copied to the host without a wait, and read once the copy is done (never waiting for it).
+
+    :meth:`start` copies the value to pinned host memory and records an event; :meth:`read`
+    returns the copy once the event has completed, else ``None`` (on a CPU the copy is done at
+    once). A caller that needs a bound, not the exact value, keeps the last one read: e.g. a
+    dynamic table's free slots, which tell it whether a batch may have to evict.
+    """
+
+    def __init__(self) -> None:
+        self._host: Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        self._unread = False
+
+    def start(self, value: Tensor) -> bool:
+        """Copy ``value`` (a 0-d tensor) to the host, without waiting; ``False``: a copy still under way was left to finish."""
+        if self._unread and self._event is not None and not self._event.query():
+            return False
+        if self._host is None:
+            cuda = value.device.type == "cuda"
+            self._host = torch.zeros((), dtype=value.dtype, pin_memory=cuda)
+            self._event = torch.cuda.Event() if cuda else None
+        self._host.copy_(value, non_blocking=True)
+        if self._event is not None:
+            self._event.record()
+        self._unread = True
+        return True
+
+    def read(self) -> int | None:
+        """The value copied by the last :meth:`start`, once (``None`` if none is done and unread)."""
+        if not self._unread or (self._event is not None and not self._event.query()):
+            return None
+        self._unread = False
+        return int(self._host)

@@ -1,4 +1,4 @@
-"""Which id holds which row of an owner's shard: admission, eviction and expiry, all tensor ops.
+"""Which id holds which row of an owner's shard: admission, eviction and expiry, in fixed-shape tensor ops.
 
 An owner of a :class:`~lightning_sparse.tables.dynamic.DynamicEmbedding` keeps a :class:`SlotTable`:
 a :class:`~lightning_sparse.tables.slot_map.SlotMap` from keys (mixed ids) to slots, and per slot the
@@ -14,73 +14,77 @@ waits (it keeps the null row) and counts as *rejected*. With ``ttl``, slots unus
 than ``ttl`` steps are freed at each step.
 
 Admission: with ``admit_after=k > 1``, training requests for ids without a row are counted in a
-:class:`CountSketch`; an id gets a row on the request that brings its count to ``k``. A request
-is one rank's lookup asking for the id (however often the id occurs in that rank's batch).
+:class:`~lightning_sparse.tables.sketch.CountSketch`; an id gets a row on the request that brings
+its count to ``k``. A request is one rank's lookup asking for the id (however often the id occurs
+in that rank's batch).
+
+Nothing here reads the device from the host on a GPU's path: the free slots, the clock's stamps
+and the stats are device tensors, a batch is handled at the size of its bound (padding entries
+write the null slot, whose counters are reset), and eviction, which needs a ``topk`` over the
+slots, runs only when the batch may find too few free slots. The host knows a floor on the free
+slots from a copy it reads without waiting (:class:`~lightning_sparse.kernels.host.LateRead`),
+less the most that batches took since. On a CPU, where a host read costs nothing, batches are
+compacted to their exact sizes instead (``nonzero``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
 
 import torch
 from torch import Tensor
 
-from lightning_sparse.tables.slot_map import SlotMap
+from lightning_sparse.kernels import gpu_path
+from lightning_sparse.kernels.host import LateRead
+from lightning_sparse.tables.sketch import CountSketch
+from lightning_sparse.tables.slot_map import NULL_SLOT, SlotMap, both
 from lightning_sparse.wire.grouping import SortedKeys
-from lightning_sparse.wire.hashing import mix
 
 EVICTION = ("lru", "lfu")
-NULL_SLOT = 0
+_LAST = 2**63 - 1  # sorts after every key and every score
+ADMISSIONS, EVICTIONS, EXPIRATIONS, REJECTIONS = range(4)  # SlotTable.counters
 
 
-@dataclass
+def _total(which: int) -> property:
+    return property(lambda self: int(self._table.counters[which]), doc="Since the last reset (a host read).")
+
+
 class SlotStats:
-    """Running totals of one owner's slot decisions; reset by the reader (``occupancy`` is a level, not a total)."""
+    """One owner's running totals of slot decisions, read from its device counters when asked, and its occupancy.
 
-    admissions: int = 0
-    evictions: int = 0
-    expirations: int = 0
-    rejections: int = 0
-    occupancy: int = 0
-
-    def reset(self) -> None:
-        self.admissions = self.evictions = self.expirations = self.rejections = 0
-
-
-class CountSketch:
-    """A count-min sketch of request counts: ``depth`` rows of ``width`` int32 counters, halved as they fill.
-
-    An estimate is never below the true count since the last halving (it may be above, by
-    collisions); once the counters have taken ``width`` requests, all are halved, so ids that
-    stopped coming fade (TinyLFU's reset) and a row's counters stay small: a count of 1 or 2 means
-    something. Memory: ``4 * depth * width`` bytes.
+    :meth:`reset` zeroes the totals (``occupancy`` is a level, not a total).
     """
 
-    def __init__(self, width: int, depth: int = 4, device: torch.device | str | None = None) -> None:
-        self.width = 1 << max(4, (width - 1).bit_length())
-        self.counters = torch.zeros(depth, self.width, dtype=torch.int32, device=device)
-        self.added, self.salts = 0, [((2 * d + 1) * 0x9E3779B97F4A7C15) & 0x7FFFFFFFFFFFFFFF for d in range(depth)]
+    admissions, evictions, expirations, rejections = (_total(which) for which in range(4))
 
-    def add(self, keys: Tensor, counts: Tensor) -> Tensor:
-        """Count ``counts[i]`` more requests of distinct ``keys[i]``; returns each key's estimate after."""
-        estimate = None
-        for row, salt in zip(self.counters, self.salts):
-            bucket = mix(keys ^ salt) & (self.width - 1)
-            row.index_add_(0, bucket, counts.to(torch.int32))
-            seen = row.index_select(0, bucket)
-            estimate = seen if estimate is None else torch.minimum(estimate, seen)
-        self.added += int(counts.sum())
-        if self.added >= self.width:
-            self.counters.div_(2, rounding_mode="floor")
-            self.added = 0
-        return estimate.to(torch.int64)
+    def __init__(self, table: SlotTable) -> None:
+        self._table = table
+
+    @property
+    def occupancy(self) -> int:
+        return self._table.occupancy
+
+    def reset(self) -> None:
+        self._table.counters.zero_()
+
+
+def select(mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The positions of ``mask``'s true entries, and which of them are real (``None``: all).
+
+    On a CPU: exactly those (``nonzero``). On a GPU's path, without a host read: ``len(mask)``
+    positions, those first, then position 0 as padding, and the mask of the real ones.
+    """
+    if not gpu_path(mask):
+        return torch.nonzero(mask).view(-1), None
+    index = torch.nonzero_static(mask, size=len(mask), fill_value=0).view(-1)
+    return index, torch.arange(len(mask), device=mask.device) < mask.sum()
 
 
 class SlotTable:
     """An owner's slots: which key each holds, and the admission, eviction and expiry decisions.
 
     ``num_slots`` includes the null slot 0; ``capacity`` (at most ``num_slots - 1``) is how many
-    ids this owner may hold.
+    ids this owner may hold. ``counters`` holds the totals that :attr:`stats` reads.
     """
 
     def __init__(self, num_slots: int, capacity: int, *, admit_after: int, eviction: str, ttl: int | None,
@@ -91,143 +95,173 @@ class SlotTable:
         self.requests = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.sketch = CountSketch(sketch_width, device=device) if admit_after > 1 else None
         self.clock = 0
-        self.null_used = False  # since the last tick, a training lookup read the null slot (so it may get an update)
-        self.stats = SlotStats()
-        # Free slots as a stack: the next ones to take are at the end.
-        self._free = torch.arange(capacity, 0, -1, dtype=torch.int64, device=device)
-        self._num_free = capacity
+        self.counters = torch.zeros(4, dtype=torch.int64, device=device)
+        self.stats = SlotStats(self)
+        # Free slots as a stack: the next ones to take are at the top (``num_free - 1``); the last entry is scratch.
+        self._free = torch.cat([torch.arange(capacity, 0, -1), torch.zeros(1, dtype=torch.int64)]).to(device)
+        self.num_free = torch.tensor(capacity, device=device)
+        # A floor on ``num_free`` known to the host: the last copy read, less the most that batches took since.
+        self._free_copy, self._floor, self._spent, self._spent_at_copy = LateRead(), capacity, 0, 0
 
     @property
     def occupancy(self) -> int:
-        return self.capacity - self._num_free
+        """How many ids this owner holds (a host read)."""
+        return self.capacity - int(self.num_free)
 
     def to(self, device: torch.device) -> None:
         """Move every tensor of the table to ``device``."""
         self.map.to(device)
-        self.last_used, self.requests, self._free = (t.to(device) for t in (self.last_used, self.requests, self._free))
+        self.last_used, self.requests, self._free, self.num_free, self.counters = (
+            t.to(device) for t in (self.last_used, self.requests, self._free, self.num_free, self.counters))  # fmt: skip
         if self.sketch is not None:
-            self.sketch.counters = self.sketch.counters.to(device)
+            self.sketch.to(device)
+        self._free_copy = LateRead()
 
-    def resolve(self, keys: Tensor, requests: Tensor | int, *, distinct: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    def resolve(self, keys: Tensor, requests: Tensor | int, *, distinct: bool = False,
+                valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """Slots of ``keys`` (``NULL_SLOT`` where none); ``requests``: training requests each entry makes (0: read only).
 
-        ``requests`` is a tensor (one count per entry) or one count for every entry. Keys may
-        repeat (the same key sent by several ranks): each entry adds its requests; ``distinct``
-        says they do not, which saves a sort. Returns (slots, the slots newly given, where in
-        ``keys`` their keys are): the caller initializes those rows and resets their optimizer
-        state.
+        ``requests`` is a tensor (one count per entry) or one count for every entry; ``valid``
+        marks the real entries of a padded batch (default: all). Keys may repeat (the same key
+        sent by several ranks): each entry adds its requests; ``distinct`` says they do not,
+        which saves a sort. Returns (slots, the slots given to new keys, where in ``keys`` their
+        keys are): the caller initializes those rows and resets their optimizer state. On a
+        GPU's path the last two are padded with the null slot (and position 0).
         """
-        found, stops = self.map.find_with_stops(keys)
-        rebuilds = self.map.rebuilds
-        slots = found.clamp(min=NULL_SLOT)  # the map's -1 (no row) -> the null slot
-        if isinstance(requests, int):  # the same for every entry: the null slot stands in for the misses
-            if not requests:
-                return slots, found.new_empty(0), found.new_empty(0)
-            self._count_use(slots, torch.full_like(slots, requests))
-            wanting = torch.nonzero(found < 0).view(-1)
+        slots = self.map.find(keys)  # the null slot where no row
+        if isinstance(requests, int) and not requests:
+            return slots, slots[:0], slots[:0]
+        asked = valid if isinstance(requests, int) else both(requests > 0, valid)
+        stamp = slots if asked is None else torch.where(asked, slots, NULL_SLOT)
+        self.last_used.index_fill_(0, stamp, self.clock)
+        self.requests.index_add_(0, stamp, torch.full_like(stamp, requests) if isinstance(requests, int) else requests)
+        wanting = both(slots == NULL_SLOT, asked)
+        index, real = select(wanting)  # the entries without a row
+        if len(index):
+            counts = torch.full_like(index, requests) if isinstance(requests, int) else requests.index_select(0, index)
+            new_keys, counts = keys.index_select(0, index), counts if real is None else counts * real
+            if distinct:
+                given = self._admit(new_keys, counts, real)
+                new_slots, new_index = given, index
+            else:  # the first entry of each key admits it, with the requests of all
+                runs = SortedKeys(new_keys if real is None else torch.where(real, new_keys, _LAST))
+                run = runs.run_index()
+                counts = torch.zeros_like(counts).index_add_(0, run, counts.index_select(0, runs.perm)).index_select(0, run)
+                first = runs.is_first if real is None else runs.is_first & real.index_select(0, runs.perm)
+                new_slots = self._admit(runs.sorted, counts, first)
+                new_index = index.index_select(0, runs.perm)
+                by_run = torch.zeros_like(new_slots).index_add_(0, run, new_slots).index_select(0, run)
+                given = torch.empty_like(by_run).index_copy_(0, runs.perm, by_run)  # every entry of a new key
+            slots = torch.where(wanting, given.index_select(0, (wanting.cumsum(0) - 1).clamp(min=0)), slots)
+            if real is None:  # a CPU's exact sizes: only the keys that got a slot
+                kept = torch.nonzero(new_slots != NULL_SLOT).view(-1)
+                new_slots, new_index = new_slots.index_select(0, kept), new_index.index_select(0, kept)
         else:
-            asked = requests > 0
-            used = torch.nonzero((found >= 0) & asked).view(-1)
-            self._count_use(slots.index_select(0, used), requests.index_select(0, used))
-            wanting = torch.nonzero((found < 0) & asked).view(-1)
-        if not len(wanting):
-            return slots, found.new_empty(0), found.new_empty(0)
-        counts = requests if isinstance(requests, int) else requests.index_select(0, wanting)
-        runs = None
-        if distinct:
-            new_keys, new_index = keys.index_select(0, wanting), wanting
-        else:  # the keys without a row, each once, with the requests of all their entries
-            runs = SortedKeys(keys.index_select(0, wanting)).finish()
-            new_keys, new_index = runs.unique, wanting.index_select(0, runs.perm.index_select(0, runs.offsets))
-            if not isinstance(requests, int):
-                counts = torch.zeros_like(new_keys).index_add_(0, runs.inverse(), counts)
-        counts = torch.full_like(new_keys, counts) if isinstance(counts, int) else counts
-        chosen = None
-        if self.sketch is not None:
-            chosen = torch.nonzero(self.sketch.add(new_keys, counts) >= self.admit_after).view(-1)
-            new_keys, counts, new_index = (t.index_select(0, chosen) for t in (new_keys, counts, new_index))
-        new_slots = self._take(len(new_keys))
-        self.stats.rejections += len(new_keys) - len(new_slots)
-        self.null_used |= len(new_slots) < len(wanting if runs is None else runs.unique)  # some training entry reads it
-        if not len(new_slots):
-            return slots, new_slots, new_index[:0]
-        new_keys, counts, new_index = new_keys[: len(new_slots)], counts[: len(new_slots)], new_index[: len(new_slots)]
-        self.map.insert(new_keys, new_slots, stops.index_select(0, new_index) if self.map.rebuilds == rebuilds else None)
-        self.last_used.index_fill_(0, new_slots, self.clock)
-        self.requests.index_copy_(0, new_slots, counts)
-        self.stats.admissions += len(new_slots)
-        self.stats.occupancy = self.occupancy
-        if runs is None:
-            slots.index_copy_(0, new_index, new_slots)
-        else:  # every entry of a new key gets its slot
-            given = new_slots  # the slot of each key of ``runs`` (NULL_SLOT: not admitted)
-            if len(new_slots) < len(runs.unique):
-                admitted = torch.arange(len(new_slots), device=slots.device) if chosen is None else chosen[: len(new_slots)]
-                given = torch.full_like(runs.unique, NULL_SLOT).index_copy_(0, admitted, new_slots)
-            slots.index_copy_(0, wanting, given.index_select(0, runs.inverse()))
+            new_slots = new_index = slots[:0]
+        self.last_used[NULL_SLOT] = 0  # the null slot stood in for misses and padding
+        self.requests[NULL_SLOT] = 0
         return slots, new_slots, new_index
 
-    def _count_use(self, slots: Tensor, requests: Tensor) -> None:
-        """Stamp ``slots`` with the clock and add their requests; the null slot's counters stay zero."""
+    def _admit(self, keys: Tensor, counts: Tensor, candidates: Tensor | None) -> Tensor:
+        """Slots for new distinct keys where ``candidates`` (default: all): admitted, placed in the map and given one, else null."""
+        chosen = candidates
+        if self.sketch is not None:
+            estimate = self.sketch.add(keys, counts if candidates is None else counts * candidates)
+            chosen = both(estimate >= self.admit_after, candidates)
+        entries = self.map.reserve(keys, chosen)
+        got, slots = self._take(entries >= 0, len(keys))
+        self.map.write(entries, keys, slots)  # (an entry whose key got no slot is given back)
         self.last_used.index_fill_(0, slots, self.clock)
-        self.requests.index_add_(0, slots, requests)
-        self.last_used[NULL_SLOT] = 0
-        self.requests[NULL_SLOT] = 0
+        self.requests.index_copy_(0, slots, counts)
+        asked = len(keys) if chosen is None else chosen.sum()
+        self.counters[REJECTIONS].add_(asked - got.sum())  # no slot to be had (or a full group of the map)
+        return slots
 
-    def _take(self, count: int) -> Tensor:
-        """Up to ``count`` slots for new ids: free ones first, then evicted unpinned ones."""
-        short = count - self._num_free
-        if short > 0:
-            victims = self._victims(short)
-            self._release(victims)
-            self.stats.evictions += len(victims)
-        count = min(count, self._num_free)
-        taken = self._free[self._num_free - count : self._num_free].flip(0)
-        self._num_free -= count
-        return taken
+    def _take(self, wanted: Tensor, bound: int) -> tuple[Tensor, Tensor]:
+        """A slot for each ``wanted`` entry, in order, while there are any: free ones first, then evicted unpinned ones.
 
-    def _victims(self, count: int) -> Tensor:
-        """The ``count`` (or fewer) unpinned slots to evict first under the eviction policy."""
-        candidates = torch.nonzero(self.map.used() & (self.last_used < self.clock)).view(-1)
-        if not len(candidates):
-            return candidates
+        Returns (which got one, their slots; the null slot elsewhere). ``bound``: ``len(wanted)``.
+        """
+        rank = wanted.cumsum(0) - 1
+        evicted = victims = None
+        if self._may_run_short(bound):
+            victims, evicted = self._evict(rank[-1] + 1 - self.num_free, bound)
+        below = rank if evicted is None else rank - evicted  # the victims go first (ascending), then the stack from the top
+        slots = self._free.index_select(0, (self.num_free - 1 - below).clamp(0, self.capacity))
+        if victims is not None:
+            slots = torch.where(below < 0, victims.index_select(0, rank.clamp(0, len(victims) - 1)), slots)
+        got = wanted & (below < self.num_free)
+        slots = torch.where(got, slots, NULL_SLOT)
+        taken = got.sum()
+        self.num_free -= taken if evicted is None else taken - evicted
+        self.counters[ADMISSIONS].add_(taken)
+        if evicted is not None:
+            self.counters[EVICTIONS].add_(evicted)
+        if self._free_copy.start(self.num_free):
+            self._spent_at_copy = self._spent
+        return got, slots
+
+    def _may_run_short(self, bound: int) -> bool:
+        """Whether a batch of up to ``bound`` new keys may find fewer free slots (the host's floor on them; no wait)."""
+        seen = self._free_copy.read()
+        if seen is not None:
+            self._floor = seen - (self._spent - self._spent_at_copy)
+        short = self._floor < bound
+        self._floor -= bound
+        self._spent += bound
+        return short
+
+    def _evict(self, short: Tensor, bound: int) -> tuple[Tensor, Tensor]:
+        """Free the ``short`` (or fewer) unpinned slots to evict first under the eviction policy, at most ``bound``.
+
+        Returns them in ascending order (padded with ``_LAST``) and how many there are.
+        """
+        unpinned = self.map.used() & (self.last_used < self.clock)
         score = self.last_used if self.eviction == "lru" else self.requests
-        order = score.index_select(0, candidates) * len(self.last_used) + candidates  # ties: the lowest slot
-        return candidates.index_select(0, torch.topk(order, min(count, len(candidates)), largest=False).indices)
+        slot_numbers = torch.arange(len(score), device=score.device)
+        order = torch.where(unpinned, score * len(score) + slot_numbers, _LAST)  # ties: the lowest slot
+        first = torch.topk(order, min(bound, len(order)), largest=False)
+        chosen = (slot_numbers[: len(first.values)] < short) & (first.values < _LAST)
+        self.map.remove(torch.where(chosen, first.indices, NULL_SLOT))
+        return torch.sort(torch.where(chosen, first.indices, _LAST)).values, chosen.sum()
 
-    def _release(self, slots: Tensor) -> None:
-        """Free slots in use: their keys leave the map; the slots go on the free stack."""
-        if not len(slots):
-            return
+    def _release(self, slots: Tensor, real: Tensor | None) -> None:
+        """Free ascending ``slots`` in use (where ``real``): their keys leave the map; the slots go on the free stack."""
+        count = len(slots) if real is None else real.sum()
+        places = self.num_free + count - 1 - torch.arange(len(slots), device=slots.device)  # highest slot lowest
+        if real is not None:
+            places, slots = torch.where(real, places, self.capacity), torch.where(real, slots, NULL_SLOT)
         self.map.remove(slots)
-        self._free[self._num_free : self._num_free + len(slots)] = slots.sort(descending=True).values
-        self._num_free += len(slots)
+        self._free.index_copy_(0, places, slots)
+        self.num_free += count
 
     def tick(self) -> None:
         """An optimizer step happened: unpin every slot, then free the slots unused for more than ``ttl`` steps."""
         self.clock += 1
         if self.ttl is not None:
-            stale = torch.nonzero(self.map.used() & (self.last_used < self.clock - self.ttl)).view(-1)
-            self._release(stale)
-            self.stats.expirations += len(stale)
-        self.stats.occupancy = self.occupancy
+            stale, real = select(self.map.used() & (self.last_used < self.clock - self.ttl))
+            if len(stale):
+                self._release(stale, real)
+                self.counters[EXPIRATIONS].add_(len(stale) if real is None else real.sum())
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Tensor]:
         """Per-slot tensors that restore the table: ``keys``, ``used`` (int8), ``last_used``, ``requests``."""
-        return {"slot_keys": self.map.keys, "slot_used": self.map.used().to(torch.int8), "slot_last_used": self.last_used,
-                "slot_requests": self.requests}  # fmt: skip
+        used = self.map.used()
+        return {"slot_keys": torch.where(used, self.map.keys, 0), "slot_used": used.to(torch.int8),
+                "slot_last_used": self.last_used, "slot_requests": self.requests}  # fmt: skip
 
     def load(self, keys: Tensor, used: Tensor, last_used: Tensor, requests: Tensor, clock: int) -> None:
         """Hold what :meth:`state` returned, each key in the same slot."""
-        self.map.load(keys, used.bool())
+        self.map.clear()
+        self.map.keys.copy_(keys)
+        held = torch.nonzero(used).view(-1)
+        self._placed(held, self.map.place(keys.index_select(0, held), held))
         self.last_used.copy_(last_used)
         self.requests.copy_(requests)
         self.clock = clock
         free = torch.nonzero(~self.map.used()[1 : self.capacity + 1]).view(-1) + 1
-        self._num_free = len(free)
-        self._free[: len(free)] = free.flip(0)
-        self.stats.occupancy = self.occupancy
+        self._set_free(free.flip(0))
 
     def restore(self, keys: Tensor, last_used: Tensor, requests: Tensor, clock: int) -> Tensor:
         """Empty the table, then hold ``keys`` (distinct), the most deserving first while there is room; returns their slots.
@@ -235,14 +269,29 @@ class SlotTable:
         Keys without room get ``-1``. Used when loading a checkpoint, possibly saved on another
         number of ranks: every key arrives at its new owner with its last use and requests.
         """
-        self._release(torch.nonzero(self.map.used()).view(-1))
+        held = torch.nonzero(self.map.used()).view(-1)
+        if len(held):
+            self._release(held, None)
         self.clock = clock
         score = last_used if self.eviction == "lru" else requests
         order = torch.argsort(score, descending=True, stable=True)[: self.capacity]
-        slots = torch.full_like(keys, -1)
-        taken = self._take(len(order))
-        self.map.insert(keys.index_select(0, order), taken)
+        num_free = int(self.num_free)
+        taken = self._free[num_free - len(order) : num_free].flip(0)
+        placed = self._placed(taken, self.map.place(keys.index_select(0, order), taken))
         self.last_used.index_copy_(0, taken, last_used.index_select(0, order))
         self.requests.index_copy_(0, taken, requests.index_select(0, order))
-        self.stats.occupancy = self.occupancy
-        return slots.index_copy_(0, order, taken)
+        self._set_free(torch.cat([self._free[: num_free - len(order)], taken[~placed].flip(0)]))
+        return torch.full_like(keys, -1).index_copy_(0, order, torch.where(placed, taken, -1))
+
+    def _placed(self, slots: Tensor, placed: Tensor) -> Tensor:
+        """``placed``, after warning if some keys of ``slots`` found no room in the map (they are dropped)."""
+        if not bool(placed.all()):
+            warnings.warn(f"{int((~placed).sum())} ids of a checkpoint found no room in the slot map and were dropped.",
+                          stacklevel=3)  # fmt: skip
+        return placed
+
+    def _set_free(self, stack: Tensor) -> None:
+        """The free slots are ``stack`` (the next to take last); the host's floor on them is exact again."""
+        self._free[: len(stack)] = stack
+        self.num_free.fill_(len(stack))
+        self._floor, self._free_copy = len(stack), LateRead()

@@ -143,6 +143,7 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
             capacity = self.capacity // world_size + (rank < self.capacity % world_size)
             self.slots = SlotTable(len(self._shard), capacity, admit_after=self.admit_after, eviction=self.eviction,
                                    ttl=self.ttl, sketch_width=self.sketch_width or 4 * capacity, device=self.device)  # fmt: skip
+            self._null = torch.zeros(1, dtype=torch.int64, device=self.device)
         return self
 
     def _initial_rows(self, global_ids: Tensor) -> Tensor:
@@ -153,6 +154,7 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
         super()._apply(fn, recurse)
         if self.slots is not None and self.slots.map.device != self.device:  # the slots follow the rows
             self.slots.to(self.device)
+            self._null = self._null.to(self.device)
         return self
 
     @torch.no_grad()
@@ -166,17 +168,19 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
     # ------------------------------------------------------------------ admission
     @torch.no_grad()
     def _assign(self, keys: Tensor, requests: Tensor | int, ids_of: Callable[[Tensor], Tensor] | None = None,
-                distinct: bool = False) -> Tensor:  # fmt: skip
+                distinct: bool = False, valid: Tensor | None = None) -> Tensor:  # fmt: skip
         """Slots of keys on this owner (see ``SlotTable.resolve``); new ids' rows start from ``init``, their optimizer state afresh.
 
         ``ids_of(index)``: the ids of ``keys[index]``, where the caller has them (else they are unmixed from the keys).
+        ``valid``: the real entries of a padded batch.
         """
-        slots, new_slots, new_index = self.slots.resolve(keys, requests, distinct=distinct)
-        if len(new_slots):
+        slots, new_slots, new_index = self.slots.resolve(keys, requests, distinct=distinct, valid=valid)
+        if len(new_slots):  # on a GPU's path: the batch's bound, padded with the null slot (zeroed again below)
             new_ids = ids_of(new_index) if ids_of is not None else unmix(keys.index_select(0, new_index))
             self._shard.index_copy_(0, new_slots, self._init_rows(new_ids))
             for optimizer in self._optimizers:
                 optimizer.reset_rows(self._shard, new_slots)
+            self._shard[NULL_SLOT].zero_()
         return slots
 
     # ------------------------------------------------------------------ optimizer steps
@@ -190,14 +194,11 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """Called by the sparse optimizer after each step: unpin, expire, and put the null row back to zero if it was read."""
+        """Called by the sparse optimizer after each step: unpin, expire, and put the null row back to zero (it may have had a gradient)."""
         self.slots.tick()
-        if self.slots.null_used:  # only a lookup that read it can have given it a gradient
-            null = torch.tensor([NULL_SLOT], device=self.device)
-            self._shard.index_fill_(0, null, 0)
-            for optimizer in self._optimizers:
-                optimizer.reset_rows(self._shard, null)
-            self.slots.null_used = False
+        self._shard[NULL_SLOT].zero_()
+        for optimizer in self._optimizers:
+            optimizer.reset_rows(self._shard, self._null)
 
     @property
     def slot_stats(self) -> SlotStats:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_sparse.kernels import gpu_path
 from lightning_sparse.lookup.engine import serve
 from lightning_sparse.lookup.features import Problem, read_ids
 from lightning_sparse.lookup.outputs import expand, gather
@@ -66,12 +67,16 @@ class DynamicLookupMixin:
         flat, header, problem = self._read(ids)
         if problem.error != OK:
             check_round(self.lookup_unit, Headers.of(header), problem)  # raises
-        runs = SortedKeys(mix(flat)).finish()
+        runs, valid = SortedKeys(mix(flat)), None
+        if gpu_path(flat) and len(flat):
+            valid = runs.finish_padded()  # no host read for the number of distinct ids
+        else:
+            runs.finish()
 
         def ids_of(index: Tensor) -> Tensor:  # the ids of the distinct keys at ``index`` (only new ones are asked for)
             return flat.index_select(0, runs.perm.index_select(0, runs.offsets.index_select(0, index)))
 
-        return self._assign(runs.unique, int(torch.is_grad_enabled()), ids_of=ids_of, distinct=True), runs
+        return self._assign(runs.unique, int(torch.is_grad_enabled()), ids_of=ids_of, distinct=True, valid=valid), runs
 
     def _keyed_lookup(self, ids: Any) -> Tensor:
         """One round on 2 or more ranks: keys to their owners, which find or admit them and send back rows and slots."""

@@ -1,25 +1,32 @@
-"""SlotMap: an owner's map from hashed keys to the slots (rows) of its shard, built from tensor ops.
+"""SlotMap: an owner's map from hashed keys to the slots (rows) of its shard, in fixed-shape tensor ops.
 
-An open-addressing hash table with linear probing, in two tensors: ``buckets`` (``[M]``, the
-slot stored in each bucket, or ``EMPTY``/``DELETED``) and ``keys`` (``[slots]``, the key each
-slot holds). A batch of keys is looked up or inserted at once, in rounds: the first reads each
-key's home bucket, which settles most of them; each later round reads the next ``WINDOW``
-buckets of every unsettled key. So the rounds grow with the longest probe sequence of the batch
-divided by ``WINDOW``, not with the batch size, and the same code runs on CPU and CUDA (one host
-read per round, to stop).
+A bucketed hash table with two choices, in two tensors: ``buckets`` (``[G, B]`` int32: ``G``
+groups of ``B`` entries, each the slot stored there, or the null slot 0 where empty: slot 0 never
+holds a key) and ``keys`` (``[slots]``, the key each slot holds). A key may sit in either of two
+groups, picked by two bit ranges of the key (keys are already mixed,
+:func:`lightning_sparse.wire.hashing.mix`); a new key goes to the emptier one, or to the other if
+the keys before it in its batch filled the first. So a batch of keys is found with one gather of
+2 groups per key and one of their slots' keys, with no probe sequence to follow and nothing to
+read on the host: the ops and their shapes depend on the batch size only, on CPU and GPU alike.
+Removing a key empties its entry (no tombstones, no rebuilds).
 
-Keys are already mixed (:func:`lightning_sparse.wire.hashing.mix`), so a key's home bucket is its
-low bits. ``M`` is a power of two at least twice the slots, so the table is at most half full
-with live keys; removed keys leave ``DELETED`` marks that probes walk over (and inserts reuse),
-and the buckets are rebuilt when live keys and the marks made since the last rebuild would
-fill three quarters of them.
+The map has ``4 * slots`` entries or more (a quarter full at most; ``16 * slots`` bytes or more,
+as the open-addressing map before it): with ``B = 8`` a group holds 2 keys on average, and in
+simulations of a million keys under churn never more than 6. A new key
+whose two groups are both full anyway is not placed; its owner treats it as having no free slot
+(:class:`~lightning_sparse.tables.admission.SlotTable`: a rejection; it is asked again on the next
+lookup).
+
+Row ``G`` of ``buckets`` is a scratch group and the null slot a scratch slot: writes for the padding entries of a batch land there, so that batches sized by
+their bound (a GPU's) need no compaction.
 
 >>> slots = SlotMap(4)
->>> slots.insert(torch.tensor([10, -7]), torch.tensor([0, 3]))
+>>> slots.place(torch.tensor([10, -7]), torch.tensor([1, 3])).tolist()
+[True, True]
 >>> slots.find(torch.tensor([-7, 5, 10])).tolist()
-[3, -1, 0]
+[3, 0, 1]
 >>> slots.remove(torch.tensor([3])); slots.find(torch.tensor([-7, 10])).tolist()
-[-1, 0]
+[0, 1]
 """
 
 from __future__ import annotations
@@ -27,23 +34,31 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-EMPTY, DELETED = -1, -2
-WINDOW = 16  # buckets a straggling probe reads per round
-CHUNK = 8192  # keys a rebuild inserts at once
+from lightning_sparse.kernels import gpu_path
+
+NULL_SLOT = 0  # never a key's: an entry holding it is empty, and padding may write it
+RESERVED = -1  # an entry that reserve() handed out and write() has not filled yet
+NO_ENTRY = -1  # reserve()'s answer for a key without room
+WIDTH = 8  # entries of a group
+CHUNK = 8192  # keys a whole-table load places at once
+
+
+def both(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """``a & b`` of two optional masks (``None``: all true)."""
+    return b if a is None else a if b is None else a & b
 
 
 class SlotMap:
-    """Key -> slot for ``num_slots`` slots; each slot holds at most one key, each key at most one slot."""
+    """Key -> slot for ``num_slots`` slots (slot 0 excluded); each slot holds at most one key, each key at most one slot."""
 
     def __init__(self, num_slots: int, device: torch.device | str | None = None) -> None:
         self.num_slots = num_slots
-        size = 1 << max(4, (2 * num_slots - 1).bit_length())
-        self.mask = size - 1
-        self.buckets = torch.full((size,), EMPTY, dtype=torch.int64, device=device)
+        groups = 1 << max(1, (-(-4 * num_slots // WIDTH) - 1).bit_length())
+        self.mask = groups - 1
+        self.scratch = groups * WIDTH  # the first entry of the scratch group
+        self.buckets = torch.zeros((groups + 1, WIDTH), dtype=torch.int32, device=device)  # NULL_SLOT: empty
         self.keys = torch.zeros(num_slots, dtype=torch.int64, device=device)  # valid where the slot is in use
-        self.bucket_of = torch.full((num_slots,), EMPTY, dtype=torch.int64, device=device)  # EMPTY: slot not in use
-        self.deleted = 0  # DELETED marks made since the last rebuild (some may have been reused since)
-        self.rebuilds = 0
+        self.entry_of = torch.full((num_slots,), self.scratch, dtype=torch.int64, device=device)  # scratch: not in use
 
     @property
     def device(self) -> torch.device:
@@ -51,109 +66,88 @@ class SlotMap:
 
     def to(self, device: torch.device) -> None:
         """Move the map's tensors to ``device``."""
-        self.buckets, self.keys, self.bucket_of = (t.to(device) for t in (self.buckets, self.keys, self.bucket_of))
+        self.buckets, self.keys, self.entry_of = (t.to(device) for t in (self.buckets, self.keys, self.entry_of))
 
     def used(self) -> Tensor:
         """``[num_slots]`` bool: which slots hold a key."""
-        return self.bucket_of >= 0
+        return self.entry_of < self.scratch
 
     def find(self, keys: Tensor) -> Tensor:
-        """The slot of each key (keys may repeat), ``-1`` where the map does not hold it."""
-        return self.find_with_stops(keys)[0]
+        """The slot of each key (keys may repeat), the null slot where the map does not hold it."""
+        held = self.buckets.index_select(0, self._groups(keys).view(-1)).view(len(keys), 2 * WIDTH)
+        hit = self.keys.index_select(0, held.view(-1)).view_as(held) == keys.unsqueeze(1)
+        return (hit * held).sum(dim=1, dtype=torch.int64)  # one hit at most (an empty entry holds the null slot: adds 0)
 
-    def find_with_stops(self, keys: Tensor) -> tuple[Tensor, Tensor]:
-        """:meth:`find`, and for each key not held the ``EMPTY`` bucket where its probe stopped (where it may go in).
+    def _groups(self, keys: Tensor) -> Tensor:
+        """``[len(keys), 2]``: a key's two groups (never the same one), from its low bits and from bits 32 and up."""
+        first = keys & self.mask
+        return torch.stack([first, (first + 1 + ((keys >> 32) & (self.mask >> 1))) & self.mask], dim=1)
 
-        The first round probes each key's home bucket, which settles most keys; the rest probe
-        ``WINDOW`` buckets per round (one gather of ``[keys, WINDOW]``), so a long probe sequence
-        costs a few rounds, not one round per bucket. The stops hold for :meth:`insert` until
-        the next :meth:`rebuild` (``rebuilds`` counts them).
+    def reserve(self, keys: Tensor, valid: Tensor | None = None) -> Tensor:
+        """Entries for distinct new ``keys`` (none in the map), marked reserved; ``-1`` where both groups are full.
+
+        Only ``valid`` keys (default: all) get one. A key tries the emptier of its groups first,
+        then the other; keys that share a group take its free entries in the order of the batch.
+        :meth:`write` fills the entries (or gives them back).
         """
-        stops = keys & self.mask
-        slot = self.buckets.index_select(0, stops)
-        hit = (slot >= 0) & (self.keys.index_select(0, slot.clamp(min=0)) == keys)
-        found = torch.where(hit, slot, -1)
-        pending = torch.nonzero(~hit & (slot != EMPTY)).view(-1)  # another key or a mark: probe on
-        start = (stops.index_select(0, pending) + 1) & self.mask
-        while len(pending):
-            waiting = keys.index_select(0, pending).unsqueeze(1)
-            slot = self._window(start)
-            hit = (slot >= 0) & (self.keys.index_select(0, slot.clamp(min=0).view(-1)).view_as(slot) == waiting)
-            first = (hit | (slot == EMPTY)).to(torch.uint8).argmax(dim=1, keepdim=True)  # where each probe stops
-            stopped = (slot.gather(1, first) == EMPTY) | hit.gather(1, first)
-            found.index_copy_(0, pending, torch.where(hit.gather(1, first), slot.gather(1, first), -1).view(-1))
-            stops.index_copy_(0, pending, (start + first.view(-1)) & self.mask)
-            go_on = torch.nonzero(~stopped.view(-1)).view(-1)  # no stop in the window: the next window
-            pending, start = pending.index_select(0, go_on), (start.index_select(0, go_on) + WINDOW) & self.mask
-        return found, stops
+        n = len(keys)
+        groups = self._groups(keys)
+        held = (self.buckets.index_select(0, groups.view(-1)).view(n, 2, WIDTH) != NULL_SLOT).sum(dim=2)
+        emptier_second = (held[:, 1] < held[:, 0]).unsqueeze(1)
+        choices = torch.where(emptier_second, groups.flip(1), groups).t()  # [2, n]: the emptier group, then the other
+        entries, waiting = torch.full_like(keys, NO_ENTRY), valid
+        for group in choices:
+            claimed = self._claim(group if waiting is None else torch.where(waiting, group, self.mask + 1))
+            entries = torch.maximum(entries, claimed)  # (a key claims in one round at most)
+            waiting = both(entries < 0, valid)
+            if not gpu_path(waiting) and not bool(waiting.any()):  # a CPU reads for free whether a second round is needed
+                break
+        return entries
 
-    def insert(self, keys: Tensor, slots: Tensor, stops: Tensor | None = None) -> None:
-        """Put distinct ``keys``, none of them in the map, into free ``slots`` (one each).
+    def _claim(self, group: Tensor) -> Tensor:
+        """For keys bound to ``group`` (the scratch group: none), the next free entries of their groups in batch order.
 
-        Each round, every unplaced key picks the first free bucket (``EMPTY`` or ``DELETED``) in
-        the ``WINDOW`` buckets from where it stands (in the first round, its ``stops`` from
-        :meth:`find_with_stops` if given); several keys may pick one bucket: one write lands, the
-        key it came from keeps the bucket, and the others go on from there.
+        Marks them reserved; ``-1`` where the group has no free entry left.
         """
-        placed = torch.empty_like(keys)  # the bucket each key ends in
-        pending = torch.arange(len(keys), device=keys.device)
-        start, bucket, has_free = keys & self.mask, stops, None
-        while len(pending):
-            if bucket is None:
-                free = self._window(start) < 0
-                has_free = free.any(dim=1)
-                bucket = (start + free.to(torch.uint8).argmax(dim=1)) & self.mask
-                candidates = torch.nonzero(has_free).view(-1)
-            else:  # the stops: free buckets all
-                candidates = pending
-            tried, their_slots = bucket.index_select(0, candidates), slots.index_select(0, pending.index_select(0, candidates))
-            self.buckets.index_copy_(0, tried, their_slots)
-            won = torch.zeros_like(pending, dtype=torch.bool)
-            won.index_copy_(0, candidates, self.buckets.index_select(0, tried) == their_slots)
-            taken = torch.nonzero(won).view(-1)
-            placed.index_copy_(0, pending.index_select(0, taken), bucket.index_select(0, taken))
-            go_on = torch.nonzero(~won).view(-1)  # lost the bucket (go on from it) or none free (the next window)
-            step = 0 if has_free is None else torch.where(has_free, 0, WINDOW).index_select(0, go_on)
-            pending, start = pending.index_select(0, go_on), (bucket.index_select(0, go_on) + step) & self.mask
-            bucket = None
-        self.bucket_of.index_copy_(0, slots, placed)
+        group, order = torch.sort(group, stable=True)
+        rank = torch.arange(len(group), device=group.device) - torch.searchsorted(group, group)  # among its group's keys
+        free = self.buckets.index_select(0, group) == NULL_SLOT
+        column = (free.cumsum(dim=1) <= rank.unsqueeze(1)).sum(dim=1)  # of the group's (rank + 1)-th free entry
+        entry = torch.where((column < WIDTH) & (group <= self.mask), group * WIDTH + column, NO_ENTRY)
+        self.buckets.view(-1).index_fill_(0, torch.where(entry >= 0, entry, self.scratch), RESERVED)
+        return torch.empty_like(entry).index_copy_(0, order, entry)
+
+    def write(self, entries: Tensor, keys: Tensor, slots: Tensor) -> None:
+        """Put ``keys`` in the ``entries`` that :meth:`reserve` gave them, holding ``slots``.
+
+        An entry whose slot is the null slot (a key that got no slot) is given back; ``-1`` entries are skipped.
+        """
+        placed = (entries >= 0) & (slots != NULL_SLOT)
+        at = torch.where(entries >= 0, entries, self.scratch)
+        self.buckets.view(-1).index_copy_(0, at, slots.to(torch.int32))  # the null slot: the entry is empty again
+        slots = torch.where(placed, slots, NULL_SLOT)
+        self.entry_of.index_copy_(0, slots, torch.where(placed, entries, self.scratch))
         self.keys.index_copy_(0, slots, keys)
 
-    def _window(self, start: Tensor) -> Tensor:
-        """``[len(start), WINDOW]``: the buckets from each start on (wrapping around)."""
-        positions = (start.unsqueeze(1) + torch.arange(WINDOW, device=start.device)) & self.mask
-        return self.buckets.index_select(0, positions.view(-1)).view(positions.shape)
-
     def remove(self, slots: Tensor) -> None:
-        """Free ``slots`` (distinct, in use): their keys leave the map."""
-        if not len(slots):
-            return
-        self.buckets.index_fill_(0, self.bucket_of.index_select(0, slots), DELETED)
-        self.bucket_of.index_fill_(0, slots, EMPTY)
-        self.deleted += len(slots)
-        if (int(self.used().sum()) + self.deleted) * 4 > 3 * len(self.buckets):
-            self.rebuild()
+        """Free ``slots`` (distinct, in use, or the null slot as padding): their keys leave the map."""
+        self.buckets.view(-1).index_fill_(0, self.entry_of.index_select(0, slots), NULL_SLOT)
+        self.entry_of.index_fill_(0, slots, self.scratch)
 
-    def rebuild(self) -> None:
-        """Put every live key back into fresh buckets (drops the DELETED marks)."""
-        slots = torch.nonzero(self.used()).view(-1)
-        self.buckets.fill_(EMPTY)
-        self.bucket_of.fill_(EMPTY)
-        self.deleted = 0
-        self.rebuilds += 1
-        self._insert_in_chunks(self.keys.index_select(0, slots), slots)
+    def clear(self) -> None:
+        """Hold no key."""
+        self.buckets.zero_()
+        self.entry_of.fill_(self.scratch)
 
-    def load(self, keys: Tensor, used: Tensor) -> None:
-        """Hold exactly the keys of ``used`` slots (``keys`` and ``used``: one entry per slot)."""
-        self.keys.copy_(keys)
-        self.buckets.fill_(EMPTY)
-        self.bucket_of.fill_(EMPTY)
-        self.deleted = 0
-        self.rebuilds += 1
-        slots = torch.nonzero(used).view(-1)
-        self._insert_in_chunks(keys.index_select(0, slots), slots)
+    def place(self, keys: Tensor, slots: Tensor) -> Tensor:
+        """:meth:`reserve` and :meth:`write` for a whole table's keys (a checkpoint's), ``CHUNK`` at a time; returns which got in.
 
-    def _insert_in_chunks(self, keys: Tensor, slots: Tensor) -> None:
-        """:meth:`insert` of a whole table's keys, ``CHUNK`` at a time: its ``[keys, WINDOW]`` temporaries stay small."""
+        The ``[keys, 2, WIDTH]`` temporaries stay small.
+        """
+        placed = []
         for start in range(0, len(keys), CHUNK):
-            self.insert(keys[start : start + CHUNK], slots[start : start + CHUNK])
+            chunk_keys, chunk_slots = keys[start : start + CHUNK], slots[start : start + CHUNK]
+            entries = self.reserve(chunk_keys)
+            self.write(entries, chunk_keys, chunk_slots)
+            placed.append(entries >= 0)
+        return torch.cat(placed) if placed else torch.ones_like(keys, dtype=torch.bool)

@@ -90,6 +90,18 @@ class SortedKeys:
         self.unique = self.sorted.index_select(0, self.offsets).to(torch.int64)
         return self
 
+    def finish_padded(self) -> Tensor:
+        """:meth:`finish` at the batch's size, with no host read; returns which entries of ``unique`` are real.
+
+        ``unique`` and ``offsets`` get one entry per key: the distinct keys, then the last one
+        again as padding (``counts`` does not hold then). For a batch that has no bound on its
+        distinct keys but its size (one rank's on a GPU).
+        """
+        n = len(self.sorted)
+        self.offsets = torch.nonzero_static(self.is_first, size=n, fill_value=max(n - 1, 0)).view(-1)
+        self.unique = self.sorted.index_select(0, self.offsets).to(torch.int64)
+        return torch.arange(n, device=self.sorted.device) < self.run_number()[-1:]
+
     def inverse(self) -> Tensor:
         """For each input position, the index of its key in ``unique``."""
         return torch.empty_like(self.perm).index_copy_(0, self.perm, self.run_index())

@@ -1,0 +1,125 @@
+"""A DynamicEmbedding's one-process step on the GPU's code path: no host read, and the same decisions as a CPU's.
+
+On CPU these run the GPU's path through Triton's interpreter (``LIGHTNING_SPARSE_KERNELS=triton``):
+batches sized by their bound instead of compacted, counters on the device, eviction only where
+the host's floor on the free slots says a batch may run short. On a GPU the step also runs
+under ``torch.cuda.set_sync_debug_mode("error")``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from host_reads import HostReads
+from test_gpu_path import AtenOps
+from test_kernels import KERNEL_DEVICES
+
+import lightning_sparse as ls
+from lightning_sparse.kernels import backend
+from lightning_sparse.wire.hashing import mix
+
+# name: table options, ids drawn per step (old ones from a pool, then new ones)
+CASES = {
+    "room": (dict(capacity=400), 48),
+    "full, evicting (lru)": (dict(capacity=40), 48),
+    "full, evicting (lfu), ttl": (dict(capacity=40, eviction="lfu", ttl=2), 48),
+    "admit on the 2nd request": (dict(capacity=400, admit_after=2, sketch_width=64), 48),
+}
+# The most aten ops (plus Triton launches) of a one-process Adagrad step of a dynamic table with
+# room, on the GPU's path: the SparseEmbedding step's and the slot decisions' (see the count test).
+MAX_DYNAMIC_STEP_OPS = 220
+
+
+def _batches(steps: int, size: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for step in range(steps):
+        old = (60 * torch.rand(size - 8, generator=gen) ** 2).long()  # repeats within a batch, and across
+        batches.append(mix(torch.cat([old, 1000 + 8 * step + torch.arange(8)]) * 2 + 1))
+    return batches
+
+
+def _train(options: dict, batches: list[torch.Tensor], device: str, gpu_path: bool, monkeypatch) -> ls.DynamicEmbedding:
+    if gpu_path:
+        monkeypatch.setenv(backend.ENV, "triton")
+    else:
+        monkeypatch.setenv(backend.ENV, "torch")
+    emb = ls.DynamicEmbedding(**options, embedding_dim=4, seed=1, device=device)
+    opt = ls.SparseAdagrad([emb], lr=0.1)
+    for ids in batches:
+        emb(ids.to(device)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return emb
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_gpu_path_makes_the_same_slot_decisions_as_the_exact_one(device, case, monkeypatch):
+    options, size = CASES[case]
+    batches = _batches(6, size)
+    exact = _train(options, batches, device, False, monkeypatch)
+    padded = _train(options, batches, device, True, monkeypatch)
+    for name, value in exact.slot_state().items():
+        assert torch.equal(padded.slot_state()[name], value), name
+    stats = exact.slot_stats
+    assert [getattr(padded.slot_stats, n) for n in ("admissions", "evictions", "expirations", "rejections", "occupancy")] == [
+        getattr(stats, n) for n in ("admissions", "evictions", "expirations", "rejections", "occupancy")]  # fmt: skip
+    ids, rows = exact.export()
+    padded_ids, padded_rows = padded.export()
+    assert torch.equal(ids, padded_ids)
+    torch.testing.assert_close(padded_rows, rows)  # the torch update against the fused kernel
+    if "evicting" in case:
+        assert stats.evictions > 0
+    if "2nd" in case:
+        assert 0 < stats.admissions < len(torch.unique(torch.cat(batches)))
+
+
+def _step(emb: ls.DynamicEmbedding, opt: ls.SparseAdagrad, ids: torch.Tensor) -> None:
+    emb(ids).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_one_process_step_of_a_dynamic_table_reads_the_host_never(device, case, monkeypatch):
+    monkeypatch.setenv(backend.ENV, "triton")
+    options, size = CASES[case]
+    emb = ls.DynamicEmbedding(**options, embedding_dim=4, seed=1, device=device)
+    opt = ls.SparseAdagrad([emb], lr=0.1)
+    batches = [ids.to(device) for ids in _batches(5, size)]
+    for ids in batches[:3]:  # the table fills (and, if small, starts evicting)
+        _step(emb, opt, ids)
+    # Known host tensors: the step counter (not capturable), and the free slots' copy, read without waiting.
+    with HostReads(ignore=[opt.state[emb.shard]["step"], emb.slots._free_copy._host]) as reads:
+        _step(emb, opt, batches[3])
+    assert reads.calls == []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _step(emb, opt, batches[4])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_a_dynamic_step_takes_a_bounded_number_of_ops(device, monkeypatch):
+    monkeypatch.setenv(backend.ENV, "triton")
+    emb = ls.DynamicEmbedding(400, 4, seed=1, device=device)
+    opt = ls.SparseAdagrad([emb], lr=0.1)
+    batches = [ids.to(device) for ids in _batches(3, 48)]
+    grad = torch.ones(48, 4, device=device)
+    for ids in batches[:2]:
+        emb(ids).backward(grad)
+        opt.step()
+        opt.zero_grad()
+    launches = backend.launches.count
+    with AtenOps(host=[opt.state[emb.shard]["step"]]) as aten:
+        emb(batches[2]).backward(grad)
+        opt.step()
+        opt.zero_grad()
+    triton = backend.launches.count - launches
+    print("OPS", len(aten.ops), triton)
+    assert len(aten.ops) + triton <= MAX_DYNAMIC_STEP_OPS, f"{len(aten.ops)} aten ops + {triton} Triton launches"

@@ -26,8 +26,9 @@ CASES = {
     "admit on the 2nd request": (dict(capacity=400, admit_after=2, sketch_width=64), 48),
 }
 # The most aten ops (plus Triton launches) of a one-process Adagrad step of a dynamic table with
-# room, on the GPU's path: the SparseEmbedding step's and the slot decisions' (see the count test).
-MAX_DYNAMIC_STEP_OPS = 220
+# room, on the GPU's path: 206 aten ops and 3 launches here (a SparseEmbedding step takes 12; the
+# rest are the slot decisions and the new rows' init, in plain torch ops for now).
+MAX_DYNAMIC_STEP_OPS = 210
 
 
 def _batches(steps: int, size: int) -> list[torch.Tensor]:
@@ -121,5 +122,4 @@ def test_a_dynamic_step_takes_a_bounded_number_of_ops(device, monkeypatch):
         opt.step()
         opt.zero_grad()
     triton = backend.launches.count - launches
-    print("OPS", len(aten.ops), triton)
     assert len(aten.ops) + triton <= MAX_DYNAMIC_STEP_OPS, f"{len(aten.ops)} aten ops + {triton} Triton launches"

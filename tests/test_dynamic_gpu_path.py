@@ -16,6 +16,7 @@ from test_kernels import KERNEL_DEVICES
 
 import lightning_sparse as ls
 from lightning_sparse.kernels import backend
+from lightning_sparse.tables.slot_map import SlotMap
 from lightning_sparse.wire.hashing import mix
 
 # name: table options, ids drawn per step (old ones from a pool, then new ones)
@@ -123,3 +124,34 @@ def test_a_dynamic_step_takes_a_bounded_number_of_ops(device, monkeypatch):
         opt.zero_grad()
     triton = backend.launches.count - launches
     assert len(aten.ops) + triton <= MAX_DYNAMIC_STEP_OPS, f"{len(aten.ops)} aten ops + {triton} Triton launches"
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_the_slot_map_kernels_find_reserve_and_write_as_its_torch_ops(device, monkeypatch):
+    keys = mix(torch.randperm(10**6, generator=torch.Generator().manual_seed(0))[:700]).to(device)
+    crowded = ((torch.arange(1, 21) << 40) + (1 << 32)).to(device)  # 20 keys for the same two groups of 8
+    found = {}
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv(backend.ENV, kernels)
+        slots = SlotMap(1000, device)
+        slots.write(slots.reserve(keys[:500]), keys[:500], torch.arange(1, 501, device=device))
+        slots.remove(torch.arange(1, 501, 3, device=device))  # emptied entries are taken again
+        valid = torch.arange(200, device=device) % 4 != 3
+        entries = slots.reserve(keys[500:], valid)
+        assert bool((entries[valid] >= 0).all()) and not bool((entries[~valid] >= 0).any())
+        assert len(torch.unique(entries[valid])) == int(valid.sum())  # no entry twice
+        groups = slots._groups(keys[500:])
+        assert bool(((entries[valid] // 8).unsqueeze(1) == groups[valid]).any(dim=1).all())  # in one of its groups
+        given = torch.where(torch.arange(200, device=device) < 150, torch.arange(501, 701, device=device), 0)
+        slots.write(entries, keys[500:], given)  # the last 50 get no slot: their entries are empty again
+        assert int((slots.buckets < 0).sum()) == 0
+        room = int((slots.buckets[slots._groups(crowded[:1])[0]] == 0).sum())  # empty entries of their two groups
+        crowded_entries = slots.reserve(crowded)  # keys racing for the same entries: each empty one to one key
+        placed = crowded_entries >= 0
+        assert 8 < room < 20 and int(placed.sum()) == room and len(torch.unique(crowded_entries[placed])) == room
+        slots.write(crowded_entries, crowded, torch.where(placed, torch.arange(701, 721, device=device), 0))
+        found[kernels] = slots.find(torch.cat([keys, crowded, mix(torch.arange(-50, 0)).to(device)]))
+    assert torch.equal(found["triton"], found["torch"])
+    expected = torch.where(torch.arange(500) % 3 == 0, 0, torch.arange(1, 501))
+    assert torch.equal(found["torch"][:500].cpu(), expected)
+    assert bool((found["torch"][-50:] == 0).all())

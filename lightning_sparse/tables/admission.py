@@ -34,10 +34,9 @@ import warnings
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels import gpu_path
 from lightning_sparse.kernels.host import LateRead
 from lightning_sparse.tables.sketch import CountSketch
-from lightning_sparse.tables.slot_map import NULL_SLOT, SlotMap, both
+from lightning_sparse.tables.slot_map import NULL_SLOT, SlotMap, both, select
 from lightning_sparse.wire.grouping import SortedKeys
 
 EVICTION = ("lru", "lfu")
@@ -66,18 +65,6 @@ class SlotStats:
 
     def reset(self) -> None:
         self._table.counters.zero_()
-
-
-def select(mask: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The positions of ``mask``'s true entries, and which of them are real (``None``: all).
-
-    On a CPU: exactly those (``nonzero``). On a GPU's path, without a host read: ``len(mask)``
-    positions, those first, then position 0 as padding, and the mask of the real ones.
-    """
-    if not gpu_path(mask):
-        return torch.nonzero(mask).view(-1), None
-    index = torch.nonzero_static(mask, size=len(mask), fill_value=0).view(-1)
-    return index, torch.arange(len(mask), device=mask.device) < mask.sum()
 
 
 class SlotTable:
@@ -138,12 +125,14 @@ class SlotTable:
         wanting = both(slots == NULL_SLOT, asked)
         index, real = select(wanting)  # the entries without a row
         if len(index):
-            counts = torch.full_like(index, requests) if isinstance(requests, int) else requests.index_select(0, index)
-            new_keys, counts = keys.index_select(0, index), counts if real is None else counts * real
+            new_keys = keys.index_select(0, index)
             if distinct:
-                given = self._admit(new_keys, counts, real)
+                counts = requests if isinstance(requests, int) else requests.index_select(0, index)
+                given = self._admit(new_keys, counts, real)  # the null slot for padding
                 new_slots, new_index = given, index
             else:  # the first entry of each key admits it, with the requests of all
+                counts = torch.full_like(index, requests) if isinstance(requests, int) else requests.index_select(0, index)
+                counts = counts if real is None else counts * real
                 runs = SortedKeys(new_keys if real is None else torch.where(real, new_keys, _LAST))
                 run = runs.run_index()
                 counts = torch.zeros_like(counts).index_add_(0, run, counts.index_select(0, runs.perm)).index_select(0, run)
@@ -152,7 +141,8 @@ class SlotTable:
                 new_index = index.index_select(0, runs.perm)
                 by_run = torch.zeros_like(new_slots).index_add_(0, run, new_slots).index_select(0, run)
                 given = torch.empty_like(by_run).index_copy_(0, runs.perm, by_run)  # every entry of a new key
-            slots = torch.where(wanting, given.index_select(0, (wanting.cumsum(0) - 1).clamp(min=0)), slots)
+                given = given if real is None else given * real
+            slots.index_add_(0, index, given)  # to the null slot (0) of each entry without a row; padding adds 0
             if real is None:  # a CPU's exact sizes: only the keys that got a slot
                 kept = torch.nonzero(new_slots != NULL_SLOT).view(-1)
                 new_slots, new_index = new_slots.index_select(0, kept), new_index.index_select(0, kept)
@@ -162,17 +152,24 @@ class SlotTable:
         self.requests[NULL_SLOT] = 0
         return slots, new_slots, new_index
 
-    def _admit(self, keys: Tensor, counts: Tensor, candidates: Tensor | None) -> Tensor:
-        """Slots for new distinct keys where ``candidates`` (default: all): admitted, placed in the map and given one, else null."""
+    def _admit(self, keys: Tensor, counts: Tensor | int, candidates: Tensor | None) -> Tensor:
+        """Slots for new distinct keys where ``candidates`` (default: all): admitted, placed in the map and given one, else null.
+
+        ``counts``: each key's requests (or one count for all).
+        """
         chosen = candidates
         if self.sketch is not None:
+            counts = torch.full_like(keys, counts) if isinstance(counts, int) else counts
             estimate = self.sketch.add(keys, counts if candidates is None else counts * candidates)
             chosen = both(estimate >= self.admit_after, candidates)
         entries = self.map.reserve(keys, chosen)
         got, slots = self._take(entries >= 0, len(keys))
         self.map.write(entries, keys, slots)  # (an entry whose key got no slot is given back)
         self.last_used.index_fill_(0, slots, self.clock)
-        self.requests.index_copy_(0, slots, counts)
+        if isinstance(counts, int):
+            self.requests.index_fill_(0, slots, counts)
+        else:
+            self.requests.index_copy_(0, slots, counts)
         asked = len(keys) if chosen is None else chosen.sum()
         self.counters[REJECTIONS].add_(asked - got.sum())  # no slot to be had (or a full group of the map)
         return slots

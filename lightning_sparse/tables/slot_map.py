@@ -17,6 +17,10 @@ whose two groups are both full anyway is not placed; its owner treats it as havi
 (:class:`~lightning_sparse.tables.admission.SlotTable`: a rejection; it is asked again on the next
 lookup).
 
+On a GPU (or with ``LIGHTNING_SPARSE_KERNELS=triton``) each of :meth:`find`, :meth:`reserve`
+and :meth:`write` is one Triton kernel (:mod:`lightning_sparse.kernels.triton_slots`); the torch
+versions here are the CPU's and the reference.
+
 Row ``G`` of ``buckets`` is a scratch group and the null slot a scratch slot: writes for the padding entries of a batch land there, so that batches sized by
 their bound (a GPU's) need no compaction.
 
@@ -34,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels import gpu_path
+from lightning_sparse.kernels import gpu_path, uses_triton
 
 NULL_SLOT = 0  # never a key's: an entry holding it is empty, and padding may write it
 RESERVED = -1  # an entry that reserve() handed out and write() has not filled yet
@@ -46,6 +50,18 @@ CHUNK = 8192  # keys a whole-table load places at once
 def both(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     """``a & b`` of two optional masks (``None``: all true)."""
     return b if a is None else a if b is None else a & b
+
+
+def select(mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The positions of ``mask``'s true entries, and which of them are real (``None``: all).
+
+    On a CPU: exactly those (``nonzero``). On a GPU's path, without a host read: ``len(mask)``
+    positions, those first, then position 0 as padding, and the mask of the real ones.
+    """
+    if not gpu_path(mask):
+        return torch.nonzero(mask).view(-1), None
+    index = torch.nonzero_static(mask, size=len(mask), fill_value=0).view(-1)
+    return index, torch.arange(len(mask), device=mask.device) < mask.sum()
 
 
 class SlotMap:
@@ -74,6 +90,10 @@ class SlotMap:
 
     def find(self, keys: Tensor) -> Tensor:
         """The slot of each key (keys may repeat), the null slot where the map does not hold it."""
+        if uses_triton(self.buckets):
+            from lightning_sparse.kernels import triton_slots
+
+            return triton_slots.find(keys, self.buckets, self.keys, self.mask)
         held = self.buckets.index_select(0, self._groups(keys).view(-1)).view(len(keys), 2 * WIDTH)
         hit = self.keys.index_select(0, held.view(-1)).view_as(held) == keys.unsqueeze(1)
         return (hit * held).sum(dim=1, dtype=torch.int64)  # one hit at most (an empty entry holds the null slot: adds 0)
@@ -90,6 +110,10 @@ class SlotMap:
         then the other; keys that share a group take its free entries in the order of the batch.
         :meth:`write` fills the entries (or gives them back).
         """
+        if uses_triton(self.buckets):  # one kernel: keys that share a group take its entries in no fixed order
+            from lightning_sparse.kernels import triton_slots
+
+            return triton_slots.reserve(keys, valid, self.buckets, self.mask)
         n = len(keys)
         groups = self._groups(keys)
         held = (self.buckets.index_select(0, groups.view(-1)).view(n, 2, WIDTH) != NULL_SLOT).sum(dim=2)
@@ -122,6 +146,10 @@ class SlotMap:
 
         An entry whose slot is the null slot (a key that got no slot) is given back; ``-1`` entries are skipped.
         """
+        if uses_triton(self.buckets):
+            from lightning_sparse.kernels import triton_slots
+
+            return triton_slots.write(entries, keys, slots, self.buckets, self.keys, self.entry_of)
         placed = (entries >= 0) & (slots != NULL_SLOT)
         at = torch.where(entries >= 0, entries, self.scratch)
         self.buckets.view(-1).index_copy_(0, at, slots.to(torch.int32))  # the null slot: the entry is empty again

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from host_reads import HostReads
+from test_capturable import _captured
 from test_gpu_path import AtenOps
 from test_kernels import KERNEL_DEVICES
 
@@ -27,10 +28,10 @@ CASES = {
     "admit on the 2nd request": (dict(capacity=400, admit_after=2, sketch_width=64), 48),
 }
 # The most aten ops (plus Triton launches) of a one-process Adagrad step of a dynamic table with
-# room, on the GPU's path: 105 aten ops and 6 launches here. A SparseEmbedding step takes 12; the
+# room, on the GPU's path: 106 aten ops and 6 launches here. A SparseEmbedding step takes 12; the
 # slot map's find, reserve and write are a kernel each; the rest is the sort of the ids, the slot
 # decisions (about 30 small ops) and the new rows' init (about 35: hash, then Box-Muller).
-MAX_DYNAMIC_STEP_OPS = 111
+MAX_DYNAMIC_STEP_OPS = 112
 
 
 def _batches(steps: int, size: int) -> list[torch.Tensor]:
@@ -95,7 +96,7 @@ def test_a_one_process_step_of_a_dynamic_table_reads_the_host_never(device, case
     for ids in batches[:3]:  # the table fills (and, if small, starts evicting)
         _step(emb, opt, ids)
     # Known host tensors: the step counter (not capturable), and the free slots' copy, read without waiting.
-    with HostReads(ignore=[opt.state[emb.shard]["step"], emb.slots._free_copy._host]) as reads:
+    with HostReads(ignore=[opt.state[emb.shard]["step"], emb.slots.free._copy._host]) as reads:
         _step(emb, opt, batches[3])
     assert reads.calls == []
     if device == "cuda":
@@ -156,3 +157,33 @@ def test_the_slot_map_kernels_find_reserve_and_write_as_its_torch_ops(device, mo
     expected = torch.where(torch.arange(500) % 3 == 0, 0, torch.arange(1, 501))
     assert torch.equal(found["torch"][:500].cpu(), expected)
     assert bool((found["torch"][-50:] == 0).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not backend.triton_available(), reason="needs CUDA and triton")
+@pytest.mark.parametrize("case", ["room", "full, evicting (lru)", "full, evicting (lfu), ttl"])
+def test_a_dynamic_step_captured_in_a_cuda_graph_replays_as_eager_steps_train(case):
+    """Lookup, backward and a capturable step of a dynamic table, captured once, replayed on new ids: bitwise eager.
+
+    The eager table with room skips the eviction's ops (the host's floor on its free slots says
+    it may); the captured one runs them on every replay, and they change nothing there.
+    """
+    options, size = CASES[case]
+    batches = [ids.cuda() for ids in _batches(6, size)]
+
+    def model():
+        emb = ls.DynamicEmbedding(**options, embedding_dim=4, seed=1, device="cuda")
+        return emb, ls.SparseAdagrad([emb], lr=0.1, capturable=True)
+
+    eager = model()
+    for ids in batches:
+        _step(*eager, ids)
+    captured, static_ids = model(), batches[0].clone()
+    graph = _captured(lambda: _step(*captured, static_ids))
+    for ids in batches[1:]:
+        static_ids.copy_(ids)
+        graph.replay()
+    torch.cuda.synchronize()
+    for name, value in eager[0].slot_state().items():
+        assert torch.equal(captured[0].slot_state()[name], value), name
+    assert captured[0].slots.clock == eager[0].slots.clock == len(batches)
+    torch.testing.assert_close(captured[0].shard, eager[0].shard, rtol=0, atol=0)

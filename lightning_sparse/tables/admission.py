@@ -18,13 +18,13 @@ Admission: with ``admit_after=k > 1``, training requests for ids without a row a
 its count to ``k``. A request is one rank's lookup asking for the id (however often the id occurs
 in that rank's batch).
 
-Nothing here reads the device from the host on a GPU's path: the free slots, the clock's stamps
-and the stats are device tensors, a batch is handled at the size of its bound (padding entries
-write the null slot, whose counters are reset), and eviction, which needs a ``topk`` over the
-slots, runs only when the batch may find too few free slots. The host knows a floor on the free
-slots from a copy it reads without waiting (:class:`~lightning_sparse.kernels.host.LateRead`),
-less the most that batches took since. On a CPU, where a host read costs nothing, batches are
-compacted to their exact sizes instead (``nonzero``).
+Nothing here reads the device from the host on a GPU's path: the clock, the free slots and the
+stats are device tensors, a batch is handled at the size of its bound (padding entries write the
+null slot, whose counters are reset), and eviction, which needs a ``topk`` over the slots, runs
+only when the batch may find too few free slots (:class:`~lightning_sparse.tables.free_slots.FreeSlots`
+keeps the host's floor on them). So a one-process step can also be captured in a CUDA graph. On
+a CPU, where a host read costs nothing, batches are compacted to their exact sizes instead
+(``nonzero``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels.host import LateRead
+from lightning_sparse.tables.free_slots import FreeSlots
 from lightning_sparse.tables.sketch import CountSketch
 from lightning_sparse.tables.slot_map import NULL_SLOT, SlotMap, both, select
 from lightning_sparse.wire.grouping import SortedKeys
@@ -60,6 +60,15 @@ class SlotStats:
         self._table = table
 
     @property
+    def clock(self) -> int:
+        """Sparse optimizer steps taken (a host read; the step path uses :attr:`now`, the device's copy)."""
+        return int(self.now)
+
+    @clock.setter
+    def clock(self, value: int) -> None:
+        self.now.fill_(value)
+
+    @property
     def occupancy(self) -> int:
         return self._table.occupancy
 
@@ -81,28 +90,33 @@ class SlotTable:
         self.last_used = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.requests = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.sketch = CountSketch(sketch_width, device=device) if admit_after > 1 else None
-        self.clock = 0
+        self.now = torch.zeros((), dtype=torch.int64, device=device)  # the clock, on the device (see :attr:`clock`)
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)
         self.stats = SlotStats(self)
-        # Free slots as a stack: the next ones to take are at the top (``num_free - 1``); the last entry is scratch.
-        self._free = torch.cat([torch.arange(capacity, 0, -1), torch.zeros(1, dtype=torch.int64)]).to(device)
-        self.num_free = torch.tensor(capacity, device=device)
-        # A floor on ``num_free`` known to the host: the last copy read, less the most that batches took since.
-        self._free_copy, self._floor, self._spent, self._spent_at_copy = LateRead(), capacity, 0, 0
+        self.free = FreeSlots(capacity, device)
+
+    @property
+    def clock(self) -> int:
+        """Sparse optimizer steps taken (a host read; the step path uses :attr:`now`, the device's copy)."""
+        return int(self.now)
+
+    @clock.setter
+    def clock(self, value: int) -> None:
+        self.now.fill_(value)
 
     @property
     def occupancy(self) -> int:
         """How many ids this owner holds (a host read)."""
-        return self.capacity - int(self.num_free)
+        return self.capacity - int(self.free.count)
 
     def to(self, device: torch.device) -> None:
         """Move every tensor of the table to ``device``."""
         self.map.to(device)
-        self.last_used, self.requests, self._free, self.num_free, self.counters = (
-            t.to(device) for t in (self.last_used, self.requests, self._free, self.num_free, self.counters))  # fmt: skip
+        self.last_used, self.requests, self.counters, self.now = (
+            t.to(device) for t in (self.last_used, self.requests, self.counters, self.now))  # fmt: skip
+        self.free.to(device)
         if self.sketch is not None:
             self.sketch.to(device)
-        self._free_copy = LateRead()
 
     def resolve(self, keys: Tensor, requests: Tensor | int, *, distinct: bool = False,
                 valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
@@ -120,7 +134,7 @@ class SlotTable:
             return slots, slots[:0], slots[:0]
         asked = valid if isinstance(requests, int) else both(requests > 0, valid)
         stamp = slots if asked is None else torch.where(asked, slots, NULL_SLOT)
-        self.last_used.index_fill_(0, stamp, self.clock)
+        self.last_used.index_copy_(0, stamp, self.now.expand(len(stamp)))  # (index_fill_ would read a tensor value)
         self.requests.index_add_(0, stamp, torch.full_like(stamp, requests) if isinstance(requests, int) else requests)
         wanting = both(slots == NULL_SLOT, asked)
         index, real = select(wanting)  # the entries without a row
@@ -165,7 +179,7 @@ class SlotTable:
         entries = self.map.reserve(keys, chosen)
         got, slots = self._take(entries >= 0, len(keys))
         self.map.write(entries, keys, slots)  # (an entry whose key got no slot is given back)
-        self.last_used.index_fill_(0, slots, self.clock)
+        self.last_used.index_copy_(0, slots, self.now.expand(len(slots)))
         if isinstance(counts, int):
             self.requests.index_fill_(0, slots, counts)
         else:
@@ -181,39 +195,27 @@ class SlotTable:
         """
         rank = wanted.cumsum(0) - 1
         evicted = victims = None
-        if self._may_run_short(bound):
-            victims, evicted = self._evict(rank[-1] + 1 - self.num_free, bound)
+        if self.free.may_run_short(bound):
+            victims, evicted = self._evict(rank[-1] + 1 - self.free.count, bound)
         below = rank if evicted is None else rank - evicted  # the victims go first (ascending), then the stack from the top
-        slots = self._free.index_select(0, (self.num_free - 1 - below).clamp(0, self.capacity))
+        slots = self.free.top(below)
         if victims is not None:
             slots = torch.where(below < 0, victims.index_select(0, rank.clamp(0, len(victims) - 1)), slots)
-        got = wanted & (below < self.num_free)
+        got = wanted & (below < self.free.count)
         slots = torch.where(got, slots, NULL_SLOT)
         taken = got.sum()
-        self.num_free -= taken if evicted is None else taken - evicted
+        self.free.taken(taken if evicted is None else taken - evicted)
         self.counters[ADMISSIONS].add_(taken)
         if evicted is not None:
             self.counters[EVICTIONS].add_(evicted)
-        if self._free_copy.start(self.num_free):
-            self._spent_at_copy = self._spent
         return got, slots
-
-    def _may_run_short(self, bound: int) -> bool:
-        """Whether a batch of up to ``bound`` new keys may find fewer free slots (the host's floor on them; no wait)."""
-        seen = self._free_copy.read()
-        if seen is not None:
-            self._floor = seen - (self._spent - self._spent_at_copy)
-        short = self._floor < bound
-        self._floor -= bound
-        self._spent += bound
-        return short
 
     def _evict(self, short: Tensor, bound: int) -> tuple[Tensor, Tensor]:
         """Free the ``short`` (or fewer) unpinned slots to evict first under the eviction policy, at most ``bound``.
 
         Returns them in ascending order (padded with ``_LAST``) and how many there are.
         """
-        unpinned = self.map.used() & (self.last_used < self.clock)
+        unpinned = self.map.used() & (self.last_used < self.now)
         score = self.last_used if self.eviction == "lru" else self.requests
         slot_numbers = torch.arange(len(score), device=score.device)
         order = torch.where(unpinned, score * len(score) + slot_numbers, _LAST)  # ties: the lowest slot
@@ -224,19 +226,15 @@ class SlotTable:
 
     def _release(self, slots: Tensor, real: Tensor | None) -> None:
         """Free ascending ``slots`` in use (where ``real``): their keys leave the map; the slots go on the free stack."""
-        count = len(slots) if real is None else real.sum()
-        places = self.num_free + count - 1 - torch.arange(len(slots), device=slots.device)  # highest slot lowest
-        if real is not None:
-            places, slots = torch.where(real, places, self.capacity), torch.where(real, slots, NULL_SLOT)
+        slots = slots if real is None else torch.where(real, slots, NULL_SLOT)
         self.map.remove(slots)
-        self._free.index_copy_(0, places, slots)
-        self.num_free += count
+        self.free.push(slots, real)
 
     def tick(self) -> None:
         """An optimizer step happened: unpin every slot, then free the slots unused for more than ``ttl`` steps."""
-        self.clock += 1
+        self.now += 1
         if self.ttl is not None:
-            stale, real = select(self.map.used() & (self.last_used < self.clock - self.ttl))
+            stale, real = select(self.map.used() & (self.last_used < self.now - self.ttl))
             if len(stale):
                 self._release(stale, real)
                 self.counters[EXPIRATIONS].add_(len(stale) if real is None else real.sum())
@@ -258,7 +256,7 @@ class SlotTable:
         self.requests.copy_(requests)
         self.clock = clock
         free = torch.nonzero(~self.map.used()[1 : self.capacity + 1]).view(-1) + 1
-        self._set_free(free.flip(0))
+        self.free.reset(free.flip(0))
 
     def restore(self, keys: Tensor, last_used: Tensor, requests: Tensor, clock: int) -> Tensor:
         """Empty the table, then hold ``keys`` (distinct), the most deserving first while there is room; returns their slots.
@@ -272,12 +270,12 @@ class SlotTable:
         self.clock = clock
         score = last_used if self.eviction == "lru" else requests
         order = torch.argsort(score, descending=True, stable=True)[: self.capacity]
-        num_free = int(self.num_free)
-        taken = self._free[num_free - len(order) : num_free].flip(0)
+        num_free = int(self.free.count)
+        taken = self.free.stack[num_free - len(order) : num_free].flip(0)
         placed = self._placed(taken, self.map.place(keys.index_select(0, order), taken))
         self.last_used.index_copy_(0, taken, last_used.index_select(0, order))
         self.requests.index_copy_(0, taken, requests.index_select(0, order))
-        self._set_free(torch.cat([self._free[: num_free - len(order)], taken[~placed].flip(0)]))
+        self.free.reset(torch.cat([self.free.stack[: num_free - len(order)], taken[~placed].flip(0)]))
         return torch.full_like(keys, -1).index_copy_(0, order, torch.where(placed, taken, -1))
 
     def _placed(self, slots: Tensor, placed: Tensor) -> Tensor:
@@ -286,9 +284,3 @@ class SlotTable:
             warnings.warn(f"{int((~placed).sum())} ids of a checkpoint found no room in the slot map and were dropped.",
                           stacklevel=3)  # fmt: skip
         return placed
-
-    def _set_free(self, stack: Tensor) -> None:
-        """The free slots are ``stack`` (the next to take last); the host's floor on them is exact again."""
-        self._free[: len(stack)] = stack
-        self.num_free.fill_(len(stack))
-        self._floor, self._free_copy = len(stack), LateRead()

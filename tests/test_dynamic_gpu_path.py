@@ -187,3 +187,31 @@ def test_a_dynamic_step_captured_in_a_cuda_graph_replays_as_eager_steps_train(ca
         assert torch.equal(captured[0].slot_state()[name], value), name
     assert captured[0].slots.clock == eager[0].slots.clock == len(batches)
     torch.testing.assert_close(captured[0].shard, eager[0].shard, rtol=0, atol=0)
+
+
+def _reads_per_stage() -> tuple[list[str], list[str], list[str]]:
+    import os
+
+    os.environ[backend.ENV] = "triton"
+    try:
+        rank = torch.distributed.get_rank()
+        emb = ls.DynamicEmbedding(400, 4, seed=1)
+        opt = ls.SparseAdagrad([emb], lr=0.1)
+        batches = _batches(3, 48)
+        for ids in batches[:2]:
+            _step(emb, opt, ids[rank::2])
+        with HostReads(ignore=[emb.slots.free._copy._host]) as forward_reads:
+            out = emb(batches[2][rank::2])
+        with HostReads(follows=forward_reads) as backward_reads:
+            out.pow(2).sum().backward()
+        with HostReads(ignore=[opt.state[emb.shard]["step"], emb.slots.free._copy._host], follows=backward_reads) as step_reads:
+            opt.step()
+    finally:
+        del os.environ[backend.ENV]
+    return forward_reads.calls, backward_reads.calls, step_reads.calls
+
+
+def test_on_two_ranks_a_dynamic_step_reads_the_host_only_for_split_sizes(rank_pools):
+    """As a SparseEmbedding's: the lookup's headers (the ids' sizes), and the step's control codes (tests/test_exchange.py)."""
+    for forward_reads, backward_reads, step_reads in rank_pools(2).run(_reads_per_stage):
+        assert (forward_reads, backward_reads, step_reads) == (["cpu"], [], ["cpu"])

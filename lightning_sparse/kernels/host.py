@@ -14,9 +14,14 @@ def host_tensor(values: Sequence[int | float], dtype: torch.dtype, device: torch
     (The pinned buffer comes from torch's caching host allocator: it is reused, not allocated anew, once
     its copy is done.)
     """
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device(values: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory, without blocking (a pageable copy would sync)."""
     if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return values
+    return values.pin_memory().to(device, non_blocking=True)
 
 
 class LateRead:

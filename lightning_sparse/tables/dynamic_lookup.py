@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.kernels import gpu_path
+from lightning_sparse.kernels.host import to_device
 from lightning_sparse.lookup.engine import serve
 from lightning_sparse.lookup.features import Problem, read_ids
 from lightning_sparse.lookup.outputs import expand, gather
@@ -144,7 +145,7 @@ class DynamicLookupMixin:
     def _resolve_received(self, route: Route) -> Tensor:
         """The owner's slots for the keys of a round (see :meth:`_assign`); local, no collective."""
         # Each requester sent its distinct keys: a key that came from k training ranks is k requests.
-        recording = torch.repeat_interleave(route.headers.column("record"), route.recv_counts).to(self.device)
+        recording = to_device(torch.repeat_interleave(route.headers.column("record"), route.recv_counts), self.device)
         return self._assign(route.received, recording)
 
     def serve(self, route: Route) -> None:

@@ -43,7 +43,7 @@ def dynamic_bytes_per_rank(capacity: int, embedding_dim: int, ranks: int, *, adm
     * rows: ``R * embedding_dim * value_bytes``;
     * per slot, 4 int64: the key it holds, its last use, its request count, its entry in the index;
     * the index: ``G + 1`` groups of 8 int32 entries (``G = 2^ceil(log2(R / 2))``, at least 2);
-    * the free-slot stack: ``H + 1`` int64, with the free count and 4 stats counters (int64);
+    * the free-slot stack: ``H + 1`` int64, with the free count, the clock and 4 stats counters (int64);
     * with ``admit_after > 1``, the count sketch: 4 rows of ``S`` int32, ``S`` = ``sketch_width``
       (default ``4H``) rounded up to a power of two (at least 16), and its int64 request count.
 
@@ -55,7 +55,7 @@ def dynamic_bytes_per_rank(capacity: int, embedding_dim: int, ranks: int, *, adm
     slots = held + 1
     total = slots * embedding_dim * value_bytes + 4 * slots * INT64
     total += (_power_of_two_at_least(-(-slots // 2), smallest=2) + 1) * GROUP_WIDTH * INT32
-    total += (held + 1) * INT64 + 5 * INT64
+    total += (held + 1) * INT64 + 6 * INT64
     if admit_after > 1:
         total += SKETCH_DEPTH * _power_of_two_at_least(sketch_width or 4 * held) * INT32 + INT64
     return total
@@ -86,7 +86,7 @@ def table_bytes(table: ls.SparseEmbedding) -> int:
     """Bytes this rank's part of a materialized table holds: its rows, and a dynamic table's slot tensors."""
     total = table.shard.numel() * table.shard.element_size()
     if isinstance(table, ls.DynamicEmbedding):
-        holders = [table.slots, table.slots.map, table.slots.sketch]
+        holders = [table.slots, table.slots.map, table.slots.free, table.slots.sketch]
         tensors = [value for holder in holders if holder is not None for value in vars(holder).values()
                    if isinstance(value, torch.Tensor)]  # fmt: skip
         total += sum(t.numel() * t.element_size() for t in tensors)

@@ -13,7 +13,8 @@ the ratios as the noise. The workloads (public API only, so any revision runs th
 * ``one table, 2 ranks``: the same table on 2 gloo ranks (1 thread each), 4,096 and 65,536 ids
   per rank;
 * ``collection, 2 ranks`` and ``26 separate tables, 2 ranks``: the 26-table workload of
-  ``collection.py`` (batch 2,048 per rank), row-wise Adagrad.
+  ``collection.py`` (batch 2,048 per rank), row-wise Adagrad; ``collection, 1 process``: the
+  same collection in one process (2 threads).
 
 A step is forward + backward + optimizer step; on 2 ranks it ends when the slower rank ends it.
 Measure on an otherwise idle machine.
@@ -67,25 +68,26 @@ def _one_table_steps(batch: int, steps: int, seed: int) -> list[float]:
     return times[2:]
 
 
-def _collection_steps(steps: int, seed: int) -> dict[str, list[float]]:
+def _collection_steps(steps: int, seed: int, separate: bool = True) -> dict[str, list[float]]:
+    """Step times of the 26-table collection (and of 26 separate tables) on this process's ranks."""
     import collection as workload  # benchmarks/collection.py: the 26-table workload
     import torch
 
     rows = workload.cardinalities(ROWS)
     batches = workload.make_batches(rows, 2048, 4, seed=seed)
     proj = torch.randn(workload.DIM, generator=torch.Generator().manual_seed(0))
+    where = "2 ranks" if torch.distributed.is_initialized() else "1 process"
+    builds = [("collection", workload.build_collection)] + [("26 separate tables", workload.build_separate)] * separate
     out = {}
-    for name, build in (
-        ("collection, 2 ranks", workload.build_collection),
-        ("26 separate tables, 2 ranks", workload.build_separate),
-    ):
+    for name, build in builds:
         step, times = build(rows), []
         for i in range(steps + 2):
-            torch.distributed.barrier()
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
             start = time.perf_counter()
             step(*batches[i % len(batches)], proj)
             times.append(time.perf_counter() - start)
-        out[name] = times[2:]
+        out[f"{name}, {where}"] = times[2:]
     return out
 
 
@@ -113,6 +115,8 @@ def worker(steps: int) -> dict[str, float]:
 
     torch.set_num_threads(2)
     medians = {"one table, 1 process, 65536 ids": 1e3 * statistics.median(_one_table_steps(65536, steps, seed=0))}
+    for name, times in _collection_steps(steps, seed=0, separate=False).items():  # one process: the same round, no exchange
+        medians[name] = 1e3 * statistics.median(times)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

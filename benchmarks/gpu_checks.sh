@@ -8,7 +8,9 @@
 #     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh
 #
 # then `python benchmarks/report.py $OUT/bench.json` here renders the page from what came back.
-# Wheels in .whl/ (e.g. jsonargparse for LightningCLI, where the machine lacks it) are installed first.
+# Wheels in .whl/ (e.g. jsonargparse for LightningCLI, where the machine lacks it) are installed first;
+# fetch them here with `.venv/bin/python -m pip download -q -d .whl jsonargparse docstring_parser typeshed_client`
+# and carry .whl to the GPU machine.
 set -u
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"

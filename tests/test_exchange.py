@@ -168,6 +168,27 @@ def test_one_rank_on_a_cpu_reads_the_host_for_the_id_range_and_the_distinct_rows
     assert _one_rank_reads() == (1, 0, 1)  # the id range check; the number of distinct rows at the step
 
 
+def test_one_rank_rounds_send_nothing_and_read_the_host_once_for_the_verdict():
+    """With one rank the engine runs the same stages; the mechanisms send nothing (no collective) and stage 1
+    reads the host once, for the verdict and the ids per table. A round of one table (pooled), then of two."""
+    tables = {"user": ls.SparseEmbedding(10, 2, seed=1), "item": ls.SparseEmbedding(6, 3, seed=2)}
+    collection = ls.SparseEmbeddingCollection(tables, features={"user": "user", "clicked": "item"}, pooling={"clicked": "sum"})
+    opt = ls.SparseAdagrad([collection], lr=0.1)
+    user, clicked = torch.tensor([3, 1, 3, 9]), ls.JaggedIds(torch.tensor([0, 5, 5, 2]), lengths=torch.tensor([3, 1]))
+    for features in ({"clicked": clicked}, {"user": user, "clicked": clicked}):
+        rows = {name: table.shard.detach().clone() for name, table in tables.items()}
+        with HostReads() as reads:
+            out = collection(features)
+        assert reads.calls.count("cpu") == 1, reads.calls  # the header and the ids per table
+        assert tables["user"].stats.collectives == tables["item"].stats.collectives == 0
+        expected = torch.stack([rows["item"][[0, 5, 5]].sum(0), rows["item"][2]])
+        torch.testing.assert_close(out["clicked"], expected, rtol=0, atol=0)
+        if "user" in features:
+            torch.testing.assert_close(out["user"], rows["user"][user], rtol=0, atol=0)
+        sum(v.sum() for v in out.values()).backward()
+        opt.step()
+
+
 def _routed_bytes():
     rank = torch.distributed.get_rank()
     dim = 16

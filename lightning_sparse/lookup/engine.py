@@ -24,10 +24,13 @@ feature, named like the table, unpooled).
    ``[distinct rows, dim]`` to the table's pending gradients (:mod:`lightning_sparse.lookup.pending`);
    backward communicates nothing.
 
-With one rank there is nothing to exchange: the same round without the all-to-alls, with one
-host read for the verdict. With one rank and one table there is nothing to deduplicate either:
-one gather at the ids, whose gradient rows the optimizer step sums (on a GPU with no host read
-at all, see :func:`_one_rank_one_table`).
+With one rank the round is the same and the mechanisms have nothing to send: stage 3 keeps
+the ids where they are, with one host read for the verdict and the ids per table
+(:func:`~lightning_sparse.wire.exchange.ids_to_owners`), and stage 4 gathers each table's rows
+in place (:func:`~lightning_sparse.lookup.joint_rows.rows_from_owners`). With one rank, one
+table and one unpooled feature there is no round at all: one gather at the ids, whose gradient
+rows the optimizer step sums (:func:`~lightning_sparse.lookup.outputs.gather_feature`; on a GPU
+with no host read).
 """
 
 from __future__ import annotations
@@ -39,16 +42,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels import uses_triton
 from lightning_sparse.lookup.features import FeatureIds, Problem, read_ids
-from lightning_sparse.lookup.joint_rows import TableMajor, rows_from_owners, table_routes
-from lightning_sparse.lookup.outputs import distinct_rows, expand_rows, gather
+from lightning_sparse.lookup.joint_rows import TableMajor, both_ways, rows_from_owners, table_routes
+from lightning_sparse.lookup.outputs import distinct_rows, expand_rows, gather_feature
 from lightning_sparse.lookup.pooling import pool, select
 from lightning_sparse.lookup.units import LookupUnit, OneTable, ShardedTable
-from lightning_sparse.lookup.verdict import check_round, header_of, raise_if_out_of_range, write_verdicts
-from lightning_sparse.wire.exchange import Route, TableCounts, count_received_by_table, ids_to_owners
+from lightning_sparse.lookup.verdict import check_round, header_of, write_verdicts
+from lightning_sparse.wire.exchange import Route, ids_to_owners
 from lightning_sparse.wire.grouping import SortedKeys
 from lightning_sparse.wire.header import OK, Headers, LookupHeader
+from lightning_sparse.wire.table_counts import served_by_table
 
 if TYPE_CHECKING:
     from lightning_sparse.wire.sharding import JointSharding
@@ -75,37 +78,23 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
     """
     tables, joint = unit.table_list, unit.joint_sharding
     first = tables[0]
-    device, world_size, group, rank = first.device, first.world_size, first.process_group, first.rank
-    if world_size == 1 and len(tables) == len(read) == 1 and unit.feature_pooling[read[0].index] == "none":
-        return {read[0].name: _one_rank_one_table(unit, read[0])}
-    fields = header_of(unit.unit_index, problem, read, bad_offsets).fields(device)
+    if first.world_size == 1 and len(tables) == len(read) == 1 and unit.feature_pooling[read[0].index] == "none":
+        return {read[0].name: gather_feature(unit, read[0])}  # no round: nothing to exchange or deduplicate
+    fields = header_of(unit.unit_index, problem, read, bad_offsets).fields(first.device)
     if problem.error == OK and read:
         write_verdicts(fields, read, bad_offsets, tables)
     keys = [joint.key(f.table, f.ids.clamp(0, tables[f.table].num_embeddings - 1)) for f in read]
-    runs = SortedKeys(_concat(keys, device), joint.key_bound)
+    runs = SortedKeys(_concat(keys, first.device), joint.key_bound)
 
     def check(headers: Headers) -> None:
         check_round(unit, headers, problem)
 
-    if world_size > 1:
-        route = ids_to_owners(runs, joint, fields, group, rank, unit.stats, check)
-        mine = TableMajor(route.by_table.sent, route.by_table.device_sent)
-        theirs = TableMajor(route.by_table.received, route.by_table.device_received)
-    else:  # nothing to exchange: one host read for the verdict and the ids per table
-        below = runs.counts_below(joint.table_boundaries(device))
-        per_table = (below[1:] - below[:-1]).view(1, -1)
-        on_host = torch.cat([fields, per_table.view(-1)]).cpu()
-        route, mine = None, TableMajor(on_host[LookupHeader.WIDTH - 1 :].view(1, -1), per_table)
-        check(Headers.of(LookupHeader(0, *on_host[: LookupHeader.WIDTH - 1].tolist())))
+    route = ids_to_owners(runs, joint, fields, first.process_group, first.rank, unit.stats, check)
+    mine, theirs = both_ways(route.by_table)
     runs.finish(mine.total)
-    round_ = _Round(joint, runs, mine, route, table_routes(route, joint, theirs) if route is not None else None,
-                    distinct=mine.split(runs.unique))  # fmt: skip
-    if route is not None:
-        rows = rows_from_owners(tables, route, mine, theirs, round_.routes, unit.wire_dtype, unit.stats)
-    else:
-        with torch.no_grad():  # one owner: a joint local id less the table's offset is the row
-            rows = [table.shard.index_select(0, keys - joint.offsets[t])
-                    for t, (table, keys) in enumerate(zip(tables, round_.distinct))]  # fmt: skip
+    routes = table_routes(route, joint, theirs)
+    round_ = _Round(joint, runs, mine, route, routes, distinct=mine.split(runs.unique))
+    rows = rows_from_owners(tables, route, mine, theirs, routes, unit.wire_dtype, unit.stats)
     _keep_for_backward(tables, round_, rows, read)
     return _outputs(unit, read, rows, round_)
 
@@ -117,31 +106,9 @@ class _Round:
     joint: JointSharding
     runs: SortedKeys  # the one sort of the round's joint keys
     mine: TableMajor  # this rank's distinct keys in (owner, table) blocks
-    route: Route | None  # ``None`` with one rank
-    routes: list[Route] | None  # each table's share of ``route``
+    route: Route
+    routes: list[Route]  # each table's share of ``route``
     distinct: list[Tensor]  # each table's distinct joint keys, by owner
-
-
-def _one_rank_one_table(unit: LookupUnit, feature: FeatureIds) -> Tensor:
-    """One rank, one table: nothing to exchange or deduplicate, one gather (:func:`~lightning_sparse.lookup.outputs.gather`).
-
-    On a CPU the ids are checked first (one host read). On a GPU the gather checks them on the
-    device and the error is raised later without a host read (:mod:`lightning_sparse.lookup.range_check`),
-    here for an earlier lookup's ids, or at once for a lookup without grad mode (no step to wait for).
-    """
-    table = unit.table_list[0]
-    table.stats.ids_looked_up += len(feature.ids)
-    if not uses_triton(table.shard):
-        low, high = torch.stack(torch.aminmax(feature.ids)).tolist() if len(feature.ids) else (0, 0)
-        raise_if_out_of_range(unit, low, high, feature.dtype)
-        return gather(table, feature.ids).view(*feature.shape, table.embedding_dim)
-    check = table.range_check
-    raise_if_out_of_range(unit, *(check.failed(table.num_embeddings) or (0, 0))[:2], check.dtype_code)
-    rows = gather(table, feature.ids)
-    check.dtype_code = feature.dtype
-    if not torch.is_grad_enabled():
-        raise_if_out_of_range(unit, *(check.failed(table.num_embeddings, wait=True) or (0, 0))[:2], feature.dtype)
-    return rows.view(*feature.shape, table.embedding_dim)
 
 
 def _concat(keys: list[Tensor], device: torch.device) -> Tensor:
@@ -155,36 +122,38 @@ def _keep_for_backward(tables: list[ShardedTable], round_: _Round, rows: list[Te
 
     Also counts each table's distinct ids and keeps the round's route as the table's last.
     """
-    joint, route, routes, runs, mine = round_.joint, round_.route, round_.routes, round_.runs, round_.mine
+    joint, runs, mine = round_.joint, round_.runs, round_.mine
     used = {f.table for f in read}
-    recording = torch.is_grad_enabled()
+    recording, keeps_route = torch.is_grad_enabled(), round_.route.records
 
     def occurrences(t: int) -> Callable[[], Tensor]:  # counted only if asked (duplicate_grads="mean")
         return lambda: mine.split(runs.counts())[t]
 
-    for t, (table, table_keys) in enumerate(zip(tables, round_.distinct)):
+    for t, (table, table_keys, route) in enumerate(zip(tables, round_.distinct, round_.routes)):
         table.stats.unique_ids += len(table_keys)
-        if route is not None and route.records:
-            table.pending.route = routes[t]
+        if keeps_route:
+            table.pending.route = route
         if not (recording and t in used):
             rows[t] = distinct_rows(table, rows[t], None)
             continue
-        keys = joint.table_keys(t, table_keys)
-        record = table.pending.new_record(routes[t] if route is not None else None, keys, occurrences=occurrences(t))
+        record = table.pending.new_record(route, joint.table_keys(t, table_keys), occurrences=occurrences(t))
         rows[t] = distinct_rows(table, rows[t], record)
 
 
 def _outputs(unit: LookupUnit, read: list[FeatureIds], rows: list[Tensor], round_: _Round) -> dict[str, Tensor]:
-    """Stage 5: each feature's rows (``index_select`` from its table's distinct rows) or pooled bags."""
+    """Stage 5: each feature's rows (``index_select`` from its table's distinct rows) or pooled bags.
+
+    A round's only feature holds all the ids of the sort: its rows' backward is the sort's
+    segment sum (:func:`~lightning_sparse.lookup.outputs.expand_rows`).
+    """
     tables, mine, runs = unit.table_list, round_.mine, round_.runs
     within = mine.within_table(runs.inverse().to(torch.int64))
-    positions = within.split([len(f.ids) for f in read]) if len(read) != 1 else [within]
     out = {}
-    for feature, position in zip(read, positions):
+    for feature, position in zip(read, within.split([len(f.ids) for f in read])):
         table_rows = rows[feature.table]
         tables[feature.table].stats.ids_looked_up += len(feature.ids)
         mode = unit.feature_pooling[feature.index]
-        if mode == "none" and len(tables) == len(read) == 1 and table_rows.requires_grad:  # a table on its own
+        if mode == "none" and len(read) == 1 and table_rows.requires_grad:
             out[feature.name] = expand_rows(table_rows, position, runs).view(*feature.shape, table_rows.shape[1])
         elif mode == "none":
             out[feature.name] = select(table_rows, position).view(*feature.shape, table_rows.shape[1])
@@ -198,15 +167,8 @@ def serve(unit: LookupUnit, route: Route) -> None:
     """Answer the other ranks' lookup round of ``unit`` on a rank with no lookups of its own (stage 2 only)."""
     joint = unit.joint_sharding
     check_round(unit, route.headers)
-    if joint.num_tables == 1:
-        mine = theirs = None
-    else:
-        device_received = count_received_by_table(route.received, route.recv_splits, joint)
-        nothing = torch.zeros(joint.world_size, joint.num_tables, dtype=torch.int64)  # this rank sent no ids
-        # A host read (this rank is idle): the counts a rank with ids of its own learns with its headers.
-        by_table = TableCounts(nothing, device_received.cpu(), nothing.to(device_received.device), device_received)
-        route = replace(route, by_table=by_table)
-        mine, theirs = TableMajor(by_table.sent, by_table.device_sent), TableMajor(by_table.received, device_received)
+    route = replace(route, by_table=served_by_table(route.received, route.recv_counts, joint))
+    mine, theirs = both_ways(route.by_table)
     routes = table_routes(route, joint, theirs)
     rows_from_owners(unit.table_list, route, mine, theirs, routes, unit.wire_dtype, unit.stats)
     if route.records:

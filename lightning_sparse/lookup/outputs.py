@@ -19,10 +19,12 @@ from torch import Tensor
 
 from lightning_sparse.kernels import rows as kernel_rows
 from lightning_sparse.kernels import uses_triton
+from lightning_sparse.lookup.verdict import raise_if_out_of_range
 
 if TYPE_CHECKING:
+    from lightning_sparse.lookup.features import FeatureIds
     from lightning_sparse.lookup.pending import LookupRecord
-    from lightning_sparse.lookup.units import ShardedTable
+    from lightning_sparse.lookup.units import LookupUnit, ShardedTable
     from lightning_sparse.wire.grouping import SortedKeys
 
 
@@ -103,3 +105,25 @@ def gather(table: ShardedTable, ids: Tensor) -> Tensor:
     if not recording:
         return rows
     return _RecordedRows.apply(_token(ids.device), rows, table.pending.new_record(None, keys), dtype)
+
+
+def gather_feature(unit: LookupUnit, feature: FeatureIds) -> Tensor:
+    """One rank, one table, one unpooled feature: no round, the rows at the feature's ids (:func:`gather`).
+
+    On a CPU the ids are checked first (one host read). On a GPU the gather checks them on the
+    device and the error is raised later without a host read (:mod:`lightning_sparse.lookup.range_check`),
+    here for an earlier lookup's ids, or at once for a lookup without grad mode (no step to wait for).
+    """
+    table = unit.table_list[0]
+    table.stats.ids_looked_up += len(feature.ids)
+    if not uses_triton(table.shard):
+        low, high = torch.stack(torch.aminmax(feature.ids)).tolist() if len(feature.ids) else (0, 0)
+        raise_if_out_of_range(unit, low, high, feature.dtype)
+        return gather(table, feature.ids).view(*feature.shape, table.embedding_dim)
+    check = table.range_check
+    raise_if_out_of_range(unit, *(check.failed(table.num_embeddings) or (0, 0))[:2], check.dtype_code)
+    rows = gather(table, feature.ids)
+    check.dtype_code = feature.dtype
+    if not torch.is_grad_enabled():
+        raise_if_out_of_range(unit, *(check.failed(table.num_embeddings, wait=True) or (0, 0))[:2], feature.dtype)
+    return rows.view(*feature.shape, table.embedding_dim)

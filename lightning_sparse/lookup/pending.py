@@ -89,6 +89,7 @@ class TakenGrads(NamedTuple):
     route: Route | None  # the last recorded lookup's route
     routed: LookupRecord | None  # this rank's record of that lookup, if it received a gradient
     others: list[LookupRecord]  # every other record that received a gradient
+    received: list[LookupRecord]  # every record that received a gradient, in the order they did
 
 
 class PendingGrads:
@@ -128,12 +129,12 @@ class PendingGrads:
         Forgets the received gradients and the route. Every rank of the table's group must take
         at the same point (an optimizer step), so that all agree on which route is in use.
         """
-        route, routed, others = self.route, None, []
-        for record in self.received:
+        route, routed, others, received = self.route, None, [], self.received
+        for record in received:
             record._listed = False
             if routed is None and route is not None and record.route is route:
                 routed = record
             else:
                 others.append(record)
         self.received, self.route = [], None
-        return TakenGrads(route, routed, others)
+        return TakenGrads(route, routed, others, received)

@@ -42,9 +42,8 @@ class TableGrads:
 
 
 def local_grads(table: SparseEmbedding, mean: bool, check_finite: bool) -> TableGrads:
-    """One rank: the table's pending gradient rows, taken (no exchange)."""
-    route, routed, others = table.pending.take()
-    records = [routed, *others] if routed is not None else others
+    """One rank: the table's pending gradient rows, taken (no exchange), in the order they arrived."""
+    records = table.pending.take().received
     if not records:
         return TableGrads(_no_rows(table), table.shard.new_empty(0, table.embedding_dim))
     rows = _cat([record.keys for record in records])
@@ -113,7 +112,8 @@ def outgoing(table: SparseEmbedding, mean: bool, check_finite: bool = False) -> 
     The last lookup's gradient rows go as they are (routed); the others are coalesced by row
     first, with one sort, which also groups them by owner.
     """
-    route, routed, records = table.pending.take()
+    taken = table.pending.take()
+    route, routed, records = taken.route, taken.routed, taken.others
     routed_values = _values(routed, mean) if routed is not None else None
     others = None
     if records:

@@ -23,7 +23,8 @@ Grouping by owner takes one sort: :class:`~lightning_sparse.wire.grouping.Sorted
 yields the runs that a segment sum (``F.embedding_bag``) adds up.
 
 This module holds stages 1 and 2 (and the :class:`Route` between them); stage 3 is in
-``grads_exchange.py``, the header in ``header.py``, the all-to-all primitives and
+``grads_exchange.py``, the header in ``header.py``, the ids per (rank, table) of a round over
+several tables in ``table_counts.py``, the all-to-all primitives and
 :class:`~lightning_sparse.wire.alltoall.ExchangeStats` in ``alltoall.py``.
 """
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -42,27 +43,17 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from lightning_sparse.faults.peers import collective
-from lightning_sparse.kernels.host import host_tensor
+from lightning_sparse.kernels.host import to_device
 from lightning_sparse.wire.alltoall import ExchangeStats, exchange_values, split_starts
 from lightning_sparse.wire.grouping import SortedKeys, transpose_blocks
 from lightning_sparse.wire.header import Headers, LookupHeader
-from lightning_sparse.wire.packing import to_device
 from lightning_sparse.wire.sharding import JointSharding, RowSharding
+from lightning_sparse.wire.table_counts import TableCounts, count_received_by_table, count_received_in_room, count_sent_by_table
 
 if TYPE_CHECKING:
     from lightning_sparse.wire.hashing import HashSharding
 
 ProcessGroup = dist.ProcessGroup
-
-
-@dataclass(frozen=True)
-class TableCounts:
-    """Ids per (rank, table) of a round of several tables, ``[W, T]`` int64: sent and received, on the host and on the ids' device."""
-
-    sent: Tensor
-    received: Tensor
-    device_sent: Tensor
-    device_received: Tensor
 
 
 @dataclass(frozen=True)
@@ -129,8 +120,10 @@ def ids_to_owners(
     :class:`~lightning_sparse.wire.sharding.JointSharding` (several tables), the same read also
     brings the ids per (rank, table) both ways (``Route.by_table``).
 
-    Collective: every rank of ``group`` must call it.
+    With one rank nothing is sent (:func:`_to_itself`). Collective: every rank of ``group`` must call it.
     """
+    if sharding.world_size == 1:
+        return _to_itself(runs, sharding, fields, check)
     start = time.perf_counter()
     world_size, width = sharding.world_size, LookupHeader.WIDTH
     device = runs.sorted.device
@@ -153,7 +146,10 @@ def ids_to_owners(
             recv = recv.view(world_size, width + room)
             read = [counts, recv[:, :width].reshape(-1)]
             if tables:
-                device_sent, device_received = _sent_by_table(runs, sharding, owner, local), _received_in_room(recv, sharding)
+                device_sent, device_received = (
+                    count_sent_by_table(runs, sharding, owner, local),
+                    count_received_in_room(recv, sharding),
+                )
                 read += [device_sent.reshape(-1), device_received.reshape(-1)]
             on_host = torch.cat(read).cpu()  # the stage's one host read
         send_splits = on_host[:world_size].tolist()
@@ -187,48 +183,34 @@ def ids_to_owners(
     return Route(on_host[:world_size], headers.tensor[:, 0], received, headers, by_table)
 
 
-# Binary searches per (owner, table) boundary beat one pass over the keys while the keys outnumber
-# the blocks this many times (a pass costs several tensor ops per key, a search ~log2(keys) steps per block).
-_KEYS_PER_BLOCK_TO_SEARCH = 16
+def _to_itself(
+    runs: SortedKeys,
+    sharding: RowSharding | JointSharding | HashSharding,
+    fields: Tensor,
+    check: Callable[[Headers], None] | None,
+) -> Route:
+    """Stage 1 on one rank: the distinct ids stay where they are, as their local rows.
 
-
-def _sent_by_table(runs: SortedKeys, sharding: JointSharding, owner: Tensor, local: Tensor) -> Tensor:
-    """This rank's distinct ids per (owner, table), ``[W, T]``, without a host read.
-
-    ``owner`` and ``local``: each sorted key's owner and joint local id. Few blocks for the keys:
-    a binary search per block boundary; about as many blocks as keys (thousands of ranks): one
-    pass over the keys.
+    The stage's one host read brings the header, to ``check`` as every rank's headers, and,
+    for a :class:`~lightning_sparse.wire.sharding.JointSharding`, the ids per table (with one
+    rank, what a rank sends is what it receives).
     """
-    blocks = sharding.world_size * sharding.num_tables
-    if blocks * _KEYS_PER_BLOCK_TO_SEARCH < len(runs.sorted):
-        below = runs.counts_below(sharding.table_boundaries(owner.device))
-        counts = below[1:] - below[:-1]
-    else:
-        counts = runs.counts_in_blocks(sharding.block(owner, local), blocks)
-    return counts.view(sharding.world_size, sharding.num_tables)
-
-
-def _received_in_room(recv: Tensor, sharding: JointSharding) -> Tensor:
-    """Ids per (source, table) in the received room, ``[W, T]``, without a host read."""
-    world_size, tables, width = sharding.world_size, sharding.num_tables, LookupHeader.WIDTH
-    ids = recv[:, width:].contiguous()  # a view with a row stride; bucketize wants contiguous values
-    used = torch.arange(ids.shape[1], device=recv.device).unsqueeze(0) < recv[:, :1]
-    where = sharding.table_of_local(ids) + torch.arange(world_size, device=recv.device).unsqueeze(1) * tables
-    where = torch.where(used, where, world_size * tables).reshape(-1)  # unused places count in a last bin, dropped
-    counts = torch.zeros(world_size * tables + 1, dtype=torch.int64, device=recv.device)
-    return counts.scatter_add_(0, where, torch.ones_like(where))[:-1].view(world_size, tables)
-
-
-def count_received_by_table(received: Tensor, recv_splits: Sequence[int], sharding: JointSharding) -> Tensor:
-    """Ids per (source, table) in a route's ``received`` joint local ids, ``[W, T]`` on their device (no host read)."""
-    world_size, tables = sharding.world_size, sharding.num_tables
-    source = torch.repeat_interleave(
-        torch.arange(world_size, device=received.device), host_tensor(recv_splits, torch.int64, received.device),
-        output_size=len(received),
-    )  # fmt: skip
-    where = source * tables + sharding.table_of_local(received)
-    counts = torch.zeros(world_size * tables, dtype=torch.int64, device=received.device)
-    return counts.scatter_add_(0, where, torch.ones_like(where)).view(world_size, tables)
+    device = runs.sorted.device
+    num_tables = getattr(sharding, "num_tables", 0)
+    boundaries = sharding.table_boundaries(device) if num_tables else sharding.key_boundaries(device)
+    below = runs.counts_below(boundaries)
+    per_table = (below[1:] - below[:-1]).view(1, -1)  # [1, T]: with one rank, a table's block is its keys
+    on_host = torch.cat([per_table.view(-1), fields]).cpu()  # the stage's one host read
+    count = on_host[: per_table.shape[1]].sum().view(1)
+    headers = Headers(torch.cat([count, on_host[per_table.shape[1] :]]).view(1, LookupHeader.WIDTH))
+    if check is not None:
+        check(headers)
+    runs.finish(int(count))
+    by_table = None
+    if num_tables:
+        sent = on_host[: per_table.shape[1]].view(1, -1)
+        by_table = TableCounts(sent, sent, per_table, per_table)
+    return Route(count, count, sharding.local_of_key(runs.unique), headers, by_table)
 
 
 def _pack(

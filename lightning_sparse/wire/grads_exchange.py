@@ -18,10 +18,10 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from lightning_sparse.faults.peers import collective
-from lightning_sparse.kernels.host import host_tensor
+from lightning_sparse.kernels.host import host_tensor, to_device
 from lightning_sparse.wire.alltoall import ExchangeStats, exchange_counts, exchange_values
 from lightning_sparse.wire.exchange import Route
-from lightning_sparse.wire.packing import common_word, pack, to_device, unpack
+from lightning_sparse.wire.packing import common_word, pack, unpack
 
 ProcessGroup = dist.ProcessGroup
 

@@ -21,19 +21,13 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from lightning_sparse.kernels.host import to_device
 from lightning_sparse.wire.grouping import transpose_blocks, transposed_places
 
 
 def common_word(widths: list[int]) -> int:
     """The largest word that divides every width (1 when there are none)."""
     return math.gcd(*widths) if widths else 1
-
-
-def to_device(counts: Tensor, device: torch.device) -> Tensor:
-    """A small host tensor of counts on ``device``, without blocking (pinned memory on a GPU)."""
-    if device.type == "cpu":
-        return counts
-    return counts.pin_memory().to(device, non_blocking=True)
 
 
 # Up to this many (table, rank) blocks, slices are cheaper than the index arithmetic of one gather.

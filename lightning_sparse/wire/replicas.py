@@ -30,9 +30,10 @@ from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
 from lightning_sparse.faults.peers import collective
+from lightning_sparse.kernels.host import to_device
 from lightning_sparse.wire.alltoall import ExchangeStats
 from lightning_sparse.wire.grouping import coalesce
-from lightning_sparse.wire.packing import common_word, to_device, unpack
+from lightning_sparse.wire.packing import common_word, unpack
 
 _ID_BYTES = 8  # an int64 row id leads each row on the wire
 

@@ -94,7 +94,7 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
     runs.finish(mine.total)
     routes = table_routes(route, joint, theirs)
     round_ = _Round(joint, runs, mine, route, routes, distinct=mine.split(runs.unique))
-    rows = rows_from_owners(tables, route, mine, theirs, routes, unit.wire_dtype, unit.stats)
+    rows = rows_from_owners(tables, route, mine, theirs, routes, unit.stats)
     _keep_for_backward(tables, round_, rows, read)
     return _outputs(unit, read, rows, round_)
 
@@ -170,7 +170,7 @@ def serve(unit: LookupUnit, route: Route) -> None:
     route = replace(route, by_table=served_by_table(route.received, route.recv_counts, joint))
     mine, theirs = both_ways(route.by_table)
     routes = table_routes(route, joint, theirs)
-    rows_from_owners(unit.table_list, route, mine, theirs, routes, unit.wire_dtype, unit.stats)
+    rows_from_owners(unit.table_list, route, mine, theirs, routes, unit.stats)
     if route.records:
         for table, table_route in zip(unit.table_list, routes):
             table.pending.route = table_route

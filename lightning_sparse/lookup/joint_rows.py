@@ -12,6 +12,7 @@ one rank, nowhere).
 
 from __future__ import annotations
 
+from functools import reduce
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,9 +73,9 @@ def table_routes(route: Route, joint: JointSharding, theirs: TableMajor) -> list
     """
     if joint.num_tables == 1:  # the table's share is the whole route
         return [route]
-    received = theirs.split(route.received)
-    return [Route(route.by_table.sent[:, t], route.by_table.received[:, t], rows - joint.offsets[t], route.headers)
-            for t, rows in enumerate(received)]  # fmt: skip
+    sent, received = route.by_table.sent.t().unbind(0), route.by_table.received.t().unbind(0)
+    return [Route(sent[t], received[t], rows - joint.offsets[t], route.headers)
+            for t, rows in enumerate(theirs.split(route.received))]  # fmt: skip
 
 
 def rows_from_owners(
@@ -83,13 +84,12 @@ def rows_from_owners(
     mine: TableMajor,
     theirs: TableMajor,
     routes: list[Route],
-    wire: torch.dtype,
     stats: ExchangeStats,
 ) -> list[Tensor]:
     """Stage 2 for all tables: owners gather every table's rows and send them in one buffer; returns each table's rows.
 
-    ``mine``/``theirs``: the round's ids per (rank, table) both ways. ``wire``: one dtype that
-    holds every table's rows exactly. When all tables have one width, a row is one word of the
+    ``mine``/``theirs``: the round's ids per (rank, table) both ways. The rows travel in one
+    dtype that holds every table's rows exactly. When all tables have one width, a row is one word of the
     buffer, and the turns between (rank, table) and (table, rank) order are the ones ``mine``
     and ``theirs`` made already. With one table, or one rank, there is nothing to pack: each
     table's rows go as they are (and with one rank nowhere). Collective: every rank of the
@@ -104,6 +104,7 @@ def rows_from_owners(
     widths = [t.embedding_dim for t in tables]
     word = common_word(widths)
     one_width = len(set(widths)) == 1
+    wire = reduce(torch.promote_types, (table.dtype for table in tables))
     with record_function("lightning_sparse.rows_to_requesters"), torch.no_grad():
         gathered = [table.shard.index_select(0, table_route.received).to(wire) for table, table_route in zip(tables, routes)]
         send, send_sizes = pack(

@@ -72,8 +72,6 @@ class LookupUnit(Protocol):
     @property
     def joint_sharding(self) -> JointSharding: ...
     @property
-    def wire_dtype(self) -> torch.dtype: ...
-    @property
     def rank(self) -> int: ...
     def describe_feature(self, index: int) -> str: ...
 
@@ -93,7 +91,6 @@ class OneTable:
     stats = property(lambda self: self.table.stats)
     feature_names = property(lambda self: [self.table.name])
     table_list = property(lambda self: [self.table])
-    wire_dtype = property(lambda self: self.table.dtype)
     rank = property(lambda self: self.table.rank)
 
     @property

@@ -169,14 +169,6 @@ class SparseEmbeddingCollection(CompiledLookups, nn.Module):
             self._joint = JointSharding(shardings)
         return self._joint
 
-    @property
-    def wire_dtype(self) -> torch.dtype:
-        """One dtype that holds every table's rows exactly (rows travel in one buffer)."""
-        wire = self.table_list[0].dtype
-        for table in self.table_list[1:]:
-            wire = torch.promote_types(wire, table.dtype)
-        return wire
-
     def materialize(self) -> SparseEmbeddingCollection:
         """Materialize every table; they must share their process group and device."""
         tables = self.table_list

@@ -50,8 +50,8 @@ def _fit(script: str, args: list[str]) -> float:
 
 @pytest.mark.timeout(300)
 def test_graphsage_recovers_communities_on_two_processes():
-    accuracy = _fit("sage.py", ["--data.num_nodes", "2000", "--data.batch_size", "32", "--trainer.max_epochs", "5"])
-    assert accuracy > 0.8  # chance: 0.1; 0.978 after these 5 epochs
+    accuracy = _fit("sage.py", ["--data.num_nodes", "2000", "--data.batch_size", "32", "--trainer.max_epochs", "3"])
+    assert accuracy > 0.8  # chance: 0.1; 0.970 after these 3 epochs (and after 5)
 
 
 @pytest.mark.timeout(300)

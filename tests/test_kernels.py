@@ -185,6 +185,18 @@ def test_bf16_rows_round_with_the_same_draws_as_the_reference(triton_kernels, de
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dim, std, mean, seed", [(64, None, 0.0, 0), (7, 0.1, 0.5, 3), (1, None, 0.0, 2**40 + 5)])
+def test_new_normal_rows_are_the_torch_versions_bit_for_bit(device, dim, std, mean, seed):
+    """One kernel draws the rows of ``init.normal`` (a dynamic table's new ids, on its step) as the torch ops do."""
+    from lightning_sparse.tables import init
+
+    ids = torch.cat([torch.randint(-(2**62), 2**62, (500,), generator=torch.Generator().manual_seed(seed)), torch.arange(40)])
+    expected = init._normal(ids, dim, seed, std=std, mean=mean)  # the CPU path's torch ops
+    out = kernel_rows.normal(ids.to(device), dim, seed, std if std is not None else dim**-0.5, mean)
+    assert out.dtype == torch.float32 and torch.equal(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 def test_gather_reads_clamped_rows_and_widens_the_verdict(device, ids_dtype):
     table = torch.randn(20, 5)
@@ -268,6 +280,10 @@ def h100_builds():
 @pytest.mark.skipif(not backend.triton_available(), reason="needs triton")
 def test_every_kernel_compiles_for_an_h100_without_spills(h100_builds):
     """No GPU needed: the kernels compile for sm_90, with no spills and registers that leave room for occupancy."""
-    assert len(h100_builds) == 26  # 9 cases x (cold, hot) at dim 64, 6 cold at dim 128, the two gathers (see the script)
-    too_big = {name: build for name, build in h100_builds.items() if build["stack"] or build["registers"] > 128}
+    # 9 cases x (cold, hot) at dim 64, 6 cold at dim 128, the two gathers, new normal rows, the slot map's three (see the script)
+    assert len(h100_builds) == 30
+    # libdevice's float64 sin and cos keep a 40-byte local array for the reduction of huge arguments (the angles of
+    # new rows lie in (0, 2 pi): that path never runs); anything else on the stack is a spill.
+    allowed = {name: 40 if name.startswith("normal rows") else 0 for name in h100_builds}
+    too_big = {name: build for name, build in h100_builds.items() if build["stack"] > allowed[name] or build["registers"] > 128}
     assert not too_big, too_big

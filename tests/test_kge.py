@@ -97,12 +97,14 @@ def test_ci_sized_run_trains_on_two_processes(config, epochs):
 @needs_wn18rr
 @pytest.mark.timeout(300)
 def test_rotate_trains_by_negative_sampling_on_two_processes():
-    """One epoch of the full training set (a slice leaves most evaluation answers unseen, and
-    uniform negatives touch too few entities in a few steps to rank them): far above chance."""
-    out = _fit("rotate.yaml", ["--data.limit_eval", "200", "--trainer.max_epochs", "1", "--model.dim", "32",
-                               "--model.lr", "0.1"])  # fmt: skip
+    """One epoch of half the training set (a smaller slice leaves most evaluation answers unseen, and
+    uniform negatives touch too few entities in a few steps to rank them): far above chance.
+
+    The full set at lr 0.1 reached MRR 0.019 in 21 s here; this half at lr 0.2, 0.051 in 17 s."""
+    out = _fit("rotate.yaml", ["--data.limit_train", "43000", "--data.limit_eval", "200", "--trainer.max_epochs", "1",
+                               "--model.dim", "32", "--model.lr", "0.2"])  # fmt: skip
     mrr = [float(v) for v in re.findall(r"val: mrr ([0-9.]+)", out)]
-    assert mrr and mrr[-1] > 0.005, out  # chance: about 3e-4; this run: 0.018
+    assert mrr and mrr[-1] > 0.005, out  # chance: about 3e-4; this run: 0.051
 
 
 @pytest.mark.parametrize("rows", [7, 0])

@@ -2,8 +2,9 @@
 
 Element ``(row, column)`` of a draw is a pure function of ``(seed, global row, column)``, so a row
 gets the same values whichever rank computes it, on a CPU or a GPU. :func:`hashes` is the plain
-torch implementation; the Triton update kernel hashes alike (``triton_update._lowbias32``), with
-:data:`ROW_MULTIPLIER` and :func:`seed_salt` from here.
+torch implementation; the Triton kernels hash alike (``triton_update.lowbias32``: the update's
+rounding noise, and the new rows of ``triton_rows.normal_rows``), with :data:`ROW_MULTIPLIER`
+and :func:`seed_salt` from here.
 
 >>> hashes(torch.tensor([3]), 2, seed=7).shape
 torch.Size([1, 1, 2])

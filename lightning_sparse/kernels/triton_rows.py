@@ -1,9 +1,11 @@
-"""Triton: a table's rows at ids, the ids checked on the device as they are read (see :mod:`lightning_sparse.kernels.rows`)."""
+"""Triton: a table's rows at ids, the ids checked on the device as they are read, and new rows drawn for ids (see :mod:`lightning_sparse.kernels.rows`)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from lightning_sparse.kernels.triton_update import lowbias32
 
 
 @triton.jit
@@ -32,3 +34,39 @@ def gather_rows(
     mask = inside[:, None] & (cols < dim)[None, :]
     found = tl.load(table + rows[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
     tl.store(out + p.to(tl.int64)[:, None] * stride_o + cols[None, :], found.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _uniform(row_keys, column):
+    """float64 in (0, 1) from the hash of (row, column): ``hashes(...)`` then ``(bits + 2**31 + 0.5) * 2**-32``."""
+    bits = lowbias32(row_keys[:, None] + column[None, :] * -1640531527)  # 0x9E3779B9 as int32
+    return (bits.to(tl.float64) + 2147483648.5) * 2.3283064365386963e-10  # 2**31 + 0.5, 2**-32
+
+
+@triton.jit
+def normal_rows(
+    ids, n, dim, half, out, stride_o, salt, row_multiplier, minus_two_var_bits, two_pi_bits, mean_bits,
+    HAS_MEAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """``out[i]``: row ``ids[i]`` of lightning_sparse.tables.init.normal, Box-Muller in float64 as the torch version.
+
+    Column ``c < half`` is ``cos(2 pi u2) * r`` and column ``half + c`` is ``sin(2 pi u2) * r``, with
+    ``r = sqrt(log(u1) * -2 var)``, ``u1`` and ``u2`` the uniforms of columns ``c`` and ``half + c``.
+    The float64 constants come as their int64 bits (a Python float argument would be float32).
+    """
+    minus_two_var = minus_two_var_bits.to(tl.float64, bitcast=True)
+    two_pi = two_pi_bits.to(tl.float64, bitcast=True)
+    p = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = p < n
+    x = tl.load(ids + p, mask=inside, other=0).to(tl.int64) * row_multiplier + salt
+    row_keys = (x ^ (x >> 32)).to(tl.int32)
+    c = tl.arange(0, BLOCK_H)
+    radius = tl.sqrt(tl.log(_uniform(row_keys, c)) * minus_two_var)
+    angle = _uniform(row_keys, c + half) * two_pi
+    first, second = tl.cos(angle) * radius, tl.sin(angle) * radius
+    if HAS_MEAN:
+        mean = mean_bits.to(tl.float64, bitcast=True)
+        first, second = first + mean, second + mean
+    rows = out + p.to(tl.int64)[:, None] * stride_o
+    tl.store(rows + c[None, :], first.to(tl.float32), mask=inside[:, None] & (c < half)[None, :])
+    tl.store(rows + half + c[None, :], second.to(tl.float32), mask=inside[:, None] & (half + c < dim)[None, :])

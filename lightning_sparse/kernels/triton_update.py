@@ -17,7 +17,7 @@ NEAREST, STOCHASTIC_BF16 = 0, 1
 
 
 @triton.jit
-def _lowbias32(x):
+def lowbias32(x):
     """Chris Wellons' lowbias32 on int32 holding 32 bits (lightning_sparse.kernels.hashes._hash32_, op for op)."""
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * 2146121005  # 0x7FEB352D
@@ -33,7 +33,7 @@ def _rounding_noise(global_rows, cols, half_columns, salt, row_multiplier):
     row_keys = (x ^ (x >> 32)).to(tl.int32)
     low = cols < half_columns
     column = tl.where(low, cols, cols - half_columns)
-    bits = _lowbias32(row_keys[:, None] + column[None, :] * -1640531527)  # 0x9E3779B9 as int32
+    bits = lowbias32(row_keys[:, None] + column[None, :] * -1640531527)  # 0x9E3779B9 as int32
     return tl.where(low[None, :], bits & 0xFFFF, (bits >> 16) & 0xFFFF)
 
 

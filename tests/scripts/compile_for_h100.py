@@ -19,8 +19,9 @@ from triton.compiler import ASTSource
 from lightning_sparse.kernels import bags as kernel_bags
 from lightning_sparse.kernels import rows as kernel_rows
 from lightning_sparse.kernels import runs as kernel_runs
-from lightning_sparse.kernels import triton_bags, triton_rows
+from lightning_sparse.kernels import triton_bags, triton_rows, triton_slots
 from lightning_sparse.kernels import triton_runs as k
+from lightning_sparse.tables import slot_map
 
 FLOATS = {"dim_f", "divisor", "lr", "step_size", "weight_decay", "decay", "eps", "beta1", "beta2", "one_minus_beta1",
           "one_minus_beta2", "log2_beta1", "log2_beta2"}  # fmt: skip
@@ -46,7 +47,8 @@ def build(kernel, constexprs: dict, pointers: dict, num_warps: int = 4) -> dict:
         elif name in pointers:
             signature[name] = pointers[name]
         else:
-            signature[name] = "fp32" if name in FLOATS else "i64" if name in ("salt", "row_multiplier") else "i32"
+            wide = name in ("salt", "row_multiplier") or name.endswith("_bits")  # float64 constants come as int64 bits
+            signature[name] = "fp32" if name in FLOATS else "i64" if wide else "i32"
     values = {**constexprs, **{name: None for name, kind in pointers.items() if kind is None}}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=values), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "enable_fp_fusion": False})  # fmt: skip
@@ -87,6 +89,16 @@ def main() -> dict:
     gather = dict(STORE_KEYS=True, CHECK=True, BLOCK_N=block_n, BLOCK_D=block_d)
     builds["gather, dim 64"] = build(triton_rows.gather_rows, gather, {"ids": "*i64", "table": "*fp32", "out": "*fp32", "keys": "*i32",
                                                             "verdict": "*i64"})  # fmt: skip
+    block_h = 32  # dim 64: half 32 (kernels/rows.py normal)
+    normal = dict(HAS_MEAN=True, BLOCK_N=kernel_rows.NORMAL_TILE // block_h, BLOCK_H=block_h)
+    builds["normal rows, dim 64"] = build(triton_rows.normal_rows, normal, {"ids": "*i64", "out": "*fp32"})
+    width = {"WIDTH": slot_map.WIDTH, "BLOCK": triton_slots.BLOCK}
+    builds["slot map find"] = build(triton_slots.find_slots, width, {"query": "*i64", "buckets": "*i32", "keys": "*i64",
+                                                                     "out": "*i64"})  # fmt: skip
+    builds["slot map reserve"] = build(triton_slots.reserve_entries, {**width, "HAS_VALID": True}, {
+        "new": "*i64", "valid": "*i1", "buckets": "*i32", "out": "*i64"})  # fmt: skip
+    builds["slot map write"] = build(triton_slots.write_entries, {"BLOCK": triton_slots.BLOCK}, {
+        "entries": "*i64", "new": "*i64", "slots": "*i64", "buckets": "*i32", "keys": "*i64", "entry_of": "*i64"})  # fmt: skip
     return builds
 
 

@@ -1,4 +1,4 @@
-"""Triton: a dynamic table's slot map, one kernel per batch operation (find, reserve, write).
+"""Triton: a dynamic table's slot map, one kernel per batch operation (find, reserve, write), and its ids' keys (mix).
 
 The layout and the plain torch versions are :class:`lightning_sparse.tables.slot_map.SlotMap`'s:
 ``buckets`` ``[G + 1, WIDTH]`` int32 (the slot in each entry, 0 where empty, -1 where reserved),
@@ -97,6 +97,27 @@ def write_entries(entries, new, slots, n, buckets, keys, entry_of, BLOCK: tl.con
     placed = has & (slot != 0)
     tl.store(entry_of + slot, entry, mask=placed)
     tl.store(keys + slot, tl.load(new + p, mask=placed, other=0), mask=placed)
+
+
+@triton.jit
+def mix_keys(ids, n, out, m1, m2, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[i]``: the key of ``ids[i]`` (lightning_sparse.wire.hashing.mix, op for op: logical shifts, wrapping products)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = p < n
+    x = tl.load(ids + p, mask=inside, other=0).to(tl.int64)
+    x = (x ^ ((x >> S1) & ((1 << (64 - S1)) - 1))) * m1
+    x = (x ^ ((x >> S2) & ((1 << (64 - S2)) - 1))) * m2
+    tl.store(out + p, x ^ ((x >> S3) & ((1 << (64 - S3)) - 1)), mask=inside)
+
+
+def mix(ids: Tensor, shifts: tuple[int, int, int], multipliers: tuple[int, int]) -> Tensor:
+    """:func:`lightning_sparse.wire.hashing.mix` of ``ids`` (int64 keys) in one launch."""
+    out = torch.empty(ids.shape, dtype=torch.int64, device=ids.device)
+    if ids.numel():
+        with launches.launch():
+            mix_keys[_grid(ids.numel())](ids, ids.numel(), out, *multipliers, S1=shifts[0], S2=shifts[1], S3=shifts[2],
+                                         BLOCK=BLOCK)  # fmt: skip
+    return out
 
 
 def _grid(n: int) -> tuple[int]:

@@ -47,7 +47,7 @@ def build(kernel, constexprs: dict, pointers: dict, num_warps: int = 4) -> dict:
         elif name in pointers:
             signature[name] = pointers[name]
         else:
-            wide = name in ("salt", "row_multiplier") or name.endswith("_bits")  # float64 constants come as int64 bits
+            wide = name in ("salt", "row_multiplier", "m1", "m2") or name.endswith("_bits")  # float64 constants: int64 bits
             signature[name] = "fp32" if name in FLOATS else "i64" if wide else "i32"
     values = {**constexprs, **{name: None for name, kind in pointers.items() if kind is None}}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=values), target=GPUTarget("cuda", 90, 32),
@@ -99,6 +99,8 @@ def main() -> dict:
         "new": "*i64", "valid": "*i1", "buckets": "*i32", "out": "*i64"})  # fmt: skip
     builds["slot map write"] = build(triton_slots.write_entries, {"BLOCK": triton_slots.BLOCK}, {
         "entries": "*i64", "new": "*i64", "slots": "*i64", "buckets": "*i32", "keys": "*i64", "entry_of": "*i64"})  # fmt: skip
+    builds["ids' keys (mix)"] = build(triton_slots.mix_keys, {"S1": 30, "S2": 27, "S3": 31, "BLOCK": triton_slots.BLOCK},
+                                      {"ids": "*i64", "out": "*i64"})  # fmt: skip
     return builds
 
 

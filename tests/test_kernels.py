@@ -258,6 +258,20 @@ def test_the_update_reads_everything_before_one_barrier_and_writes_after_it():
     assert max(calls["load"]) < calls["debug_barrier"][0] < min(calls["store"]), calls
 
 
+def test_the_new_row_kernels_float_literals_are_exact_in_float32():
+    """A float literal is float32 in a compiled kernel (the interpreter keeps float64 and cannot show it): the new rows'
+    float64 arithmetic must not meet a literal that float32 rounds, or the GPU's rows would differ from the CPU's."""
+    import ast
+    import inspect
+
+    from lightning_sparse.kernels import triton_rows
+
+    for kernel in (triton_rows.normal_rows, triton_rows._uniform):
+        tree = ast.parse(inspect.getsource(kernel.fn))
+        floats = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, float)]
+        assert all(float(torch.tensor(v, dtype=torch.float32)) == v for v in floats), (kernel.fn.__name__, floats)
+
+
 # ---------------------------------------------------------------- compiled for an H100, without one
 @pytest.fixture(scope="module")
 def h100_builds():

@@ -2,7 +2,7 @@
 
 Element ``(row, column)`` of a draw is a pure function of ``(seed, global row, column)``, so a row
 gets the same values whichever rank computes it, on a CPU or a GPU. :func:`hashes` is the plain
-torch implementation; the Triton kernels hash alike (``triton_update.lowbias32``: the update's
+torch implementation; the Triton kernels hash alike (``triton_update.hash_bits``: the update's
 rounding noise, and the new rows of ``triton_rows.normal_rows``), with :data:`ROW_MULTIPLIER`
 and :func:`seed_salt` from here.
 

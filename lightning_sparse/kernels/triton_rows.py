@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lightning_sparse.kernels.triton_update import lowbias32
+from lightning_sparse.kernels.triton_update import hash_bits
 
 
 @triton.jit
@@ -37,10 +37,13 @@ def gather_rows(
 
 
 @triton.jit
-def _uniform(row_keys, column):
-    """float64 in (0, 1) from the hash of (row, column): ``hashes(...)`` then ``(bits + 2**31 + 0.5) * 2**-32``."""
-    bits = lowbias32(row_keys[:, None] + column[None, :] * -1640531527)  # 0x9E3779B9 as int32
-    return (bits.to(tl.float64) + 2147483648.5) * 2.3283064365386963e-10  # 2**31 + 0.5, 2**-32
+def _uniform(bits):
+    """float64 in (0, 1) from 32 hashed bits: ``(bits + 2**31 + 0.5) * 2**-32``, each step exact as in the torch version.
+
+    Float literals are float32 in a compiled kernel (the interpreter keeps float64), so each one
+    here is exact in float32: ``2**31 + 0.5`` is added as two.
+    """
+    return (bits.to(tl.float64) + 2147483648.0 + 0.5) * 2.3283064365386963e-10
 
 
 @triton.jit
@@ -58,11 +61,10 @@ def normal_rows(
     two_pi = two_pi_bits.to(tl.float64, bitcast=True)
     p = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = p < n
-    x = tl.load(ids + p, mask=inside, other=0).to(tl.int64) * row_multiplier + salt
-    row_keys = (x ^ (x >> 32)).to(tl.int32)
+    rows_here = tl.load(ids + p, mask=inside, other=0)
     c = tl.arange(0, BLOCK_H)
-    radius = tl.sqrt(tl.log(_uniform(row_keys, c)) * minus_two_var)
-    angle = _uniform(row_keys, c + half) * two_pi
+    radius = tl.sqrt(tl.log(_uniform(hash_bits(rows_here, c, salt, row_multiplier))) * minus_two_var)
+    angle = _uniform(hash_bits(rows_here, c + half, salt, row_multiplier)) * two_pi
     first, second = tl.cos(angle) * radius, tl.sin(angle) * radius
     if HAS_MEAN:
         mean = mean_bits.to(tl.float64, bitcast=True)

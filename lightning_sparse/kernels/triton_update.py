@@ -17,7 +17,7 @@ NEAREST, STOCHASTIC_BF16 = 0, 1
 
 
 @triton.jit
-def lowbias32(x):
+def _lowbias32(x):
     """Chris Wellons' lowbias32 on int32 holding 32 bits (lightning_sparse.kernels.hashes._hash32_, op for op)."""
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * 2146121005  # 0x7FEB352D
@@ -27,13 +27,18 @@ def lowbias32(x):
 
 
 @triton.jit
-def _rounding_noise(global_rows, cols, half_columns, salt, row_multiplier):
-    """``[rows, cols]`` int32 in [0, 2**16): lightning_sparse.kernels.rounding.rounding_noise for these rows and columns."""
+def hash_bits(global_rows, columns, salt, row_multiplier):
+    """``[rows, columns]`` int32 of 32 random bits: lightning_sparse.kernels.hashes.hashes for these rows and columns."""
     x = global_rows.to(tl.int64) * row_multiplier + salt
     row_keys = (x ^ (x >> 32)).to(tl.int32)
+    return _lowbias32(row_keys[:, None] + columns[None, :] * -1640531527)  # 0x9E3779B9 as int32
+
+
+@triton.jit
+def _rounding_noise(global_rows, cols, half_columns, salt, row_multiplier):
+    """``[rows, cols]`` int32 in [0, 2**16): lightning_sparse.kernels.rounding.rounding_noise for these rows and columns."""
     low = cols < half_columns
-    column = tl.where(low, cols, cols - half_columns)
-    bits = lowbias32(row_keys[:, None] + column[None, :] * -1640531527)  # 0x9E3779B9 as int32
+    bits = hash_bits(global_rows, tl.where(low, cols, cols - half_columns), salt, row_multiplier)
     return tl.where(low[None, :], bits & 0xFFFF, (bits >> 16) & 0xFFFF)
 
 

@@ -201,15 +201,13 @@ def _to_itself(
     below = runs.counts_below(boundaries)
     per_table = (below[1:] - below[:-1]).view(1, -1)  # [1, T]: with one rank, a table's block is its keys
     on_host = torch.cat([per_table.view(-1), fields]).cpu()  # the stage's one host read
-    count = on_host[: per_table.shape[1]].sum().view(1)
-    headers = Headers(torch.cat([count, on_host[per_table.shape[1] :]]).view(1, LookupHeader.WIDTH))
+    sent, own_fields = on_host[: per_table.shape[1]].view(1, -1), on_host[per_table.shape[1] :]
+    count = sent.sum().view(1)
+    headers = Headers(torch.cat([count, own_fields]).view(1, LookupHeader.WIDTH))
     if check is not None:
         check(headers)
     runs.finish(int(count))
-    by_table = None
-    if num_tables:
-        sent = on_host[: per_table.shape[1]].view(1, -1)
-        by_table = TableCounts(sent, sent, per_table, per_table)
+    by_table = TableCounts(sent, sent, per_table, per_table) if num_tables else None
     return Route(count, count, sharding.local_of_key(runs.unique), headers, by_table)
 
 

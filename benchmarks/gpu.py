@@ -224,6 +224,11 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _joint_loss(outputs: list[torch.Tensor]) -> torch.Tensor:
+    """The many-tables workload's loss: one cat and one sum, whatever the number of features (their kernels stay apart)."""
+    return torch.cat(outputs).sum()
+
+
 def measure_collection(tables: int, rows: int, dim: int, batch: int, steps: int, warmup: int, device: torch.device) -> dict:
     """A collection of ``tables`` tables (one unpooled feature each, ``batch`` skewed ids per table per step) against as
     many ``nn.Embedding(sparse=True)`` tables with torch's Adagrad; and the kernels of a 2-table collection's step
@@ -244,7 +249,7 @@ def measure_collection(tables: int, rows: int, dim: int, batch: int, steps: int,
 
             def step(i, collection=collection, opt=opt, count=count):
                 out = collection({f"t{t}": batches[i % 4][f"t{t}"] for t in range(count)})
-                sum(v.sum() for v in out.values()).backward()
+                _joint_loss(list(out.values())).backward()
                 opt.step()
                 opt.zero_grad()
 
@@ -254,11 +259,11 @@ def measure_collection(tables: int, rows: int, dim: int, batch: int, steps: int,
             counted = _counts(step, device)
             if counted:
                 result["kernels"][label], result["syncs"][label] = counted["kernels"], counted["syncs"]
-                # The loss's own kernels grow with the features (a sum each): counted apart, as for one table.
+                # The loss's own kernels, counted apart as for one table (the same for any number of features).
                 outputs = [torch.zeros(batch, dim, device=device, requires_grad=True) for _ in range(count)]
 
                 def loss_alone(i, outputs=outputs):
-                    sum(v.sum() for v in outputs).backward()
+                    _joint_loss(outputs).backward()
 
                 result.setdefault("loss_kernels", {})[label] = _counts(loss_alone, device)["kernels"]
             del collection, opt, step
@@ -267,7 +272,7 @@ def measure_collection(tables: int, rows: int, dim: int, batch: int, steps: int,
     opt = torch.optim.Adagrad([e.weight for e in embeddings], lr=0.1)
 
     def torch_step(i, embeddings=embeddings, opt=opt):
-        sum(e(batches[i % 4][f"t{t}"]).sum() for t, e in enumerate(embeddings)).backward()
+        _joint_loss([e(batches[i % 4][f"t{t}"]) for t, e in enumerate(embeddings)]).backward()
         opt.step()
         opt.zero_grad()
 

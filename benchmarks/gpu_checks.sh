@@ -2,7 +2,8 @@
 # The checks that need a GPU, in one go (6 minutes at most on one H100): the CUDA-parametrized tests
 # (the Triton kernels compiled, the one-process step under sync debug mode "error"), a Lightning fit
 # on one GPU (NCCL), the GPU benchmark (benchmarks/gpu.py) into a copy of benchmarks/results/bench.json, and a
-# CUDA-graph capture of a one-process step against the eager step (benchmarks/gpu_capture.py).
+# CUDA-graph capture of a one-process step against the eager step (benchmarks/gpu_capture.py), and a step's
+# host time against its device time, with Python and kernel profiles (benchmarks/gpu_host.py).
 # Run from the repository root on a machine with CUDA, torch and lightning installed:
 #
 #     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh
@@ -23,7 +24,7 @@ nvidia-smi -L
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__, torch.cuda.get_device_name())"
 
 echo "== CUDA tests"
-timeout "${TESTS_S:-170}" python3 -m pytest -q -n "${WORKERS:-4}" -k cuda -p no:cacheprovider -o addopts="-ra" --timeout 100 tests 2>&1 \
+timeout "${TESTS_S:-170}" python3 -m pytest -q -n "${WORKERS:-8}" -k cuda -p no:cacheprovider -o addopts="-ra" --timeout 100 tests 2>&1 \
     | tee "$OUT/tests.log" | tail -40
 
 echo "== Lightning fit on one GPU (sparse_ddp, NCCL)"
@@ -37,3 +38,6 @@ timeout "${BENCH_S:-140}" python3 benchmarks/bench.py --only gpu --out "$OUT/ben
 
 echo "== CUDA graph capture of a one-process step (benchmarks/gpu_capture.py)"
 timeout "${CAPTURE_S:-90}" python3 benchmarks/gpu_capture.py 2>&1 | tee "$OUT/capture.json" | tail -40
+
+echo "== Host and device time of a step, where the host's time goes (benchmarks/gpu_host.py)"
+(cd benchmarks && timeout "${HOST_S:-60}" python3 gpu_host.py > "$OUT/host.json" 2> "$OUT/host_profile.txt"; cat "$OUT/host.json")

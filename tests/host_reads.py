@@ -6,7 +6,8 @@ every result of an operation on host tensors only; reading those costs no sync. 
 that an in-place operation writes device values into becomes a device tensor, except the
 destination of an asynchronous copy from the device (``copy_(device_values, non_blocking=True)``),
 which is pinned host memory: code that makes one reads it after its CUDA event, without waiting
-(lightning_sparse/lookup/range_check.py).
+(lightning_sparse/lookup/range_check.py). On a GPU's machine every pinned tensor is a host tensor too,
+also one copied into before the mode began.
 
 It counts (``calls`` names them) what syncs on a GPU:
 
@@ -15,7 +16,9 @@ It counts (``calls`` names them) what syncs on a GPU:
   ``repeat_interleave`` without ``output_size``, and indexing with a boolean mask (``x[mask]``,
   ``x[mask] = v``);
 * blocking host-to-device copies: ``torch.tensor(data, device=...)`` and ``.to(device)`` or
-  ``copy_`` of a host tensor without ``non_blocking=True``.
+  ``copy_`` of a host tensor without ``non_blocking=True``; also ``x[i] = number`` at an int index,
+  which torch runs as a copy from a host scalar on CUDA (and a CUDA graph's capture refuses).
+  Write ``x[i : i + 1].fill_(number)`` instead (a fill kernel, as ``x[i : j] = number`` is).
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ class HostReads(TorchFunctionMode):
         self._host: dict[int, torch.Tensor] = dict(follows._host) if follows else {}  # id -> tensor, kept alive
 
     def _is_host(self, t: torch.Tensor) -> bool:
-        return id(t) in self._host or id(t) in self._ignore
+        # Pinned memory (on a GPU's machine) is the host's: e.g. the range check's copy of its verdict, made
+        # by an earlier step and read once its event has completed, which this mode did not see copied.
+        return id(t) in self._host or id(t) in self._ignore or (t.device.type == "cpu" and t.is_pinned())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,6 +95,8 @@ class HostReads(TorchFunctionMode):
             self.calls.append(name)
         elif name in ("__getitem__", "__setitem__") and len(args) > 1 and _has_mask(args[1]):
             self.calls.append(f"{name} with a boolean mask")
+        elif name == "__setitem__" and len(args) > 2 and _is_number(args[2]) and _selects_one(args[1]):
+            self.calls.append("__setitem__ of a number at an int index (a copy from the host)")
 
 
 def _to_device(args: tuple, kwargs: dict) -> bool:
@@ -97,6 +104,16 @@ def _to_device(args: tuple, kwargs: dict) -> bool:
     if kwargs.get("device") is not None:
         return True
     return any(isinstance(a, (torch.device, str)) for a in args[1:])
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (bool, int, float, complex))
+
+
+def _selects_one(index) -> bool:
+    """Whether ``x[index]`` selects along every indexed dimension by an int (a view without that dimension)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(isinstance(p, int) and not isinstance(p, bool) for p in parts)
 
 
 def _has_mask(index) -> bool:

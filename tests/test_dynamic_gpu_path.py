@@ -17,6 +17,7 @@ from test_kernels import KERNEL_DEVICES
 
 import lightning_sparse as ls
 from lightning_sparse.kernels import backend
+from lightning_sparse.tables import embedding
 from lightning_sparse.tables.slot_map import SlotMap
 from lightning_sparse.wire.hashing import mix
 
@@ -35,12 +36,13 @@ CASES = {
 MAX_DYNAMIC_STEP_OPS = 70
 
 
-def _batches(steps: int, size: int) -> list[torch.Tensor]:
+def _batches(steps: int, size: int, device: str = "cpu") -> list[torch.Tensor]:
+    """Ids on ``device``, mixed there (forced Triton kernels take device tensors, or CPU ones under the interpreter)."""
     gen = torch.Generator().manual_seed(0)
     batches = []
     for step in range(steps):
         old = (60 * torch.rand(size - 8, generator=gen) ** 2).long()  # repeats within a batch, and across
-        batches.append(mix(torch.cat([old, 1000 + 8 * step + torch.arange(8)]) * 2 + 1))
+        batches.append(mix((torch.cat([old, 1000 + 8 * step + torch.arange(8)]) * 2 + 1).to(device)))
     return batches
 
 
@@ -93,7 +95,7 @@ def test_a_one_process_step_of_a_dynamic_table_reads_the_host_never(device, case
     options, size = CASES[case]
     emb = ls.DynamicEmbedding(**options, embedding_dim=4, seed=1, device=device)
     opt = ls.SparseAdagrad([emb], lr=0.1)
-    batches = [ids.to(device) for ids in _batches(5, size)]
+    batches = _batches(5, size, device)
     for ids in batches[:3]:  # the table fills (and, if small, starts evicting)
         _step(emb, opt, ids)
     # Known host tensors: the step counter (not capturable), and the free slots' copy, read without waiting.
@@ -111,10 +113,12 @@ def test_a_one_process_step_of_a_dynamic_table_reads_the_host_never(device, case
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_a_dynamic_step_takes_a_bounded_number_of_ops(device, monkeypatch):
+    """However large the batch: its new rows (the batch's bound on a GPU's path) are one init, not a shard's chunks."""
     monkeypatch.setenv(backend.ENV, "triton")
+    monkeypatch.setattr(embedding, "_INIT_CHUNK_ELEMENTS", 64)  # a shard's init chunk: 16 rows of 4, a third of the batch
     emb = ls.DynamicEmbedding(400, 4, seed=1, device=device)
     opt = ls.SparseAdagrad([emb], lr=0.1)
-    batches = [ids.to(device) for ids in _batches(3, 48)]
+    batches = _batches(3, 48, device)
     grad = torch.ones(48, 4, device=device)
     for ids in batches[:2]:
         emb(ids).backward(grad)
@@ -166,7 +170,7 @@ def test_the_slot_map_kernels_find_reserve_and_write_as_its_torch_ops(device, mo
         placed = crowded_entries >= 0
         assert 8 < room < 20 and int(placed.sum()) == room and len(torch.unique(crowded_entries[placed])) == room
         slots.write(crowded_entries, crowded, torch.where(placed, torch.arange(701, 721, device=device), 0))
-        found[kernels] = slots.find(torch.cat([keys, crowded, mix(torch.arange(-50, 0)).to(device)]))
+        found[kernels] = slots.find(torch.cat([keys, crowded, mix(torch.arange(-50, 0, device=device))]))
     assert torch.equal(found["triton"], found["torch"])
     expected = torch.where(torch.arange(500) % 3 == 0, 0, torch.arange(1, 501))
     assert torch.equal(found["torch"][:500].cpu(), expected)
@@ -182,7 +186,7 @@ def test_a_dynamic_step_captured_in_a_cuda_graph_replays_as_eager_steps_train(ca
     it may); the captured one runs them on every replay, and they change nothing there.
     """
     options, size = CASES[case]
-    batches = [ids.cuda() for ids in _batches(6, size)]
+    batches = _batches(6, size, "cuda")
 
     def model():
         emb = ls.DynamicEmbedding(**options, embedding_dim=4, seed=1, device="cuda")

@@ -22,14 +22,14 @@ from lightning_sparse.kernels import backend
 MAX_STEP_OPS = 12
 NOT_KERNELS = {"empty", "empty_strided", "new_empty", "view", "_unsafe_view", "alias", "as_strided", "detach", "t", "expand",
                "split", "split_with_sizes",
-               "reshape", "slice", "select", "unsqueeze", "squeeze", "permute", "lift_fresh", "set_",
+               "reshape", "slice", "select", "unsqueeze", "squeeze", "permute", "lift_fresh", "set_", "is_pinned",
                "_record_function_enter_new", "_record_function_exit"}  # fmt: skip
 
 
 class AtenOps(TorchDispatchMode):
     """The aten ops that would launch device work, by name.
 
-    Left out: allocations, views and profiler labels (no kernel), ops on ``host`` tensors only (a
+    Left out: allocations, views, queries and profiler labels (no kernel), ops on ``host`` tensors only (a
     host counter), and ops while a Triton kernel launches (the interpreter moving its arguments).
     """
 
@@ -80,6 +80,18 @@ def test_a_one_process_step_reads_the_host_never(gpu_path, device, optimizer):
             _step(emb, opt, ids)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_host_reads_harness_sees_a_number_written_at_an_int_index():
+    """``x[i] = 0`` copies a host scalar on CUDA (a CUDA graph's capture refuses it); a slice's fill does not."""
+    x = torch.zeros(4) + 0  # made outside the harness: a device tensor, as it sees them
+    with HostReads() as reads:
+        x[1:2].fill_(1)
+        x[2:3] = 1
+    assert reads.calls == []
+    with HostReads() as reads:
+        x[0] = 1
+    assert reads.calls == ["__setitem__ of a number at an int index (a copy from the host)"]
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

@@ -162,8 +162,9 @@ class SlotTable:
                 new_slots, new_index = new_slots.index_select(0, kept), new_index.index_select(0, kept)
         else:
             new_slots = new_index = slots[:0]
-        self.last_used[NULL_SLOT] = 0  # the null slot stood in for misses and padding
-        self.requests[NULL_SLOT] = 0
+        # the null slot stood in for misses and padding (a fill, not ``x[i] = 0``: a host copy on CUDA)
+        self.last_used[NULL_SLOT : NULL_SLOT + 1].fill_(0)
+        self.requests[NULL_SLOT : NULL_SLOT + 1].fill_(0)
         return slots, new_slots, new_index
 
     def _admit(self, keys: Tensor, counts: Tensor | int, candidates: Tensor | None) -> Tensor:

@@ -177,7 +177,7 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
         slots, new_slots, new_index = self.slots.resolve(keys, requests, distinct=distinct, valid=valid)
         if len(new_slots):  # on a GPU's path: the batch's bound, padded with the null slot (zeroed again below)
             new_ids = ids_of(new_index) if ids_of is not None else unmix(keys.index_select(0, new_index))
-            self._shard.index_copy_(0, new_slots, self._init_rows(new_ids))
+            self._shard.index_copy_(0, new_slots, self._init_rows(new_ids, chunked=False))
             for optimizer in self._optimizers:
                 optimizer.reset_rows(self._shard, new_slots)
             self._shard[NULL_SLOT].zero_()

@@ -138,9 +138,15 @@ class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
         """The rows a new shard starts with (a subclass may start them otherwise)."""
         return self._init_rows(global_ids)
 
-    def _init_rows(self, global_ids: Tensor) -> Tensor:
+    def _init_rows(self, global_ids: Tensor, *, chunked: bool = True) -> Tensor:
+        """The rows ``global_ids`` start from, in the shard's dtype and device.
+
+        ``chunked``: built a chunk at a time, as a whole shard is (the init's temporaries stay in
+        cache and are never all there at once); ``False`` for a batch's new rows (a DynamicEmbedding's),
+        whose temporaries are the batch's size anyway: one call, however many rows.
+        """
         rows_per_chunk = max(1, _INIT_CHUNK_ELEMENTS // self.embedding_dim)
-        if len(global_ids) <= rows_per_chunk:  # one chunk (new rows of a DynamicEmbedding): no copy
+        if not chunked or len(global_ids) <= rows_per_chunk:  # one chunk: no copy
             return self._init_chunk(global_ids).to(device=self._shard.device, dtype=self._shard.dtype)
         shard = torch.empty(len(global_ids), self.embedding_dim, dtype=self._shard.dtype, device=self._shard.device)
         for start in range(0, len(global_ids), rows_per_chunk):

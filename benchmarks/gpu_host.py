@@ -122,8 +122,13 @@ def run(rows: int = 1_000_000, dim: int = 64, batch: int = 65_536, steps: int = 
     gen = torch.Generator().manual_seed(1)
     proj = torch.randn(dim, generator=gen).to(device)
     targets = [torch.randn(batch, generator=gen).to(device) for _ in batches]
-    out = {"rows": rows, "dim": dim, "batch": batch, "cases": {},
-           "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    out = {
+        "rows": rows,
+        "dim": dim,
+        "batch": batch,
+        "cases": {},
+        "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    }
     for name, build in _cases(rows, dim, device).items():
         emb, opt = build()
 

@@ -17,7 +17,7 @@ from lightning_sparse.kernels import Runs, StochasticRounding, UpdateRule, backe
 from lightning_sparse.kernels import rows as kernel_rows
 from lightning_sparse.kernels import runs as kernel_runs
 from lightning_sparse.kernels.rounding import noise_salt, rounding_noise, stochastic_round
-from lightning_sparse.kernels.runs import TableSet, table_entries
+from lightning_sparse.kernels.runs import TableSet, hot_tile, table_entries
 from lightning_sparse.optim import functional as F
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -55,11 +55,12 @@ def _distinct(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, t
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_segment_sum_matches_a_sequential_sum(triton_kernels, device, weighted):
-    keys = _skewed_keys(400, 60, seed=1)
-    values = torch.randn(400, 5, generator=torch.Generator().manual_seed(2))
+    keys = _skewed_keys(2000, 60, seed=1)
+    values = torch.randn(2000, 5, generator=torch.Generator().manual_seed(2))
     runs = sort_runs(keys.to(device), bound=60)
     assert runs.keys.dtype == torch.int32  # keys below 2**31 sort as int32
-    weights = torch.rand(400, generator=torch.Generator().manual_seed(3)) if weighted else None
+    assert int(torch.bincount(keys).max()) > hot_tile(5)[0], "the hottest run must span several of runs_hot's tiles"
+    weights = torch.rand(2000, generator=torch.Generator().manual_seed(3)) if weighted else None
     sorted_weights = weights.index_select(0, runs.perm.cpu()) if weighted else None
     out = segment_sum(runs, values.to(device), 62, shift=1, weights=sorted_weights.to(device) if weighted else None)
     expected = torch.zeros(62, 5).index_add_(0, keys + 1, values * (weights.unsqueeze(1) if weighted else 1))
@@ -185,6 +186,24 @@ def test_bf16_rows_round_with_the_same_draws_as_the_reference(triton_kernels, de
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("shape, dtype, expanded", [((6,), torch.float32, False), ((6,), torch.float32, True),
+                                                    ((), torch.int64, True), ((2, 3), torch.bfloat16, False)])  # fmt: skip
+def test_put_writes_rows_as_index_copy_and_skips_the_padding(triton_kernels, device, shape, dtype, expanded):
+    """A dynamic table's new rows and their fresh optimizer state: one kernel, and the filler row 0 is never written."""
+    rows = torch.tensor([5, 0, 2, 0, 0, 7, 1, 0])  # 0: padding
+    src = (torch.arange(len(rows) * max(1, torch.Size(shape).numel())).view(len(rows), *shape) + 1).to(dtype)
+    if expanded:  # one fresh row for all (optimizer.reset_rows)
+        src = src[:1].expand(len(rows), *shape)
+    dst = torch.full((9, *shape), -1).to(dtype)
+    expected = dst.clone().index_copy_(0, rows, src)
+    expected[0] = -1  # never written
+    before = backend.launches.count
+    out = dst.to(device)
+    kernel_rows.put(out, rows.to(device), src.to(device), skip=0)
+    assert backend.launches.count == before + 1 and torch.equal(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dim, std, mean, seed", [(64, None, 0.0, 0), (7, 0.1, 0.5, 3), (1, None, 0.0, 2**40 + 5)])
 def test_new_normal_rows_are_the_torch_versions_bit_for_bit(device, dim, std, mean, seed):
     """One kernel draws the rows of ``init.normal`` (a dynamic table's new ids, on its step) as the torch ops do."""
@@ -294,9 +313,9 @@ def h100_builds():
 @pytest.mark.skipif(not backend.triton_available(), reason="needs triton")
 def test_every_kernel_compiles_for_an_h100_without_spills(h100_builds):
     """No GPU needed: the kernels compile for sm_90, with no spills and registers that leave room for occupancy."""
-    # 9 cases x (cold, hot) at dim 64, 6 cold at dim 128, the two gathers, new normal rows, the slot map's three and the
-    # ids' keys (see the script)
-    assert len(h100_builds) == 31
+    # 9 cases x (cold, hot) at dim 64, 6 cold at dim 128, the two gathers, new normal rows and their put, the slot map's
+    # three and the ids' keys (see the script)
+    assert len(h100_builds) == 32
     # libdevice's float64 sin and cos keep a 40-byte local array for the reduction of huge arguments (the angles of
     # new rows lie in (0, 2 pi): that path never runs); anything else on the stack is a spill.
     allowed = {name: 40 if name.startswith("normal rows") else 0 for name in h100_builds}

@@ -1,4 +1,4 @@
-"""Triton: a table's rows at ids, the ids checked on the device as they are read, and new rows drawn for ids (see :mod:`lightning_sparse.kernels.rows`)."""
+"""Triton: a table's rows at ids, the ids checked on the device as they are read, new rows drawn for ids and put in place (see :mod:`lightning_sparse.kernels.rows`)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,19 @@ def gather_rows(
     mask = inside[:, None] & (cols < dim)[None, :]
     found = tl.load(table + rows[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
     tl.store(out + p.to(tl.int64)[:, None] * stride_o + cols[None, :], found.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def put_rows(rows, n, src, stride_s, dst, stride_d, dim, skip, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``dst[rows[i]] = src[i]`` where ``rows[i] != skip``: the padding of a batch writes nothing."""
+    p = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = p < n
+    row = tl.load(rows + p, mask=inside, other=0).to(tl.int64)
+    keep = inside & (row != skip)
+    cols = tl.arange(0, BLOCK_D)
+    mask = keep[:, None] & (cols < dim)[None, :]
+    values = tl.load(src + p.to(tl.int64)[:, None] * stride_s + cols[None, :], mask=mask, other=0)
+    tl.store(dst + row[:, None] * stride_d + cols[None, :], values.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -59,12 +59,15 @@ def _held(group, inside, buckets, WIDTH: tl.constexpr):
 @triton.jit
 def _claim_in(group, waiting, entry, buckets, WIDTH: tl.constexpr):
     for j in tl.static_range(WIDTH):  # the group's entries in turn: an empty one becomes reserved (-1) for one key
-        at = group * WIDTH + j
-        expected = tl.where(waiting, 0, -7).to(tl.int32)  # -7: no entry holds it, so a key not waiting writes nothing
-        old = tl.atomic_cas(buckets + at, expected, tl.full(expected.shape, -1, tl.int32))
-        won = waiting & (old == 0)
-        entry = tl.where(won, at, entry)
-        waiting = waiting & (old != 0)
+        # A block with no key waiting stops: an atomic takes no mask, and the padding of a batch (one key, one group,
+        # whole blocks of it) would queue on the same entries. On an H100 that cost 672 us of a 1.6 ms dynamic step.
+        if tl.max(waiting.to(tl.int32), axis=0) > 0:
+            at = group * WIDTH + j
+            expected = tl.where(waiting, 0, -7).to(tl.int32)  # -7: no entry holds it, so a key not waiting writes nothing
+            old = tl.atomic_cas(buckets + at, expected, tl.full(expected.shape, -1, tl.int32))
+            won = waiting & (old == 0)
+            entry = tl.where(won, at, entry)
+            waiting = waiting & (old != 0)
     return entry, waiting
 
 

@@ -32,6 +32,7 @@ from torch.profiler import record_function
 
 from lightning_sparse.kernels import UpdateRule
 from lightning_sparse.kernels.rounding import HALF, compute_dtype, writer_for
+from lightning_sparse.kernels.rows import put as rows_put
 from lightning_sparse.optim import checks, fused, joint, row_grads
 from lightning_sparse.optim.row_grads import TableGrads
 from lightning_sparse.tables.embedding import SparseEmbedding
@@ -123,15 +124,15 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
             self._fresh_rows[table.shard] = {k: v[:1].clone() for k, v in self.state[table.shard].items() if v.dim()}
             table.watch(self)
 
-    def reset_rows(self, shard: Tensor, rows: Tensor) -> None:
+    def reset_rows(self, shard: Tensor, rows: Tensor, skip: int | None = None) -> None:
         """Put the per-row state of ``rows`` of the table whose shard is ``shard`` back to its initial value.
 
         Called by a table that watches this optimizer (a :class:`~lightning_sparse.tables.dynamic.DynamicEmbedding`)
-        when it gives slots to new ids.
+        when it gives slots to new ids; ``rows`` equal to ``skip`` are a padded batch's filler (see ``kernels.rows.put``).
         """
         state = self.state[shard]
         for key, fresh in self._fresh_rows[shard].items():
-            state[key].index_copy_(0, rows, fresh.expand(len(rows), *fresh.shape[1:]).to(state[key]))
+            rows_put(state[key], rows, fresh.expand(len(rows), *fresh.shape[1:]).to(state[key]), skip)
 
     @property
     def tables(self) -> list[SparseEmbedding]:

@@ -64,7 +64,7 @@ def build(kernel, constexprs: dict, pointers: dict, num_warps: int = 4) -> dict:
 def main() -> dict:
     builds = {}
     for dim in (64, 128):
-        block_n, block_d = kernel_runs.tile(dim, 2048)
+        block_n, block_d = kernel_runs.hot_tile(dim)
         for case, (family, flags, pointers) in CASES.items():
             block_s, _ = kernel_runs.cold_tile(dim, kernel_runs.FAMILIES[family], flags.get("MANY", False))
             if dim == 128 and case.startswith(("segment sum", "many")):
@@ -78,7 +78,8 @@ def main() -> dict:
                      "table": "*fp32", "state1": "*fp32", "state2": "*fp32", "state_row": "*fp32", "verdict": "*i64",
                      "unique": "*i64", "tables": None, **pointers}  # fmt: skip
             if dim == 64:
-                builds[f"{case}, dim {dim}, hot"] = build(k.runs_hot, {**constexprs, "BLOCK_N": block_n}, types)
+                builds[f"{case}, dim {dim}, hot"] = build(k.runs_hot, {**constexprs, "BLOCK_N": block_n}, types,
+                                                          num_warps=kernel_runs.HOT_WARPS)  # fmt: skip
             builds[f"{case}, dim {dim}, cold"] = build(k.runs_cold, {**constexprs, "BLOCK_S": block_s}, types)
     block_b, block_d = kernel_bags.tile(64)
     bags = dict(SEARCH=5, STORE=True, SCALED=True, BLOCK_B=block_b, BLOCK_D=block_d)
@@ -89,6 +90,8 @@ def main() -> dict:
     gather = dict(STORE_KEYS=True, CHECK=True, BLOCK_N=block_n, BLOCK_D=block_d)
     builds["gather, dim 64"] = build(triton_rows.gather_rows, gather, {"ids": "*i64", "table": "*fp32", "out": "*fp32", "keys": "*i32",
                                                             "verdict": "*i64"})  # fmt: skip
+    builds["put rows, dim 64"] = build(triton_rows.put_rows, {"BLOCK_N": block_n, "BLOCK_D": block_d},
+                                       {"rows": "*i64", "src": "*fp32", "dst": "*fp32"})  # fmt: skip
     block_h = 32  # dim 64: half 32 (kernels/rows.py normal)
     normal = dict(HAS_MEAN=True, BLOCK_N=kernel_rows.NORMAL_TILE // block_h, BLOCK_H=block_h)
     builds["normal rows, dim 64"] = build(triton_rows.normal_rows, normal, {"ids": "*i64", "out": "*fp32"})

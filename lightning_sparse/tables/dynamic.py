@@ -178,7 +178,7 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
         slots, new_slots, new_index = self.slots.resolve(keys, requests, distinct=distinct, valid=valid)
         if len(new_slots):  # on a GPU's path: the batch's bound, padded with the null slot (zeroed again below)
             new_ids = ids_of(new_index) if ids_of is not None else unmix(keys.index_select(0, new_index))
-            put(self._shard, new_slots, self._init_rows(new_ids, chunked=False), skip=NULL_SLOT)
+            put(self._shard, new_slots, self._init_rows(new_ids), skip=NULL_SLOT)
             for optimizer in self._optimizers:
                 optimizer.reset_rows(self._shard, new_slots, skip=NULL_SLOT)
             self._shard[NULL_SLOT].zero_()  # (where the torch path put the padding's rows)

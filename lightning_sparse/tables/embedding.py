@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_sparse.kernels import gpu_path
 from lightning_sparse.kernels.rounding import HALF
 from lightning_sparse.lookup import compiled
 from lightning_sparse.lookup.compiled import CompiledLookups
@@ -30,9 +31,10 @@ from lightning_sparse.wire.alltoall import ExchangeStats
 from lightning_sparse.wire.exchange import Route
 from lightning_sparse.wire.sharding import SCHEMES
 
-# Elements initialized per chunk: the int64/float64 hash temporaries of a chunk stay in cache, and
-# building a shard never holds more than a chunk of them.
-_INIT_CHUNK_ELEMENTS = 1 << 16
+# Elements initialized per chunk. On a CPU the int64/float64 hash temporaries of a chunk stay in
+# cache (10x faster for wide tables than one pass). On the GPU's path a chunk only bounds their
+# memory (16M elements: 128 MiB a temporary), so a batch's new rows are one chunk (one launch).
+_INIT_CHUNK_ELEMENTS, _GPU_INIT_CHUNK_ELEMENTS = 1 << 16, 1 << 24
 
 
 class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
@@ -138,15 +140,11 @@ class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
         """The rows a new shard starts with (a subclass may start them otherwise)."""
         return self._init_rows(global_ids)
 
-    def _init_rows(self, global_ids: Tensor, *, chunked: bool = True) -> Tensor:
-        """The rows ``global_ids`` start from, in the shard's dtype and device.
-
-        ``chunked``: built a chunk at a time, as a whole shard is (the init's temporaries stay in
-        cache and are never all there at once); ``False`` for a batch's new rows (a DynamicEmbedding's),
-        whose temporaries are the batch's size anyway: one call, however many rows.
-        """
-        rows_per_chunk = max(1, _INIT_CHUNK_ELEMENTS // self.embedding_dim)
-        if not chunked or len(global_ids) <= rows_per_chunk:  # one chunk: no copy
+    def _init_rows(self, global_ids: Tensor) -> Tensor:
+        """The rows ``global_ids`` start from, in the shard's dtype and device, a chunk at a time (see the chunks above)."""
+        elements = _GPU_INIT_CHUNK_ELEMENTS if gpu_path(global_ids) else _INIT_CHUNK_ELEMENTS
+        rows_per_chunk = max(1, elements // self.embedding_dim)
+        if len(global_ids) <= rows_per_chunk:  # one chunk: no copy
             return self._init_chunk(global_ids).to(device=self._shard.device, dtype=self._shard.dtype)
         shard = torch.empty(len(global_ids), self.embedding_dim, dtype=self._shard.dtype, device=self._shard.device)
         for start in range(0, len(global_ids), rows_per_chunk):

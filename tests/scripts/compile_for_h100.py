@@ -90,8 +90,10 @@ def main() -> dict:
     gather = dict(STORE_KEYS=True, CHECK=True, BLOCK_N=block_n, BLOCK_D=block_d)
     builds["gather, dim 64"] = build(triton_rows.gather_rows, gather, {"ids": "*i64", "table": "*fp32", "out": "*fp32", "keys": "*i32",
                                                             "verdict": "*i64"})  # fmt: skip
-    builds["put rows, dim 64"] = build(triton_rows.put_rows, {"BLOCK_N": block_n, "BLOCK_D": block_d},
-                                       {"rows": "*i64", "src": "*fp32", "dst": "*fp32"})  # fmt: skip
+    put = {"BLOCK_N": block_n, "BLOCK_D": block_d}
+    builds["put rows, dim 64"] = build(triton_rows.put_rows, put, {"rows": "*i64", "src": "*fp32", "dst": "*fp32"})
+    builds["put rows, int64 per-row state"] = build(triton_rows.put_rows, {**put, "BLOCK_D": 16},
+                                                    {"rows": "*i64", "src": "*i64", "dst": "*i64"})  # fmt: skip
     block_h = 32  # dim 64: half 32 (kernels/rows.py normal)
     normal = dict(HAS_MEAN=True, BLOCK_N=kernel_rows.NORMAL_TILE // block_h, BLOCK_H=block_h)
     builds["normal rows, dim 64"] = build(triton_rows.normal_rows, normal, {"ids": "*i64", "out": "*fp32"})

@@ -115,8 +115,9 @@ def _kernel_profile(step, steps: int) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
 
 
-def run(rows: int = 1_000_000, dim: int = 64, batch: int = 65_536, steps: int = 40, device: str = "cuda") -> dict:
-    """The cases' figures on ``device`` (``cpu``: no capture, for a dry run)."""
+def run(rows: int = 1_000_000, dim: int = 64, batch: int = 65_536, steps: int = 40, device: str = "cuda",
+        profiled_steps: int = 100) -> dict:  # fmt: skip
+    """The cases' figures on ``device`` (``cpu``: no capture and no kernel profile, for a dry run)."""
     device = torch.device(device)
     batches = make_batches(rows, batch, "skewed", 4, device)
     gen = torch.Generator().manual_seed(1)
@@ -139,8 +140,8 @@ def run(rows: int = 1_000_000, dim: int = 64, batch: int = 65_536, steps: int = 
 
         case = {"step_ms": median_ms(step, steps, 5, device), "host_ms": _host_ms(step, steps, device)}
         if name.startswith("ours"):
-            print(f"== {name}, {rows:,} x {dim}, {batch:,} ids: Python by own time, 100 steps", file=sys.stderr)
-            print(_python_profile(step, 100, device), file=sys.stderr)
+            print(f"== {name}, {rows:,} x {dim}, {batch:,} ids: Python by own time, {profiled_steps} steps", file=sys.stderr)
+            print(_python_profile(step, profiled_steps, device), file=sys.stderr)
             if device.type == "cuda":
                 print(f"== {name}: kernels by GPU time, 10 steps", file=sys.stderr)
                 print(_kernel_profile(step, 10), file=sys.stderr)

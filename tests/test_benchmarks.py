@@ -101,3 +101,9 @@ def test_gpu_benchmark_runs_the_gpu_path_and_reports_every_target(monkeypatch):
     assert len(found) == 10  # 5 step ratios, the lookup, 3 update bandwidths, the collection's (no profiler counts on a CPU)
     assert set(doc["collection"]["step_ms"]) == {"ours/rowwise_adagrad", "ours/adagrad", "torch_sparse/adagrad"}
     assert "**0.002M x 8, 256 ids, skewed ids**" in "\n".join(gpu_report.markdown(doc))
+    import gpu_host  # host time against step time (no capture on a CPU; the torch kernels: the script is what is tested)
+
+    monkeypatch.setenv(backend.ENV, "torch")
+    cases = gpu_host.run(500, 8, 64, steps=2, device="cpu", profiled_steps=2)["cases"]
+    assert set(cases) == {"ours/adagrad", "torch_sparse/adagrad", "ours/dynamic_adagrad"}
+    assert all(case["step_ms"] > 0 and case["host_ms"] > 0 for case in cases.values())

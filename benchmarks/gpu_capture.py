@@ -61,6 +61,19 @@ def _weights(table: nn.Module) -> torch.Tensor:
     return table.full_weight() if hasattr(table, "full_weight") else table.weight.detach()
 
 
+def captured(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """``step`` run once on a side stream (the warm-up torch.cuda.graphs asks for: it trains), then captured, not run."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def measure(case: str, rows: int, dim: int, batch: int, steps: int = 30) -> dict:
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -84,17 +97,10 @@ def measure(case: str, rows: int, dim: int, batch: int, steps: int = 30) -> dict
     expected = _weights(eager[0]).clone()
     eager_ms = median_ms(lambda i: train_step(*eager, batches[0]), steps, 0, device)
 
-    captured = _model(case, rows, dim, device)
+    model = _model(case, rows, dim, device)
     static_ids = {name: ids.clone() for name, ids in batches[0].items()} if many else batches[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up on a side stream, as torch.cuda.graphs asks: the first batch, trained
-        train_step(*captured, static_ids)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            train_step(*captured, static_ids)  # captured, not run: the second batch is the first replay
+    try:  # the warm-up trains the first batch; the capture is not run: the second batch is the first replay
+        graph = captured(lambda: train_step(*model, static_ids))
     except Exception as err:  # noqa: BLE001 - the probe reports what breaks capture
         return {"eager_ms": eager_ms, "captured": False, "error": f"{type(err).__name__}: {str(err)[:300]}"}
     for ids in batches[1:]:
@@ -102,7 +108,7 @@ def measure(case: str, rows: int, dim: int, batch: int, steps: int = 30) -> dict
             (static_ids[name] if many else static_ids).copy_(given)
         graph.replay()
     torch.cuda.synchronize()
-    difference = (_weights(captured[0]) - expected).abs().max().item()
+    difference = (_weights(model[0]) - expected).abs().max().item()
     replay_ms = median_ms(lambda i: graph.replay(), steps, 0, device)
     return {"eager_ms": eager_ms, "captured": True, "replay_ms": replay_ms, "replay_over_eager": replay_ms / eager_ms,
             "max_difference_from_eager": difference}  # fmt: skip

@@ -28,6 +28,7 @@ import time
 
 import torch
 from gpu import _loss, make_batches, median_ms
+from gpu_capture import captured
 from torch import nn
 
 
@@ -66,7 +67,7 @@ def _host_ms(step, steps: int, device: torch.device) -> float:
 
 
 def _captured_ms(build, batches: list, targets: list, proj: torch.Tensor, steps: int) -> float:
-    """The median replay of the step captured in a CUDA graph (warmed up on a side stream, as torch asks)."""
+    """The median replay of the step captured in a CUDA graph (:func:`gpu_capture.captured`)."""
     emb, opt = build(capturable=True)
     static_ids, static_target = batches[0].clone(), targets[0].clone()
 
@@ -75,14 +76,7 @@ def _captured_ms(build, batches: list, targets: list, proj: torch.Tensor, steps:
         opt.step()
         opt.zero_grad()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
 
     def replay(i):
         static_ids.copy_(batches[i % 4])

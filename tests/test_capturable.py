@@ -7,6 +7,9 @@ a CUDA graph, beside a dense part, and replayed on new ids: it trains as the eag
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from host_reads import HostReads
@@ -15,6 +18,10 @@ from torch import nn
 
 import lightning_sparse as ls
 from lightning_sparse.kernels import backend
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+# The warm-up and capture of docs/guide/gpu.md's recipe, as the GPU benchmarks run it (written once).
+from gpu_capture import captured as _captured  # noqa: E402
 
 CASES = {
     "sgd": ("SparseSGD", dict(lr=0.3, weight_decay=0.1)),
@@ -126,19 +133,6 @@ def test_capturable_refuses_a_table_whose_step_must_read_the_host(gpu_path):
     with pytest.raises(ValueError, match=r"capturable=True\) cannot step .*HINT: stochastic_rounding=False"):
         ls.SparseAdagrad([table], capturable=True)
     ls.SparseAdagrad([ls.SparseEmbedding(10, 4, dtype=torch.bfloat16, stochastic_rounding=False)], capturable=True)
-
-
-def _captured(step) -> torch.cuda.CUDAGraph:
-    """``step`` run once on a side stream (the warm-up torch.cuda.graphs asks for: it trains), then captured, not run."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not backend.triton_available(), reason="needs CUDA and triton")

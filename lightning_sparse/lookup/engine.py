@@ -91,7 +91,6 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
 
     route = ids_to_owners(runs, joint, fields, first.process_group, first.rank, unit.stats, check)
     mine, theirs = both_ways(route.by_table)
-    runs.finish(mine.total)
     routes = table_routes(route, joint, theirs)
     round_ = _Round(joint, runs, mine, route, routes, distinct=mine.split(runs.unique))
     rows = rows_from_owners(tables, route, mine, theirs, routes, unit.stats)

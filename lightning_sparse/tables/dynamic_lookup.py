@@ -133,8 +133,7 @@ class DynamicLookupMixin:
         fields = header.fields(self.device)
         check = partial(check_round, self.lookup_unit, problem=problem)
         route = ids_to_owners(runs, sharding, fields, self.process_group, self.rank, self.stats, check)
-        runs.finish(sum(route.send_splits))
-        return runs, sharding, route
+        return runs, sharding, route  # (stage 1 finished the sort)
 
     def answer(self, route: Route) -> Tensor:
         """Stage 1 on the owner: give the ids that ranks sent their slots and send them back; returns this rank's own. Collective."""

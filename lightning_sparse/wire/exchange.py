@@ -118,7 +118,8 @@ def ids_to_owners(
     header before the route is built; every rank sees the same headers, so if it raises, it
     raises on every rank and the group stays usable. One host read: the headers. With a
     :class:`~lightning_sparse.wire.sharding.JointSharding` (several tables), the same read also
-    brings the ids per (rank, table) both ways (``Route.by_table``).
+    brings the ids per (rank, table) both ways (``Route.by_table``). The same read gives the number
+    of distinct ids, with which it finishes ``runs`` (:meth:`SortedKeys.finish`: ``unique`` is then set).
 
     With one rank nothing is sent (:func:`_to_itself`). Collective: every rank of ``group`` must call it.
     """
@@ -160,6 +161,7 @@ def ids_to_owners(
         _ROOM[group] = _next_room(most)
         if check is not None:
             check(headers)
+        runs.finish(sum(send_splits))
         recv_splits = headers.tensor[:, 0].tolist()
         received = _segments(
             recv.view(-1), torch.arange(world_size) * (width + room) + width, headers.tensor[:, 0].clamp(max=room)
@@ -248,7 +250,6 @@ def _segments(flat: Tensor, starts: Tensor, lengths: Tensor) -> Tensor:
 def _overflow(runs, sharding, send_splits, recv_splits, room, received, group, rank, stats) -> Tensor:
     """The second round of stage 1: ids beyond the room, then every requester's ids in order."""
     world_size = sharding.world_size
-    runs.finish(sum(send_splits))
     local = sharding.local_of_key(runs.unique)
     starts = split_starts(send_splits)
     extra_send = [max(0, c - room) for c in send_splits]

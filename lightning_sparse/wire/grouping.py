@@ -39,7 +39,6 @@ class SortedKeys:
         self._first: Tensor | None = None
         self._run: Tensor | None = None
         self.unique = self.offsets = keys.new_empty(0, dtype=torch.int64)
-        self._finished = False
 
     @property
     def is_first(self) -> Tensor:
@@ -83,10 +82,7 @@ class SortedKeys:
         return counts.index_add_(0, torch.where(counted, blocks, num_blocks), counted.to(torch.int64))[:-1]
 
     def finish(self, num_unique: int | None = None) -> SortedKeys:
-        """Materialize ``unique`` and ``offsets`` (where each run starts in sorted order), once: a later call returns at once."""
-        if self._finished:
-            return self
-        self._finished = True
+        """Materialize ``unique`` and ``offsets`` (where each run starts in sorted order)."""
         if num_unique is not None and gpu_path(self.is_first):  # no host read for the output size (slower on a CPU)
             self.offsets = torch.nonzero_static(self.is_first, size=num_unique).view(-1)
         else:
@@ -102,7 +98,6 @@ class SortedKeys:
         distinct keys but its size (one rank's on a GPU).
         """
         n = len(self.sorted)
-        self._finished = True
         self.offsets = torch.nonzero_static(self.is_first, size=n, fill_value=max(n - 1, 0)).view(-1)
         self.unique = self.sorted.index_select(0, self.offsets).to(torch.int64)
         return torch.arange(n, device=self.sorted.device) < self.run_number()[-1:]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +14,7 @@ pytest.importorskip("dgl")
 EXAMPLE = Path(__file__).parent.parent / "examples" / "dgl"
 sys.path.insert(0, str(EXAMPLE))
 import graphs  # noqa: E402
-from processes import assert_clean_exit  # noqa: E402
+from example_runs import run_script  # noqa: E402
 
 
 def test_planted_communities_are_reproducible_and_planted():
@@ -34,27 +32,20 @@ def test_planted_communities_are_reproducible_and_planted():
         graphs.planted_communities(1001, 10, 5, 5)
 
 
-def _fit(script: str, args: list[str]) -> float:
-    """Run the example's CLI with its YAML (2 processes) and return the test accuracy it prints."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+def _fit(rank_pools, script: str, args: list[str]) -> float:
+    """The example's CLI with its YAML on the 2-rank pool (tests/example_runs.py); the test accuracy it prints."""
     config = script.replace(".py", ".yaml")
-    result = subprocess.run(
-        [sys.executable, script, "fit", "--config", config, "--trainer.logger", "false", *args],
-        cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=280, check=False,
-    )  # fmt: skip
-    assert_clean_exit(result)
-    found = re.findall(r"test_acc\s+([0-9.]+)", result.stdout)
-    assert found, result.stdout[-3000:]
+    printed = rank_pools(2).run(run_script, EXAMPLE / script, ["fit", "--config", config, "--trainer.logger", "false", *args])
+    found = re.findall(r"test_acc\s+([0-9.]+)", printed[0])
+    assert found, printed[0][-3000:]
     return float(found[-1])
 
 
-@pytest.mark.timeout(300)
-def test_graphsage_recovers_communities_on_two_processes():
-    accuracy = _fit("sage.py", ["--data.num_nodes", "2000", "--data.batch_size", "32", "--trainer.max_epochs", "3"])
+def test_graphsage_recovers_communities_on_two_processes(rank_pools):
+    accuracy = _fit(rank_pools, "sage.py", ["--data.num_nodes", "2000", "--data.batch_size", "32", "--trainer.max_epochs", "3"])
     assert accuracy > 0.8  # chance: 0.1; 0.970 after these 3 epochs (and after 5)
 
 
-@pytest.mark.timeout(300)
-def test_deepwalk_recovers_communities_on_two_processes():
-    accuracy = _fit("deepwalk.py", ["--data.num_nodes", "2000", "--trainer.max_epochs", "3"])
-    assert accuracy > 0.8  # chance: 0.1; 0.879 after these 3 epochs
+def test_deepwalk_recovers_communities_on_two_processes(rank_pools):
+    accuracy = _fit(rank_pools, "deepwalk.py", ["--data.num_nodes", "2000", "--trainer.max_epochs", "3"])
+    assert accuracy > 0.8  # chance: 0.1; 0.887 after these 3 epochs

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +14,7 @@ sys.path.insert(0, str(EXAMPLE))
 
 import data as dlrm_data  # noqa: E402
 import model as dlrm_model  # noqa: E402
-from processes import assert_clean_exit  # noqa: E402
+from example_runs import run_script  # noqa: E402
 
 import lightning_sparse as ls  # noqa: E402
 
@@ -132,29 +130,22 @@ def test_dlrm_trains_on_hashed_ids(tables):
     assert float(table.shard.abs().sum()) > 0
 
 
-def _fit(args: list[str], timeout: int = 240) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(
-        [sys.executable, "main.py", "fit", "--config", "config.yaml", "--trainer.logger", "false", *args],
-        cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    assert_clean_exit(result)
-    return result.stdout
+def _fit(pool, args: list[str]) -> str:
+    """``python main.py fit --config config.yaml ...`` on the pool's ranks (tests/example_runs.py); what rank 0 printed."""
+    return pool.run(run_script, EXAMPLE / "main.py", ["fit", "--config", "config.yaml", "--trainer.logger", "false", *args])[0]
 
 
-@pytest.mark.timeout(300)
-def test_dlrm_trains_on_two_processes_and_auroc_rises():
-    out = _fit(["--data.max_rows", "3000", "--data.train_samples", "60000", "--data.val_samples", "8000",
+def test_dlrm_trains_on_two_processes_and_auroc_rises(rank_pools):
+    out = _fit(rank_pools(2), ["--data.max_rows", "3000", "--data.train_samples", "60000", "--data.val_samples", "8000",
                 "--data.batch_size", "1024", "--model.sparse_lr", "0.05", "--trainer.max_epochs", "2"])  # fmt: skip
     aurocs = [float(v) for v in re.findall(r"val_auroc ([0-9.]+)", out)]
     assert len(aurocs) == 2, out
     assert aurocs[0] > 0.6 and aurocs[1] > aurocs[0], out
 
 
-@pytest.mark.timeout(300)
-def test_dlrm_reads_criteo_tsv_with_one_flag(tmp_path):
+def test_dlrm_reads_criteo_tsv_with_one_flag(rank_pools, tmp_path):
     write_tsv(tmp_path / "train.tsv", 600)
     # One process: the flag is about reading the file (test_dlrm_trains_on_two_processes... covers 2 processes).
-    out = _fit(["--data.tsv", str(tmp_path / "train.tsv"), "--data.val_samples", "100", "--data.max_rows", "500",
+    out = _fit(rank_pools(1), ["--data.tsv", str(tmp_path / "train.tsv"), "--data.val_samples", "100", "--data.max_rows", "500",
                 "--data.batch_size", "64", "--trainer.max_epochs", "1", "--trainer.devices", "1"])  # fmt: skip
     assert "epoch 0: val_auroc" in out, out

@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import lightning_models as lm
 import pytest
 import torch
+from example_runs import run_script
 from processes import assert_clean_exit
 from rank_pool import RankError
 from references import make_reference
@@ -269,6 +270,7 @@ SMALL = [
 
 
 def _example(tmp_path: Path, *args: str) -> str:
+    """``python fabric_recommender.py`` (the small run) in a process of its own; what it printed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     result = subprocess.run([sys.executable, str(EXAMPLE), *SMALL, "--checkpoint", str(tmp_path / "rec.ckpt"), *args],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
@@ -276,9 +278,12 @@ def _example(tmp_path: Path, *args: str) -> str:
     return result.stdout
 
 
-def test_fabric_example_trains_and_resumes_on_another_number_of_processes(tmp_path):
+@pytest.mark.subprocesses
+def test_fabric_example_trains_and_resumes_on_another_number_of_processes(rank_pools, tmp_path):
+    """Launched as written (Fabric starts the second process), then resumed on the 3-rank pool (tests/example_runs.py)."""
     first = _example(tmp_path, "--devices", "2", "--epochs", "1")
-    resumed = _example(tmp_path, "--devices", "3", "--epochs", "2", "--resume")
+    command = [*SMALL, "--checkpoint", str(tmp_path / "rec.ckpt"), "--devices", "3", "--epochs", "2", "--resume"]
+    resumed = rank_pools(3).run(run_script, EXAMPLE, command)[0]
     assert "resumed from" in resumed and "at epoch 1 on 3 processes" in resumed
     aurocs = [float(x) for x in re.findall(r"val_auroc ([0-9.]+)", first + resumed)]
     assert len(aurocs) == 2 and aurocs[1] > aurocs[0] > 0.5, first + resumed

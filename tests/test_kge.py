@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import lightning_models as lm
 import pytest
 import torch
-from processes import assert_clean_exit
+from example_runs import run_script
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "kge"
 
@@ -68,41 +66,36 @@ def test_sharded_filtered_ranking_equals_brute_force(rank_pools, world_size, mod
         assert result["hits10"] == pytest.approx(result["expected_hits10"], rel=1e-6)
 
 
-def _fit(config: str, args: list[str]) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(
-        [sys.executable, "main.py", "fit", "--config", config, "--trainer.logger", "false", "--trainer.max_time", "null",
-         "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "model.EvalSummary", *args],
-        cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=280, check=False,
-    )  # fmt: skip
-    assert_clean_exit(result)
-    return result.stdout
+def _fit(rank_pools, config: str, args: list[str]) -> str:
+    """``python main.py fit --config CONFIG ...`` on the 2-rank pool (tests/example_runs.py); what rank 0 printed."""
+    command = ["fit", "--config", config, "--trainer.logger", "false", "--trainer.max_time", "null",
+               "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "model.EvalSummary", *args]  # fmt: skip
+    return rank_pools(2).run(run_script, EXAMPLE / "main.py", command)[0]
 
 
 @needs_wn18rr
-@pytest.mark.timeout(300)
 @pytest.mark.parametrize("config, epochs", [("complex.yaml", 6)])
-def test_ci_sized_run_trains_on_two_processes(config, epochs):
+def test_ci_sized_run_trains_on_two_processes(rank_pools, config, epochs):
     """A slice of WN18RR, a few steps, one evaluation: the MRR beats chance by far.
 
     ComplEx only: DistMult trains by the same 1-vs-all path (its scores are held to brute force above, on 1 and 2
     ranks), and a run of its own cost the suite 11 s (MRR 0.018 after 3 epochs: ``--config distmult.yaml``).
     """
-    out = _fit(config, ["--data.limit_train", "3000", "--data.limit_eval", "200", "--trainer.max_epochs", str(epochs),
-                        "--trainer.check_val_every_n_epoch", str(epochs), "--model.dim", "32", "--model.lr", "0.3"])  # fmt: skip
+    out = _fit(rank_pools, config, ["--data.limit_train", "3000", "--data.limit_eval", "200", "--trainer.max_epochs",
+                                    str(epochs), "--trainer.check_val_every_n_epoch", str(epochs), "--model.dim", "32",
+                                    "--model.lr", "0.3"])  # fmt: skip
     mrr = [float(v) for v in re.findall(r"val: mrr ([0-9.]+)", out)]
     assert mrr and mrr[-1] > 0.01, out  # chance: about 3e-4 for 40,943 entities (a slice of the data: most answers unseen)
 
 
 @needs_wn18rr
-@pytest.mark.timeout(300)
-def test_rotate_trains_by_negative_sampling_on_two_processes():
+def test_rotate_trains_by_negative_sampling_on_two_processes(rank_pools):
     """One epoch of half the training set (a smaller slice leaves most evaluation answers unseen, and
     uniform negatives touch too few entities in a few steps to rank them): far above chance.
 
     The full set at lr 0.1 reached MRR 0.019 in 21 s here; this half at lr 0.2, 0.051 in 17 s."""
-    out = _fit("rotate.yaml", ["--data.limit_train", "43000", "--data.limit_eval", "200", "--trainer.max_epochs", "1",
-                               "--model.dim", "32", "--model.lr", "0.2"])  # fmt: skip
+    out = _fit(rank_pools, "rotate.yaml", ["--data.limit_train", "43000", "--data.limit_eval", "200",
+                                           "--trainer.max_epochs", "1", "--model.dim", "32", "--model.lr", "0.2"])  # fmt: skip
     mrr = [float(v) for v in re.findall(r"val: mrr ([0-9.]+)", out)]
     assert mrr and mrr[-1] > 0.005, out  # chance: about 3e-4; this run: 0.051
 

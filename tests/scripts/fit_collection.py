@@ -103,7 +103,11 @@ def main() -> None:
     trainer = lm.trainer(args.devices, num_nodes=args.num_nodes, max_epochs=args.epochs, callbacks=callbacks,
                          enable_checkpointing=bool(args.checkpoints),
                          strategy=ls.SparseDDPStrategy(timeout=timedelta(seconds=args.timeout)))  # fmt: skip
-    trainer.fit(module, ckpt_path="last" if args.resume else None)
+    try:
+        trainer.fit(module, ckpt_path="last" if args.resume else None)
+    except ls.PeerFailure:  # when this rank learned of the loss, on the clock every process of the machine shares
+        print(f"PeerFailure raised at monotonic {time.monotonic():.3f}", flush=True)
+        raise
     state = lm.state(module)  # collective: every rank takes part
     if trainer.global_rank == 0:
         torch.save({"state": state, "world_size": trainer.world_size, "num_nodes": trainer.num_nodes}, args.out)

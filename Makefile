@@ -41,8 +41,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two workers (pytest-xdist), each taking the next test as it finishes one; TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1
 
 # The documentation site (MkDocs, strict: any warning fails) into site/; `mkdocs serve` to browse it.
 docs: $(STAMP)

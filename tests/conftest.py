@@ -46,3 +46,9 @@ def rank_pools():
         except AssertionError as err:
             errors.append(str(err))
     assert not errors, "; ".join(errors)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that start interpreters of their own run first (a stable sort): with ``make test``'s two workers,
+    each takes the next test as it finishes one, so these long ones overlap and the short ones fill in behind."""
+    items.sort(key=lambda item: item.get_closest_marker("subprocesses") is None)

@@ -15,6 +15,7 @@ from processes import assert_clean_exit
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.subprocesses
 @pytest.mark.timeout(300)
 def test_quick_benchmark_writes_results_and_report(tmp_path):
     page = tmp_path / "benchmarks.md"

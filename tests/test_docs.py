@@ -22,6 +22,7 @@ def test_every_public_name_is_in_the_api_reference():
     assert not missing, f"add these to docs/api.md: {sorted(missing)}"
 
 
+@pytest.mark.subprocesses
 @pytest.mark.timeout(300)
 def test_site_builds_in_strict_mode(tmp_path):
     pytest.importorskip("mkdocs")

@@ -111,6 +111,7 @@ def test_release_destroys_the_groups_and_drains_their_workers(regrouping_pool, w
         assert not result["initialized"] and result["quiet"], result
 
 
+@pytest.mark.subprocesses
 @pytest.mark.timeout(600)
 def test_every_exit_shape_exits_cleanly_with_the_race_widened():
     """The plain-torch shapes and the launchers no other test uses, once each, race widened.
@@ -135,6 +136,7 @@ def _running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.subprocesses
 @pytest.mark.timeout(180)
 def test_a_hung_rank_does_not_outlive_the_fit(tmp_path):
     """Rank 1 hangs; rank 0 fails with PeerFailure after the 10 s timeout and kills the rank it launched.

@@ -77,6 +77,7 @@ def test_the_collection_guide_example_runs_on_every_rank(rank_pools):
         assert shapes == {"user": (2, 16), "candidate": (2, 2, 16), "history": (2, 16)}
 
 
+@pytest.mark.subprocesses
 @pytest.mark.timeout(120)
 def test_the_readme_quickstart_trains_as_written(tmp_path):
     """Saved as quickstart.py and run: 2 CPU processes, the loss of each epoch printed, and falling."""

@@ -310,6 +310,7 @@ def h100_builds():
     return json.loads(run.stdout)
 
 
+@pytest.mark.subprocesses
 @pytest.mark.skipif(not backend.triton_available(), reason="needs triton")
 def test_every_kernel_compiles_for_an_h100_without_spills(h100_builds):
     """No GPU needed: the kernels compile for sm_90, with no spills and registers that leave room for occupancy."""

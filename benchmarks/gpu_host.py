@@ -27,7 +27,7 @@ import sys
 import time
 
 import torch
-from gpu import _loss, make_batches, median_ms
+from gpu import _loss, _release, make_batches, median_ms
 from gpu_capture import captured
 from torch import nn
 
@@ -145,8 +145,7 @@ def run(rows: int = 1_000_000, dim: int = 64, batch: int = 65_536, steps: int = 
                     case["device_ms"] = f"{type(err).__name__}: {str(err)[:300]}"
         out["cases"][name] = case
         del emb, opt, step
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release(device)
     return out
 
 

@@ -269,11 +269,16 @@ SMALL = [
 ]
 
 
+def _arguments(tmp_path: Path, *args: str) -> list[str]:
+    """The small run's command-line arguments, its checkpoint in ``tmp_path``."""
+    return [*SMALL, "--checkpoint", str(tmp_path / "rec.ckpt"), *args]
+
+
 def _example(tmp_path: Path, *args: str) -> str:
     """``python fabric_recommender.py`` (the small run) in a process of its own; what it printed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([sys.executable, str(EXAMPLE), *SMALL, "--checkpoint", str(tmp_path / "rec.ckpt"), *args],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    result = subprocess.run([sys.executable, str(EXAMPLE), *_arguments(tmp_path, *args)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
     assert_clean_exit(result)
     return result.stdout
 
@@ -282,8 +287,7 @@ def _example(tmp_path: Path, *args: str) -> str:
 def test_fabric_example_trains_and_resumes_on_another_number_of_processes(rank_pools, tmp_path):
     """Launched as written (Fabric starts the second process), then resumed on the 3-rank pool (tests/example_runs.py)."""
     first = _example(tmp_path, "--devices", "2", "--epochs", "1")
-    command = [*SMALL, "--checkpoint", str(tmp_path / "rec.ckpt"), "--devices", "3", "--epochs", "2", "--resume"]
-    resumed = rank_pools(3).run(run_script, EXAMPLE, command)[0]
+    resumed = rank_pools(3).run(run_script, EXAMPLE, _arguments(tmp_path, "--devices", "3", "--epochs", "2", "--resume"))[0]
     assert "resumed from" in resumed and "at epoch 1 on 3 processes" in resumed
     aurocs = [float(x) for x in re.findall(r"val_auroc ([0-9.]+)", first + resumed)]
     assert len(aurocs) == 2 and aurocs[1] > aurocs[0] > 0.5, first + resumed

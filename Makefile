@@ -53,7 +53,7 @@ docs: $(STAMP)
 
 # The benchmark suite (about 13 minutes on 2 cores; run it on an idle machine): writes
 # benchmarks/results/bench.json, the plots and the results block of docs/benchmarks.md.
-# BENCH_ARGS="--quick" for a smoke run, "--device cuda" to add the GPU section.
+# BENCH_ARGS="--quick" for a smoke run, "--device cuda" to add the GPU section, "--only SECTION" to measure one section again.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS),bench]" "torch==$(TORCH_VERSION)"
 	$(PY) -W ignore benchmarks/bench.py $(BENCH_ARGS)

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-report", action="store_true")
     parser.add_argument(
         "--only",
-        choices=["distributed", "scale", "network", "dynamic", "half", "gpu"],
+        choices=["single_process", "distributed", "collection", "scale", "network", "dynamic", "half", "gpu"],
         help="measure this section again into the existing --out file (gpu: every GPU measurement)",
     )
     args = parser.parse_args(argv)
@@ -107,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["threads"] = {"single_process": plan["single_process"]["threads"], "distributed_per_rank": 1}
 
     print("single process (CPU)...", flush=True)
-    doc["single_process"] = [single_process.run(**plan["single_process"], with_fbgemm=single_process.fbgemm_available())]
-    if not args.quick:  # a second process with another allocator setting: nothing a smoke run needs
-        print("single process (CPU, freed memory kept)...", flush=True)
-        doc["single_process"].append(_single_process_keeping_memory(plan["single_process"]))
+    doc["single_process"] = _single_process(plan["single_process"], keeping_memory=not args.quick)
     print("2 ranks (gloo)...", flush=True)
     methods = plan["distributed"]["methods"]
     if not _importable("dgl"):
@@ -132,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         _measure_gpu(doc, plan)
     else:
         doc["gpu"] = {"skipped": "not requested (--device cuda)" if torch.cuda.is_available() else "no CUDA device"}
+        _keep_gpu_figures(doc, Path(args.out))
     doc["wall_s"] = time.perf_counter() - start
     doc["targets"] = report.targets(doc)
 
@@ -154,7 +152,9 @@ def _rerun(section: str, plan: dict, out: Path, page: Path | None) -> int:
         _measure_gpu(doc, plan)
     else:
         runs = {
+            "single_process": lambda **cfg: _single_process(cfg, keeping_memory=not doc.get("quick")),
             "distributed": distributed.run,
+            "collection": collection.run,
             "scale": scale.run,
             "network": network.run,
             "dynamic": dynamic.run,
@@ -166,7 +166,8 @@ def _rerun(section: str, plan: dict, out: Path, page: Path | None) -> int:
         doc[section] = measured
     code = _code()
     doc.setdefault("rerun", {})[section] = {"created": datetime.datetime.now().isoformat(timespec="seconds"),
-                                            "commit": code["commit"] + (" with uncommitted changes" if code["uncommitted"] else "")}  # fmt: skip
+                                            "commit": code["commit"] + (" with uncommitted changes" if code["uncommitted"] else ""),
+                                            "processor": _machine()["processor"]}  # fmt: skip
     doc["targets"] = report.targets(doc)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     for target in doc["targets"]:
@@ -176,6 +177,20 @@ def _rerun(section: str, plan: dict, out: Path, page: Path | None) -> int:
     return 0
 
 
+def _keep_gpu_figures(doc: dict, out: Path) -> None:
+    """A run without a GPU keeps the last GPU figures of ``out`` (the report says when and where they were measured)."""
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    if previous.get("quick") != doc["quick"] or "skipped" in previous.get("gpu", {"skipped": True}):
+        return
+    doc["gpu"] = previous["gpu"]
+    kept_dynamic = previous.get("dynamic", {}).get("step", {}).get("one process, GPU")
+    if kept_dynamic is not None:
+        doc["dynamic"]["step"]["one process, GPU"] = kept_dynamic
+    measured = previous.get("rerun", {}).get("gpu") or {"created": previous["created"], "commit": previous["code"]["commit"]}
+    doc["rerun"] = {"gpu": measured}
+    print(f"kept the GPU figures measured {measured['created']} at {measured['commit']}", flush=True)
+
+
 def _measure_gpu(doc: dict, plan: dict) -> None:
     """The GPU measurements, into ``doc``: the one-process step against torch's (gpu.py) and the dynamic table's step."""
     import gpu
@@ -183,6 +198,15 @@ def _measure_gpu(doc: dict, plan: dict) -> None:
     doc["gpu"] = gpu.run(**plan["gpu"])
     dyn = {**plan["dynamic"], "two_ranks": False, "distinct": 0, "device": "cuda"}
     doc.setdefault("dynamic", {}).setdefault("step", {})["one process, GPU"] = dynamic.run(**dyn)["step"]["one process"]
+
+
+def _single_process(cfg: dict, keeping_memory: bool) -> list[dict]:
+    """The one-process CPU section: glibc's defaults, then (``keeping_memory``) a second process that keeps freed memory."""
+    runs = [single_process.run(**cfg, with_fbgemm=single_process.fbgemm_available())]
+    if keeping_memory:  # another allocator setting: nothing a smoke run needs
+        print("single process (CPU, freed memory kept)...", flush=True)
+        runs.append(_single_process_keeping_memory(cfg))
+    return runs
 
 
 # glibc gives freed buffers back to the system and page-faults new ones in; these keep them, as

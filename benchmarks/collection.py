@@ -195,9 +195,15 @@ def run_distributed(max_rows: int, batch: int, rounds: int, steps_per_round: int
     for name in ranks[0]:
         per_step = [max(ts) for ts in zip(*(r[name]["step_s"] for r in ranks))]
         methods[name] = {"step_ms_median": 1e3 * statistics.median(per_step), "steps": len(per_step),
+                         "round_ms": _round_medians(per_step, steps_per_round),
                          "all_to_all_per_step": ranks[0][name]["all_to_all_per_step"]}  # fmt: skip
     return {"world_size": 2, "threads_per_rank": 1, "tables": len(CRITEO), "dim": DIM, "rows": sum(cardinalities(max_rows)),
             "batch_per_rank": batch, "methods": methods}  # fmt: skip
+
+
+def _round_medians(step_s: list[float], steps_per_round: int) -> list[float]:
+    """Each round's median step in ms (the methods take turns round by round: a ratio per round cancels the machine's drift)."""
+    return [1e3 * statistics.median(step_s[i : i + steps_per_round]) for i in range(0, len(step_s), steps_per_round)]
 
 
 # ---------------------------------------------------------------------- 1 process
@@ -224,7 +230,8 @@ def run_single(max_rows: int, batch: int, rounds: int, steps_per_round: int, thr
                 step(*batches[(round_ + i) % len(batches)], proj)
                 samples[name].append(time.perf_counter() - start)
     out = {"threads": threads, "tables": len(CRITEO), "dim": DIM, "rows": sum(rows), "batch": batch,
-           "methods": {name: {"step_ms_median": 1e3 * statistics.median(s), "steps": len(s)} for name, s in samples.items()}}  # fmt: skip
+           "methods": {name: {"step_ms_median": 1e3 * statistics.median(s), "steps": len(s),
+                              "round_ms": _round_medians(s, steps_per_round)} for name, s in samples.items()}}  # fmt: skip
     if skipped:
         out["fbgemm_skipped"] = skipped
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import gpu_report
@@ -33,12 +34,23 @@ STYLE = {"ours": ("tab:red", "o"), "sparse_ddp": ("tab:orange", "v"), "dgl": ("t
 
 
 # ---------------------------------------------------------------------------- targets
-def _single(doc: dict, device: str = "cpu") -> dict[tuple[str, str], float]:
-    """The first one-process section on ``device``: with glibc's defaults, what users run."""
+def _single(doc: dict, device: str = "cpu") -> dict[tuple[str, str], dict]:
+    """The first one-process section on ``device`` (with glibc's defaults, what users run): its results by (name, kind)."""
     for section in doc.get("single_process", []):
         if section["device"] == device:
-            return {(r["name"], r["kind"]): r["ms_median"] for r in section["results"]}
+            return {(r["name"], r["kind"]): r for r in section["results"]}
     return {}
+
+
+def ratio(a: dict | None, b: dict | None) -> float | None:
+    """``b``'s time over ``a``'s: the median over rounds of each round's ratio where both were measured in the same
+    interleaved rounds (``round_ms``: a drift of the machine between rounds cancels), else the ratio of the medians."""
+    if not a or not b:
+        return None
+    if len(a.get("round_ms") or ()) == len(b.get("round_ms") or ()) > 0:
+        return statistics.median(y / x for x, y in zip(a["round_ms"], b["round_ms"]))
+    key = "ms_median" if "ms_median" in a else "step_ms_median"
+    return b[key] / a[key]
 
 
 def targets(doc: dict) -> list[dict]:
@@ -58,27 +70,21 @@ def targets(doc: dict) -> list[dict]:
         )
 
     s = _single(doc)
-    torch_adam = s.get(("torch/adam_global", "step"))
     for family in ("adam_row", "adam_global"):
-        ours = s.get((f"ours/{family}", "step"))
-        ratio = torch_adam / ours if torch_adam and ours else None
-        add(f"1 process: {FAMILY_LABEL[family]} vs torch SparseAdam, fwd+bwd+step", ">= 3x faster", ratio, ratio and ratio >= 3)
-    ours, theirs = s.get(("ours/adagrad", "step")), s.get(("torch/adagrad", "step"))
-    ratio = theirs / ours if ours and theirs else None
-    add("1 process: Adagrad vs torch Adagrad, fwd+bwd+step", ">= 2x faster", ratio, ratio and ratio >= 2)
+        value = ratio(s.get((f"ours/{family}", "step")), s.get(("torch/adam_global", "step")))
+        add(f"1 process: {FAMILY_LABEL[family]} vs torch SparseAdam, fwd+bwd+step", ">= 3x faster", value, value and value >= 3)
+    value = ratio(s.get(("ours/adagrad", "step")), s.get(("torch/adagrad", "step")))
+    add("1 process: Adagrad vs torch Adagrad, fwd+bwd+step", ">= 2x faster", value, value and value >= 2)
     for family in ("rowwise_adagrad", "sgd"):
-        ours, theirs = s.get((f"ours/{family}", "step")), s.get((f"fbgemm/{family}", "step"))
-        ratio = theirs / ours if ours and theirs else None
+        value = ratio(s.get((f"ours/{family}", "step")), s.get((f"fbgemm/{family}", "step")))
         add(
-            f"1 process: {FAMILY_LABEL[family]} vs FBGEMM CPU TBE, fwd+bwd+step", "no slower (>= 1x)", ratio, ratio and ratio >= 1
+            f"1 process: {FAMILY_LABEL[family]} vs FBGEMM CPU TBE, fwd+bwd+step", "no slower (>= 1x)", value, value and value >= 1
         )
     for family in FAMILIES:
-        ours, floor = s.get((f"ours/{family}", "update")), s.get((f"floor/gather_scatter/{family}", "floor_gather_scatter"))
-        ratio = ours / floor if ours and floor else None
-        add(f"1 process: {FAMILY_LABEL[family]} step / gather+scatter floor", "<= 1.5x", ratio, ratio and ratio <= 1.5)
-    ours, theirs = s.get(("ours/lookup", "lookup")), s.get(("torch/lookup", "lookup"))
-    ratio = ours / theirs if ours and theirs else None
-    add("1 process: lookup (fwd+bwd) / nn.Embedding(sparse=True)", "<= 1.5x", ratio, ratio and ratio <= 1.5)
+        value = ratio(s.get((f"floor/gather_scatter/{family}", "floor_gather_scatter")), s.get((f"ours/{family}", "update")))
+        add(f"1 process: {FAMILY_LABEL[family]} step / gather+scatter floor", "<= 1.5x", value, value and value <= 1.5)
+    value = ratio(s.get(("torch/lookup", "lookup")), s.get(("ours/lookup", "lookup")))
+    add("1 process: lookup (fwd+bwd) / nn.Embedding(sparse=True)", "<= 1.5x", value, value and value <= 1.5)
 
     runs = [r for r in doc.get("distributed", {}).get("runs", []) if "error" not in r]
     by = {(r["method"], r["rows"], r["batch"]): r for r in runs}
@@ -89,17 +95,17 @@ def targets(doc: dict) -> list[dict]:
         for other, need in (("dgl", 1.3 if batch >= 65536 else 1.0), ("sparse_grad_ddp", 2.0 if batch >= 65536 else None)):
             if need is None or (other, rows, batch) not in by:
                 continue
-            ratio = by[(other, rows, batch)]["step_ms_median"] / ms
+            value = by[(other, rows, batch)]["step_ms_median"] / ms
             label = "no slower" if need == 1.0 else f">= {need}x faster"
-            add(f"2 ranks, {_rows(rows)} rows, {batch} ids/rank: vs {METHOD_LABEL[other]}", label, ratio, ratio >= need)
+            add(f"2 ranks, {_rows(rows)} rows, {batch} ids/rank: vs {METHOD_LABEL[other]}", label, value, value >= need)
         if r.get("lower_bound_bytes_per_step"):
-            ratio = r["bytes_sent_per_step"] / r["lower_bound_bytes_per_step"]
-            add(f"2 ranks, {_rows(rows)} rows, {batch} ids/rank: bytes sent / lower bound", "<= 1.1x", ratio, ratio <= 1.1)
+            value = r["bytes_sent_per_step"] / r["lower_bound_bytes_per_step"]
+            add(f"2 ranks, {_rows(rows)} rows, {batch} ids/rank: bytes sent / lower bound", "<= 1.1x", value, value <= 1.1)
     coll = doc.get("collection", {})
     d = coll.get("distributed", {}).get("methods", {})
     if "collection" in d and "separate" in d:
-        ratio = d["separate"]["step_ms_median"] / d["collection"]["step_ms_median"]
-        add("2 ranks, 26 tables: collection vs 26 separate tables, fwd+bwd+step", "faster (> 1x)", ratio, ratio > 1)
+        value = ratio(d["collection"], d["separate"])
+        add("2 ranks, 26 tables: collection vs 26 separate tables, fwd+bwd+step", "faster (> 1x)", value, value > 1)
         add(
             "2 ranks, 26 tables: all-to-alls per step, collection",
             "3 (independent of the tables)",
@@ -109,14 +115,14 @@ def targets(doc: dict) -> list[dict]:
         )
     s1 = coll.get("single_process", {}).get("methods", {})
     if "collection" in s1 and "fbgemm" in s1:
-        ratio = s1["fbgemm"]["step_ms_median"] / s1["collection"]["step_ms_median"]
-        add("1 process, 26 tables: collection vs FBGEMM CPU TBE (row-wise Adagrad fused)", "no slower (>= 1x)", ratio, ratio >= 1)
+        value = ratio(s1["collection"], s1["fbgemm"])
+        add("1 process, 26 tables: collection vs FBGEMM CPU TBE (row-wise Adagrad fused)", "no slower (>= 1x)", value, value >= 1)
     scale = {(r["workload"], r["world_size"]): r for r in doc.get("scale", {}).get("results", [])
              if r.get("group_size", r["world_size"]) == r["world_size"]}  # 1-D runs  # fmt: skip
     for world, need in ((1024, 1.25), (4096, 1.5)):
         if ("26 tables", 8) in scale and ("26 tables", world) in scale:
-            ratio = scale[("26 tables", world)]["step_ms"] / scale[("26 tables", 8)]["step_ms"]
-            add(f"simulator, 26 tables: step host time at W={world} / at W=8", f"<= {need}x", ratio, ratio <= need)
+            value = scale[("26 tables", world)]["step_ms"] / scale[("26 tables", 8)]["step_ms"]
+            add(f"simulator, 26 tables: step host time at W={world} / at W=8", f"<= {need}x", value, value <= need)
     for where, r in doc.get("dynamic", {}).get("step", {}).items():
         add(f"{where}: DynamicEmbedding step with 10% new ids / SparseEmbedding step of the same batch", "<= 1.5x",
             r["ratio_room"], r["ratio_room"] <= 1.5)  # fmt: skip
@@ -140,6 +146,12 @@ def _bytes(b: float | None) -> str:
     return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.0f} KiB"
 
 
+def _elsewhere(again: dict, machine: dict) -> str:
+    """The processor a section was measured again on, where it differs from the whole run's (recorded since 2026-11-27)."""
+    processor = again.get("processor")
+    return f", on {processor}" if processor and processor != machine["processor"] else ""
+
+
 def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
     m, v = doc["machine"], doc["versions"]
     lines = [
@@ -151,8 +163,8 @@ def markdown(doc: dict, json_name: str, plots: list[str]) -> str:
         f"{', '.join(f'{k}={val}' for k, val in doc['allocator'].items())}. Whole run: {doc['wall_s']:.0f} s"
         f"{' (**--quick smoke run: small sizes, not for conclusions**)' if doc['quick'] else ''}."
         + "".join(
-            f" The {name} section was measured again on {again['created']} at commit `{again['commit']}` "
-            f"(`bench.py --only {name}`)."
+            f" The {name} section was measured again on {again['created']} at commit `{again['commit']}`"
+            f"{_elsewhere(again, m)} (`bench.py --only {name}`)."
             for name, again in doc.get("rerun", {}).items()
         ),
         "",
@@ -291,6 +303,10 @@ def _scaling_model_markdown(doc: dict) -> list[str]:
             "", scaling_model.table(rows)]  # fmt: skip
 
 
+def _has_rounds(section: dict) -> bool:
+    return all(x.get("round_ms") for x in section["results"])
+
+
 def _single_markdown(section: dict) -> list[str]:
     r = {(x["name"], x["kind"]): x for x in section["results"]}
 
@@ -298,14 +314,16 @@ def _single_markdown(section: dict) -> list[str]:
         x = r.get((name, kind))
         return f"{x['ms_median']:.2f}" if x else "n/a"
 
-    def ratio(a: tuple[str, str], b: tuple[str, str]) -> str:
-        return f"{r[b]['ms_median'] / r[a]['ms_median']:.2f}x" if a in r and b in r else "n/a"
+    def times(a: tuple[str, str], b: tuple[str, str]) -> str:
+        value = ratio(r.get(a), r.get(b))
+        return f"{value:.2f}x" if value is not None else "n/a"
 
     lines = [
         "", f"### One process ({section['device']}, {section.get('allocator', 'glibc defaults')})", "",
         f"Table {_rows(section['rows'])} x {section['dim']} float32, {section['batch']} ids per step drawn as "
         f"`(rows * rand() ** 4).long()` ({section['distinct_ids_mean']:.0f} distinct on average), {section['threads']} threads, "
-        f"{section['rounds']} interleaved rounds of {section['steps_per_round']} steps per method; medians in ms.", "",
+        f"{section['rounds']} interleaved rounds of {section['steps_per_round']} steps per method; medians in ms; each "
+        f"ratio the median over rounds of that round's ratio{'' if _has_rounds(section) else ' (here: of the medians)'}.", "",
         "| optimizer | ours fwd+bwd+step | torch | FBGEMM TBE | torch / ours | FBGEMM / ours | ours step | "
         "gather+scatter floor | step / floor | copy floor |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -316,8 +334,8 @@ def _single_markdown(section: dict) -> list[str]:
         floor = (f"floor/gather_scatter/{family}", "floor_gather_scatter")
         lines.append(
             f"| {FAMILY_LABEL[family]} | {ms(*step)} | {ms(torch_name, 'step')} | {ms(f'fbgemm/{family}', 'step')} | "
-            f"{ratio(step, (torch_name, 'step'))} | {ratio(step, (f'fbgemm/{family}', 'step'))} | {ms(f'ours/{family}', 'update')} | "
-            f"{ms(*floor)} | {ratio(floor, (f'ours/{family}', 'update'))} | {ms(f'floor/copy/{family}', 'floor_copy')} |"
+            f"{times(step, (torch_name, 'step'))} | {times(step, (f'fbgemm/{family}', 'step'))} | {ms(f'ours/{family}', 'update')} | "
+            f"{ms(*floor)} | {times(floor, (f'ours/{family}', 'update'))} | {ms(f'floor/copy/{family}', 'floor_copy')} |"
         )
     lines += ["", f"Lookup (forward + backward, no step): ours {ms('ours/lookup', 'lookup')} ms, "
               f"`nn.Embedding(sparse=True)` {ms('torch/lookup', 'lookup')} ms. torch has no row-wise Adagrad; its "

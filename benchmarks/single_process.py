@@ -59,6 +59,7 @@ class Method:
     kind: str  # "step", "update" or "lookup"
     run: Callable[[int], float]  # run(batch index) -> seconds timed
     samples: list[float] = field(default_factory=list)
+    round_ms: list[float] = field(default_factory=list)  # each round's median step, to set against other methods' same round
 
 
 def make_ids(rows: int, batch: int, count: int, seed: int = 0) -> list[torch.Tensor]:
@@ -221,9 +222,12 @@ def run(rows: int, dim: int, batch: int, rounds: int, steps_per_round: int, thre
     counter = 0
     for _ in range(rounds):
         for method in methods:
+            times = []
             for _ in range(steps_per_round):
-                method.samples.append(method.run(counter % len(batches)))
+                times.append(method.run(counter % len(batches)))
                 counter += 1
+            method.samples += times
+            method.round_ms.append(1e3 * statistics.median(times))
     distinct = statistics.mean(len(torch.unique(b)) for b in batches)
     import os
 
@@ -234,7 +238,8 @@ def run(rows: int, dim: int, batch: int, rounds: int, steps_per_round: int, thre
         "rounds": rounds, "steps_per_round": steps_per_round,
         "results": [
             {"name": m.name, "family": m.family, "kind": m.kind, "ms_median": 1e3 * statistics.median(m.samples),
-             "ms_p25": 1e3 * _quantile(m.samples, 0.25), "ms_p75": 1e3 * _quantile(m.samples, 0.75), "samples": len(m.samples)}
+             "ms_p25": 1e3 * _quantile(m.samples, 0.25), "ms_p75": 1e3 * _quantile(m.samples, 0.75), "samples": len(m.samples),
+             "round_ms": m.round_ms}
             for m in methods
         ],
     }  # fmt: skip

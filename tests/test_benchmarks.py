@@ -56,6 +56,7 @@ def test_quick_benchmark_writes_results_and_report(tmp_path):
     assert "### Targets" in text and "quick" in text and "![benchmarks-single.png]" in text
     assert "### Scale: one rank of W (simulator)" in text and "### Dynamic tables (hashed ids)" in text
     assert "### Half-precision tables" in text
+    assert all(len(r["round_ms"]) == doc["single_process"][0]["rounds"] for r in doc["single_process"][0]["results"])
     assert (tmp_path / "benchmarks-single.png").stat().st_size > 0
     assert text.startswith((ROOT / "docs" / "benchmarks.md").read_text().split("<!-- results:begin -->")[0])
 
@@ -77,6 +78,37 @@ def test_scale_rounds_interleave_layouts_and_keep_the_median_round(monkeypatch):
     assert by_world[8]["step_ms"] == 90.0 and by_world[8]["call"] == 1  # the median round's whole record
     assert by_world[64]["step_ms"] == 110.0 and by_world[64]["step_ms_rounds"] == [300.0, 100.0, 110.0]
     assert section["rounds"] == 3
+
+
+def test_a_ratio_is_the_median_of_the_rounds_ratios_where_both_sides_have_rounds(monkeypatch):
+    """A machine that drifts between rounds moves both methods of a round together: the per-round ratio cancels it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import report
+
+    ours = {"ms_median": 10.0, "round_ms": [10.0, 20.0, 10.0]}  # its middle round ran in a slow phase of the machine
+    theirs = {"ms_median": 20.0, "round_ms": [20.0, 40.0, 20.0]}
+    assert report.ratio(ours, theirs) == 2.0
+    assert report.ratio({"ms_median": 10.0}, {"ms_median": 25.0}) == 2.5  # results without rounds: of the medians
+    assert report.ratio({"step_ms_median": 4.0}, {"step_ms_median": 2.0}) == 0.5
+    assert report.ratio(None, theirs) is None
+
+
+def test_a_run_without_a_gpu_keeps_the_gpu_figures_of_the_results_it_replaces(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench
+
+    gpu = {"device_name": "NVIDIA H100", "workloads": []}
+    previous = {"quick": False, "created": "2026-11-26T00:00:00", "code": {"commit": "abc1234"}, "gpu": gpu,
+                "dynamic": {"step": {"one process, GPU": {"ratio_room": 2.0}}}}  # fmt: skip
+    out = tmp_path / "bench.json"
+    out.write_text(json.dumps(previous))
+    doc = {"quick": False, "gpu": {"skipped": "no CUDA device"}, "dynamic": {"step": {"one process": {"ratio_room": 1.5}}}}
+    bench._keep_gpu_figures(doc, out)
+    assert doc["gpu"] == gpu and doc["dynamic"]["step"]["one process, GPU"] == {"ratio_room": 2.0}
+    assert doc["rerun"]["gpu"] == {"created": "2026-11-26T00:00:00", "commit": "abc1234"}  # the page says when
+    smoke = {"quick": True, "gpu": {"skipped": "no CUDA device"}, "dynamic": {"step": {}}}
+    bench._keep_gpu_figures(smoke, out)  # a smoke run keeps nothing of a full run's
+    assert smoke["gpu"] == {"skipped": "no CUDA device"} and "rerun" not in smoke
 
 
 def test_gpu_benchmark_runs_the_gpu_path_and_reports_every_target(monkeypatch):

@@ -161,8 +161,8 @@ def _rerun(section: str, plan: dict, out: Path, page: Path | None) -> int:
             "half": half.run,
         }
         measured = runs[section](**plan[section])
-        if section == "dynamic" and "one process, GPU" in doc.get("dynamic", {}).get("step", {}):
-            measured["step"]["one process, GPU"] = doc["dynamic"]["step"]["one process, GPU"]  # the gpu section's
+        if section == "dynamic":
+            _keep_dynamic_gpu_row(doc, measured)
         doc[section] = measured
     code = _code()
     doc.setdefault("rerun", {})[section] = {"created": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -183,12 +183,17 @@ def _keep_gpu_figures(doc: dict, out: Path) -> None:
     if previous.get("quick") != doc["quick"] or "skipped" in previous.get("gpu", {"skipped": True}):
         return
     doc["gpu"] = previous["gpu"]
-    kept_dynamic = previous.get("dynamic", {}).get("step", {}).get("one process, GPU")
-    if kept_dynamic is not None:
-        doc["dynamic"]["step"]["one process, GPU"] = kept_dynamic
+    _keep_dynamic_gpu_row(previous, doc["dynamic"])
     measured = previous.get("rerun", {}).get("gpu") or {"created": previous["created"], "commit": previous["code"]["commit"]}
     doc["rerun"] = {"gpu": measured}
     print(f"kept the GPU figures measured {measured['created']} at {measured['commit']}", flush=True)
+
+
+def _keep_dynamic_gpu_row(source: dict, dynamic: dict) -> None:
+    """The dynamic section's GPU row is the gpu measurement's (:func:`_measure_gpu`): a CPU measurement keeps ``source``'s."""
+    row = source.get("dynamic", {}).get("step", {}).get("one process, GPU")
+    if row is not None:
+        dynamic["step"]["one process, GPU"] = row
 
 
 def _measure_gpu(doc: dict, plan: dict) -> None:

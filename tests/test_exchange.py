@@ -103,6 +103,14 @@ def _count_per_stage(accumulate: bool, device: str = "cpu"):
             sum(out.sum() for out in outs).backward()
         with HostReads(ignore=[opt.state[emb.shard]["step"]], follows=backward_reads) as step_reads:
             opt.step()
+        if device == "cuda":  # the GPU itself: a step of ranks sharing it over gloo never waits for it
+            emb(ids).sum().backward()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
     finally:
         del os.environ[backend.ENV]
     return (emb.stats.collectives, opt.stats.collectives, forward_reads.calls, backward_reads.calls, step_reads.calls,
@@ -111,20 +119,78 @@ def _count_per_stage(accumulate: bool, device: str = "cpu"):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_collectives_and_host_reads_per_stage(rank_pools, device):
-    """Several ranks read the host only for split sizes: a lookup for its headers (the ids' sizes), a step for the
-    routed round's control codes (whether a general round follows), the general round for its header."""
+    """Several ranks read the host once a step, for split sizes: a lookup for its headers (the ids' sizes). The step
+    sends the gradients back along the lookup's route, and the headers said it was every rank's sole lookup: no
+    word about other gradients, no host read. With accumulation the routed round's control codes say whether a
+    general round follows, and the general round reads its header."""
     # One lookup: headers with ids, then rows; the step sends the gradients back along the lookup's route.
     for lookup_collectives, step_collectives, forward_reads, backward_reads, step_reads, _sent in rank_pools(2, device).run(
         _count_per_stage, False, device
     ):
         assert (lookup_collectives, step_collectives) == (2, 1)
-        assert (forward_reads, backward_reads, step_reads) == (["cpu"], [], ["cpu"])
+        assert (forward_reads, backward_reads, step_reads) == (["cpu"], [], [])
     # Two lookups before a step: the first lookup's gradients take the general round (header + values).
     for lookup_collectives, step_collectives, forward_reads, _backward_reads, step_reads, _sent in rank_pools(2, device).run(
         _count_per_stage, True, device
     ):
         assert (lookup_collectives, step_collectives) == (4, 3)
         assert (forward_reads, step_reads) == (["cpu", "cpu"], ["cpu", "cpu"])
+
+
+_IDS_OF_RANK = ([0, 1, 1, 5], [1, 2, 7, 7])
+
+
+def _without_backward_on_one_rank(optimizer: str, mean: bool, kernels: str, device: str = "cpu"):
+    """Two steps; at the second, rank 1 looks the table up in grad mode but its backward never reaches the lookup:
+    its routed rows are placeholders, which the owners must skip (no move of a row only rank 1 read)."""
+    import os
+
+    from lightning_sparse.kernels import backend
+
+    os.environ[backend.ENV] = kernels
+    try:
+        rank = torch.distributed.get_rank()
+        emb = ls.SparseEmbedding(12, 3, seed=4, device=device)
+        kwargs = {"bias_correction": "global"} if optimizer == "SparseAdam" else {}
+        opt = getattr(ls, optimizer)([emb], lr=0.1, duplicate_grads="mean" if mean else "sum", **kwargs)
+        before = emb.full_weight().cpu()
+        ids = torch.tensor(_IDS_OF_RANK[rank], device=device)
+        for step in range(2):
+            out = emb(ids)
+            if rank == 0 or step == 0:
+                (out * torch.arange(1.0, 4.0, device=device)).sum().backward()
+            opt.step()
+        return before, emb.full_weight().cpu(), int(opt.state[emb.shard]["step"])
+    finally:
+        del os.environ[backend.ENV]
+
+
+def _reference_loss(table: torch.nn.Embedding, ranks: list[int], mean: bool) -> torch.Tensor:
+    """The loss whose gradient is the table's: ``"sum"`` averages over the 2 ranks, ``"mean"`` over a row's occurrences."""
+    ids = torch.tensor([i for rank in ranks for i in _IDS_OF_RANK[rank]])
+    rows = table(ids) * torch.arange(1.0, 4.0)
+    if not mean:
+        return rows.sum() / 2
+    occurrences = torch.bincount(ids, minlength=12).to(torch.float32).index_select(0, ids).unsqueeze(1)
+    return (rows / occurrences).sum()
+
+
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=KERNEL_DEVICES[0].marks)])
+@pytest.mark.parametrize("optimizer,mean", [("SparseAdam", False), ("SparseSGD", True)])
+def test_a_rank_whose_backward_never_reached_the_lookup_moves_no_row(rank_pools, kernels, optimizer, mean):
+    """The sole-lookup step keeps the routed round's codes on the device on a GPU's path: its placeholders are skipped
+    there by their zero counts. Reference: torch's optimizer on both ranks' gradients, then on rank 0's only."""
+    for before, after, step in rank_pools(2).run(_without_backward_on_one_rank, optimizer, mean, kernels):
+        reference = torch.nn.Embedding(12, 3, sparse=True)
+        reference.weight.data.copy_(before)
+        torch_opt = torch.optim.SparseAdam(reference.parameters(), lr=0.1) if optimizer == "SparseAdam" else (
+            torch.optim.SGD(reference.parameters(), lr=0.1))  # fmt: skip
+        for ranks in ([0, 1], [0]):
+            torch_opt.zero_grad()
+            _reference_loss(reference, ranks, mean).backward()
+            torch_opt.step()
+        torch.testing.assert_close(after, reference.weight.detach(), rtol=1e-6, atol=1e-6)
+        assert step == 2  # looked up at both steps: both count
 
 
 def _growing_lookups(device: str = "cpu"):
@@ -273,6 +339,62 @@ def test_gradient_after_a_step_applies_at_the_next(rank_pools, world_size):
         expected = torch.zeros(10, 2)
         expected[2 : 2 + world_size] = 1.0 / world_size
         torch.testing.assert_close(change, expected)
+
+
+def _late_gradient_after_a_later_lookup():
+    """forward A -> step -> forward B -> backward A -> backward B -> step -> step: A's gradient reached its lookup after
+    B's header promised the step B's gradients only (``LookupHeader.sole``); it stays pending for the next step."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    emb = ls.SparseEmbedding(10, 2, seed=1)
+    opt = ls.SparseSGD([emb], lr=1.0)
+    before = emb.full_weight()
+    out_a = emb(torch.tensor([rank]))
+    opt.step()
+    out_b = emb(torch.tensor([5 + rank]))
+    out_a.sum().backward()
+    out_b.sum().backward()
+    opt.step()
+    middle = emb.full_weight()
+    opt.step()
+    return (before - middle), (before - emb.full_weight()), int(opt.state[emb.shard]["step"])
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_late_gradient_is_applied_at_the_next_step_and_never_lost(rank_pools, world_size):
+    """One rank applies it at once, as torch does; several ranks one step later (docs/guide/semantics.md)."""
+    for first, last, step in rank_pools(world_size).run(_late_gradient_after_a_later_lookup):
+        late, fresh = torch.zeros(10, 2), torch.zeros(10, 2)
+        late[:world_size] = 1.0 / world_size  # A's rows, each rank's gradient of 1 averaged over the ranks
+        fresh[5 : 5 + world_size] = 1.0 / world_size
+        torch.testing.assert_close(first, fresh + late if world_size == 1 else fresh)
+        torch.testing.assert_close(last, fresh + late)
+        # steps after a lookup count (the first, then the second); the third counts where the late gradient was applied
+        assert step == (2 if world_size == 1 else 3)
+
+
+def _steps_counted(world_size_hint: int):
+    """Step counts of two tables of one collection: a step whose round read only the first, then one whose lookup
+    got no backward, then one without a lookup. ``step`` counts the steps in which some rank looked a table up."""
+    collection = ls.SparseEmbeddingCollection(
+        {"a": ls.SparseEmbedding(8, 2, seed=1), "b": ls.SparseEmbedding(8, 2, seed=2)}, features={"fa": "a", "fb": "b"}
+    )
+    opt = ls.SparseSGD([collection], lr=0.1)
+    counts = []
+    for features, backward in (({"fa": torch.tensor([1, 2])}, True), ({"fa": torch.tensor([3]), "fb": torch.tensor([4])}, False),
+                               (None, False)):  # fmt: skip
+        if features is not None:
+            out = collection(features)
+            if backward:
+                sum(v.sum() for v in out.values()).backward()
+        opt.step()
+        counts.append([int(opt.state[t.shard]["step"]) for t in collection.tables.values()])
+    return counts
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_step_counts_the_steps_in_which_a_table_was_looked_up(rank_pools, world_size):
+    for counts in rank_pools(world_size).run(_steps_counted, world_size):
+        assert counts == [[1, 0], [2, 1], [2, 1]]
 
 
 def test_retain_graph_accumulates_and_a_step_takes_it():

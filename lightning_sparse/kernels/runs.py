@@ -166,7 +166,8 @@ def update_rows(
 
     The gradient of a row is the sum of its run's ``values`` (``[n, dim]``; times ``weights``, one
     per sorted position, if given: a pooled bag's gradient reaches each of its ids so), divided by the
-    number of occurrences (``mean``: ``counts`` per value, else 1 each) or by ``divisor``.
+    number of occurrences (``mean``: ``counts`` per value, else 1 each) or by ``divisor``. A run whose
+    ``counts`` sum to 0 (placeholders of ranks without a gradient) leaves its row and state alone.
     ``verdict`` (``[2]`` int64, the min and max id looked up; see :mod:`lightning_sparse.kernels.rows`):
     when it shows an id out of range, nothing is updated. ``unique`` (int64 scalar) gains the
     number of runs. No host read.

@@ -143,6 +143,8 @@ def runs_cold(
             count += going.to(tl.float32)
         step += 1
         going = going & (tl.load(keys + p + step, mask=going & (p + step < n), other=-1) == key)
+    if HAS_COUNTS:  # a run of placeholders only (counts 0: ranks without a gradient) updates nothing
+        lane = lane & (count > 0)
     _finish(key, lane, acc, count, cols, col_ok, dim, dim_f, out, stride_o, shift, divisor, table, stride_t, state1, state2,
             state_row, tables, lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
             log2_beta1, log2_beta2, salt, row_multiplier, global_mul, global_add,
@@ -196,7 +198,11 @@ def runs_hot(
             first += BLOCK_N
             more = tl.min(take.to(tl.int32), axis=0)  # the whole tile was the run's: it may go on
         one = tl.arange(0, 1)
-        _finish(key + one, one == 0, tl.sum(acc, axis=0)[None, :], tl.sum(count, axis=0) + tl.zeros([1], tl.float32),
+        total = tl.sum(count, axis=0) + tl.zeros([1], tl.float32)
+        live = one == 0
+        if HAS_COUNTS:  # as in runs_cold
+            live = live & (total > 0)
+        _finish(key + one, live, tl.sum(acc, axis=0)[None, :], total,
                 cols, col_ok, dim, dim_f, out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row,
                 tables, lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
                 log2_beta1, log2_beta2, salt, row_multiplier, global_mul, global_add,

@@ -80,7 +80,7 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
     first = tables[0]
     if first.world_size == 1 and len(tables) == len(read) == 1 and unit.feature_pooling[read[0].index] == "none":
         return {read[0].name: gather_feature(unit, read[0])}  # no round: nothing to exchange or deduplicate
-    fields = header_of(unit.unit_index, problem, read, bad_offsets).fields(first.device)
+    fields = header_of(unit.unit_index, problem, read, bad_offsets, tables=tables).fields(first.device)
     if problem.error == OK and read:
         write_verdicts(fields, read, bad_offsets, tables)
     keys = [joint.key(f.table, f.ids.clamp(0, tables[f.table].num_embeddings - 1)) for f in read]

@@ -88,8 +88,9 @@ class TakenGrads(NamedTuple):
 
     route: Route | None  # the last recorded lookup's route
     routed: LookupRecord | None  # this rank's record of that lookup, if it received a gradient
-    others: list[LookupRecord]  # every other record that received a gradient
+    others: list[LookupRecord]  # every other record that received a gradient (none if the step left them)
     received: list[LookupRecord]  # every record that received a gradient, in the order they did
+    looked_up: bool  # whether this rank recorded a lookup of the table since the last step (a step counts then)
 
 
 class PendingGrads:
@@ -98,12 +99,23 @@ class PendingGrads:
     def __init__(self) -> None:
         self.received: list[LookupRecord] = []
         self.route: Route | None = None
+        self.recorded = 0  # lookups recorded since the last step took the table's gradients
 
     def new_record(
         self, route: Route | None, keys: Tensor, occurrences: Tensor | Callable[[], Tensor] | None = None
     ) -> LookupRecord:
         """A record of one lookup (see :class:`LookupRecord`: distinct with ``occurrences``, else one key per id)."""
+        self.recorded += 1
         return LookupRecord(self, route, keys, occurrences)
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing waits for the next step: no lookup recorded and no gradient received since the last one.
+
+        A lookup round of an empty table is its sole lookup before that step, unless the rank
+        looks it up again (``LookupHeader.sole``).
+        """
+        return self.recorded == 0 and not self.received
 
     def grads(self) -> list[Tensor]:
         """The gradient rows received so far, one tensor per lookup (for inspection; see :meth:`scale`).
@@ -123,18 +135,23 @@ class PendingGrads:
             record.grad, record._listed = None, False
         self.received = []
 
-    def take(self) -> TakenGrads:
+    def take(self, leave_others: bool = False) -> TakenGrads:
         """Hand over everything: the last route, this rank's record of it, the other records with gradients.
 
         Forgets the received gradients and the route. Every rank of the table's group must take
         at the same point (an optimizer step), so that all agree on which route is in use.
+        ``leave_others``: the other records stay pending, for the next step (a step that every
+        rank's header told there are none: see :func:`~lightning_sparse.wire.grads_exchange.grads_to_owners`).
         """
         route, routed, others, received = self.route, None, [], self.received
         for record in received:
-            record._listed = False
             if routed is None and route is not None and record.route is route:
                 routed = record
             else:
                 others.append(record)
-        self.received, self.route = [], None
-        return TakenGrads(route, routed, others, received)
+        kept = others if leave_others else []
+        for record in received:
+            record._listed = record in kept
+        looked_up = self.recorded > 0
+        self.received, self.route, self.recorded = kept, None, 0
+        return TakenGrads(route, routed, [] if leave_others else others, received, looked_up)

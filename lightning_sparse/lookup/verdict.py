@@ -10,6 +10,7 @@ at fault. So bad input is an exception on every rank, never a hang, and the grou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -80,14 +81,25 @@ _FEATURE_SHIFT = torch.tensor([0, 1, 0, 0, 0])
 
 
 def header_of(
-    unit_index: int, problem: Problem, read: list[FeatureIds], bad_offsets: Tensor | None = None, stage: int = 0
+    unit_index: int,
+    problem: Problem,
+    read: list[FeatureIds],
+    bad_offsets: Tensor | None = None,
+    stage: int = 0,
+    tables: Sequence[ShardedTable] = (),
 ) -> LookupHeader:
     """This rank's header for a round of lookup unit ``unit_index``: its problem, whether it records (grad mode), its stage.
 
+    ``tables``: the unit's, to say whether the round is this rank's sole lookup of them before their next step
+    (``LookupHeader.sole``): none holds a pending lookup and, recording, the round reads every one of them.
     A lookup of one feature also names the feature and its dtype, which :func:`write_verdicts` then leaves alone.
     """
-    header = LookupHeader(unit=unit_index, record=int(torch.is_grad_enabled()), error=problem.error,
-                          feature=problem.feature, detail=problem.detail, dtype=problem.dtype, stage=stage)  # fmt: skip
+    recording = torch.is_grad_enabled()
+    sole = bool(tables) and all(t.pending.empty for t in tables)
+    if sole and recording:
+        sole = len({f.table for f in read}) == len(tables)
+    header = LookupHeader(unit=unit_index, record=int(recording), error=problem.error, feature=problem.feature,
+                          detail=problem.detail, dtype=problem.dtype, stage=stage, sole=int(sole))  # fmt: skip
     if len(read) != 1 or bad_offsets is not None or header.error != OK:
         return header
     return replace(header, feature=read[0].index, dtype=read[0].dtype)

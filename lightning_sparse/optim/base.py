@@ -37,7 +37,7 @@ from lightning_sparse.optim import checks, fused, joint, row_grads
 from lightning_sparse.optim.row_grads import TableGrads
 from lightning_sparse.tables.embedding import SparseEmbedding
 from lightning_sparse.wire.alltoall import ExchangeStats
-from lightning_sparse.wire.grads_exchange import grads_to_owners
+from lightning_sparse.wire.grads_exchange import grads_to_owners, only_routed
 from lightning_sparse.wire.replicas import grads_over_replicas
 
 DUPLICATE_GRADS = ("sum", "mean")
@@ -237,9 +237,12 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         first = tables[0]
         if first.world_size == 1 and first.replicas == 1:  # nothing to exchange
             return [row_grads.local_grads(table, mean, check) for table, mean, check in zip(tables, means, checks)]
-        outgoing = [row_grads.outgoing(table, mean, check) for table, mean, check in zip(tables, means, checks)]
+        sole = only_routed([table.pending.route for table in tables], any(checks), first.replicas)
+        outgoing = [row_grads.outgoing(table, mean, check, sole) for table, mean, check in zip(tables, means, checks)]
         wire = row_grads.wire_dtype([t.dtype for t in tables], any(means))
-        incoming = grads_to_owners(outgoing, first.process_group, first.world_size, first.rank, wire, first.device, self.stats)
+        incoming = grads_to_owners(
+            outgoing, first.process_group, first.world_size, first.rank, wire, first.device, self.stats, sole
+        )
         owned = [row_grads.owned_grads(table, grads, mean, wire) for table, grads, mean in zip(tables, incoming, means)]
         if first.replicas > 1:  # 2-D sharding: sum each row's gradient over the replicas of the shard
             summed = [row_grads.coalesced(table, grads) for table, grads in zip(tables, owned)]

@@ -29,7 +29,10 @@ class TableGrads:
 
     ``counts[i]`` is how many occurrences ``values[i]`` sums (for ``duplicate_grads="mean"``;
     ``None``: one each). ``distinct``: no row repeats. ``per_id``: some came from lookups that
-    did not count their distinct ids (one per id), so the step counts them.
+    did not count their distinct ids (one per id), so the step counts them. ``placeholders``: some
+    values may be a placeholder of a rank without a gradient, whose count is 0 (with ``"sum"``,
+    ``counts`` then holds 1 or 0 per value): a row whose counts sum to 0 is not updated.
+    ``touched``: the step counts for the table (some rank looked it up since the last one).
     """
 
     rows: Tensor
@@ -39,13 +42,15 @@ class TableGrads:
     touched: bool = False
     nonfinite_ranks: list[int] = field(default_factory=list)
     per_id: bool = False
+    placeholders: bool = False
 
 
 def local_grads(table: SparseEmbedding, mean: bool, check_finite: bool) -> TableGrads:
     """One rank: the table's pending gradient rows, taken (no exchange), in the order they arrived."""
-    records = table.pending.take().received
+    taken = table.pending.take()
+    records = taken.received
     if not records:
-        return TableGrads(_no_rows(table), table.shard.new_empty(0, table.embedding_dim))
+        return TableGrads(_no_rows(table), table.shard.new_empty(0, table.embedding_dim), touched=taken.looked_up)
     rows = _cat([record.keys for record in records])
     values = _cat([record.grad for record in records])
     counts = None
@@ -65,8 +70,9 @@ def owned_grads(table: SparseEmbedding, grads: IncomingGrads, mean: bool, wire: 
         rows, values = _cat(grads.rows), _cat(grads.values)
     else:  # still in the wire's dtype and width: 2-D sharding sends them to the replicas as they are
         rows, values = _no_rows(table), table.shard.new_empty(0, table.embedding_dim + mean, dtype=wire)
-    counts = values[:, -1] if mean else None
-    return TableGrads(rows, values[:, : table.embedding_dim], counts, grads.distinct or not grads.rows, grads.touched, bad)
+    counts = values[:, -1] if mean else grads.present
+    return TableGrads(rows, values[:, : table.embedding_dim], counts, grads.distinct or not grads.rows, grads.touched, bad,
+                      placeholders=grads.present is not None)  # fmt: skip
 
 
 def coalesced(table: SparseEmbedding, grads: TableGrads) -> OwnedGrads:
@@ -95,10 +101,13 @@ def summed(table: SparseEmbedding, grads: TableGrads, mean: bool) -> tuple[Tenso
     if not grads.distinct:
         runs = SortedKeys(rows, table.sharding.key_bound).finish()
         rows, values = runs.unique, runs.segment_sum(values)
-        if mean:
+        if mean or grads.placeholders:
             counts = runs.segment_sum(counts.unsqueeze(1)).view(-1) if counts is not None else runs.counts()
         if grads.per_id:
             table.stats.unique_ids += len(rows)
+    if grads.placeholders:  # rows only placeholders reached are not updated (a host read: the plain torch path)
+        kept = (counts > 0).nonzero().view(-1)
+        rows, values, counts = rows.index_select(0, kept), values.index_select(0, kept), counts.index_select(0, kept)
     values = values.to(compute_dtype(table.dtype))
     if mean:
         return rows, values / counts.to(values.dtype).unsqueeze(1)
@@ -106,13 +115,16 @@ def summed(table: SparseEmbedding, grads: TableGrads, mean: bool) -> tuple[Tenso
     return rows, values / ranks if ranks > 1 else values
 
 
-def outgoing(table: SparseEmbedding, mean: bool, check_finite: bool = False) -> OutgoingGrads:
+def outgoing(table: SparseEmbedding, mean: bool, check_finite: bool = False, sole: bool = False) -> OutgoingGrads:
     """Several ranks: a table's pending gradients, taken and laid out for ``grads_to_owners``.
 
     The last lookup's gradient rows go as they are (routed); the others are coalesced by row
-    first, with one sort, which also groups them by owner.
+    first, with one sort, which also groups them by owner. ``sole`` (see
+    :func:`~lightning_sparse.wire.grads_exchange.only_routed`): the step sends routed rows only, and
+    any other gradient stays pending for the next step: one that reached a lookup made before the
+    last step after this rank's header promised none (``LookupHeader.sole``).
     """
-    taken = table.pending.take()
+    taken = table.pending.take(leave_others=sole)
     route, routed, records = taken.route, taken.routed, taken.others
     routed_values = _values(routed, mean) if routed is not None else None
     others = None
@@ -128,7 +140,7 @@ def outgoing(table: SparseEmbedding, mean: bool, check_finite: bool = False) -> 
     if check_finite:
         flags = [(~torch.isfinite(v)).any() for v in (routed_values, others.values if others else None) if v is not None]
         nonfinite = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=table.device)
-    return OutgoingGrads(route, routed_values, table.embedding_dim + mean, others, nonfinite)
+    return OutgoingGrads(route, routed_values, table.embedding_dim + mean, others, nonfinite, taken.looked_up)
 
 
 def wire_dtype(dtypes: list[torch.dtype], mean: bool) -> torch.dtype:

@@ -37,7 +37,7 @@ class DynamicLookupMixin:
         """Flat int64 ids on the table's device, this rank's header for a round of ``stage``, and its problem (none raises here)."""
         read, problem = read_ids(ids, self.name, self.device)
         flat = read[0].ids if read else torch.empty(0, dtype=torch.int64, device=self.device)
-        return flat, header_of(self.table_index, problem, read, stage=stage), problem
+        return flat, header_of(self.table_index, problem, read, stage=stage, tables=[self]), problem
 
     @torch.compiler.disable
     def lookup_rows(self, ids: Tensor) -> Tensor:

@@ -112,7 +112,7 @@ def ids_to_owners(
 
     ``runs`` sorted this rank's owner-major keys (ids that fall outside the table go nowhere);
     ``fields`` is this rank's header without ``count`` (:meth:`LookupHeader.fields`). Each
-    destination gets a row of ``11 + room`` int64: the header, then up to ``room`` ids.
+    destination gets a row of ``LookupHeader.WIDTH + room`` int64: the header, then up to ``room`` ids.
     ``room`` is agreed from the previous round; a rank with more ids for someone says so in
     its header (``most``), and an overflow round sends the rest. ``check`` sees every rank's
     header before the route is built; every rank sees the same headers, so if it raises, it

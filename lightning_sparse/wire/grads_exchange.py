@@ -4,6 +4,11 @@ The gradients of a table's last lookup go back along that lookup's :class:`~ligh
 (the *routed* round: no ids, no split sizes); those of other lookups (accumulation, a table
 looked up twice) take the *general* round: a header, then ids and values. All tables of one
 optimizer share each round. Collective: **every rank of the group must call it**.
+
+Host reads: where every table's last lookup was every rank's sole lookup of it since the last step
+(:attr:`LookupHeader.sole`, read with that lookup's split sizes), the step knows without a word that
+only routed rows exist, and on a GPU's path it reads the host not at all: the step's one read was
+the lookup's. Otherwise each round reads its control codes or its header once.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from lightning_sparse.faults.peers import collective
+from lightning_sparse.kernels import gpu_path
 from lightning_sparse.kernels.host import host_tensor, to_device
 from lightning_sparse.wire.alltoall import ExchangeStats, exchange_counts, exchange_values
 from lightning_sparse.wire.exchange import Route
@@ -50,6 +56,7 @@ class OutgoingGrads:
     width: int
     others: RowsByOwner | None = None
     nonfinite: Tensor | None = None  # a 0-d device flag: 1 if a value above is inf or NaN (when checked)
+    looked_up: bool = False  # this rank recorded a lookup of the table since the last step
 
 
 @dataclass
@@ -62,9 +69,12 @@ class IncomingGrads:
 
     rows: list[Tensor]
     values: list[Tensor]
-    touched: bool = False  # whether any rank had a gradient for the table
+    touched: bool = False  # whether any rank looked the table up since the last step, or had a gradient for it
     merged: bool = False  # a piece holds rows from several ranks
     nonfinite_ranks: list[int] = field(default_factory=list)  # ranks whose gradient held inf or NaN (when checked)
+    # With rows kept on the device only: 1.0 for each row of a rank that had a gradient, 0.0 for a placeholder
+    # (a rank that looked the table up, but whose backward never reached the lookup). ``None``: no placeholders.
+    present: Tensor | None = None
 
     @property
     def distinct(self) -> bool:
@@ -73,7 +83,17 @@ class IncomingGrads:
 
 
 # Control code per table that rides with the routed rows to every destination.
-_HAS_ROUTED, _HAS_OTHERS, _NONFINITE = 1, 2, 4
+_HAS_ROUTED, _HAS_OTHERS, _NONFINITE, _LOOKED_UP = 1, 2, 4, 8
+
+
+def only_routed(routes: Sequence[Route | None], checks: bool, replicas: int = 1) -> bool:
+    """Whether a step of tables whose last lookups took ``routes`` knows, with no word, that only routed rows exist.
+
+    So when every table has a route whose round was every rank's sole lookup of it (``LookupHeader.sole``):
+    every rank then has the same answer. Not when gradients are checked (``checks``: the flags ride in
+    the control codes) or replicated (2-D sharding sums the rows over replicas: ``replicas > 1``).
+    """
+    return not checks and replicas == 1 and all(route is not None and route.headers.sole for route in routes)
 
 
 def grads_to_owners(
@@ -84,14 +104,22 @@ def grads_to_owners(
     wire_dtype: torch.dtype,
     device: torch.device,
     stats: ExchangeStats | None = None,
+    sole: bool = False,
 ) -> list[IncomingGrads]:
     """Stage 3: send every table's row gradients to the rows' owners.
 
     The routed round always runs: its sizes follow from the routes, which every rank knows.
     To each destination it carries each table's routed rows, then one control code per table
-    (whether this rank had routed rows, whether it has others). Every rank thereby learns what
-    every rank has; if any rank has other rows, the general round follows (a header of counts,
-    then ids and values). One host read per round: the control codes, the header.
+    (whether this rank had routed rows, whether it has others, whether it looked the table up).
+    Every rank thereby learns what every rank has; if any rank has other rows, the general round
+    follows (a header of counts, then ids and values). One host read per round: the control
+    codes, the header.
+
+    ``sole`` (:func:`only_routed`, the same on every rank): no rank has other rows, so there is no
+    general round, every table counts as touched, and on a GPU's path the codes stay on the device:
+    a placeholder row (of a rank whose backward never reached the lookup) is marked in
+    ``IncomingGrads.present`` or by its zero count (``duplicate_grads="mean"``), and the update skips
+    it. No host read.
 
     A table's ``nonfinite`` flag rides in its control code too, so every rank learns which
     ranks' gradients held an inf or NaN (``IncomingGrads.nonfinite_ranks``).
@@ -102,8 +130,8 @@ def grads_to_owners(
         return [_keep_local(t) for t in tables]
     start = time.perf_counter()
     with record_function("lightning_sparse.grads_to_owners"):
-        incoming, codes = _routed_round(tables, group, world_size, rank, wire_dtype, device, stats)
-        if bool((codes & _HAS_OTHERS).any()):
+        incoming, codes = _routed_round(tables, group, world_size, rank, wire_dtype, device, stats, sole)
+        if codes is not None and bool((codes & _HAS_OTHERS).any()):
             general = _general_round(tables, group, world_size, rank, wire_dtype, device, stats)
             for table, (rows, values) in zip(incoming, general):
                 if len(rows):
@@ -125,13 +153,18 @@ def _keep_local(table: OutgoingGrads) -> IncomingGrads:
     if table.others is not None:
         incoming.rows.append(table.others.local_ids)
         incoming.values.append(table.others.values)
-    incoming.touched = bool(incoming.rows)
+    incoming.touched = bool(incoming.rows) or table.looked_up
     return incoming
 
 
-def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) -> tuple[list[IncomingGrads], Tensor]:
-    """Every table's routed rows and this rank's control codes, one message per destination (:func:`pack`)."""
-    codes = [_HAS_ROUTED * (t.routed is not None) + _HAS_OTHERS * (t.others is not None) for t in tables]
+def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats, sole) -> tuple[list[IncomingGrads], Tensor | None]:
+    """Every table's routed rows and the control codes, one message per destination (:func:`pack`).
+
+    Returns the tables' rows and every rank's codes on the host (``[W, T]``), or ``None`` for the codes
+    where ``sole`` keeps them on the device.
+    """
+    codes = [_HAS_ROUTED * (t.routed is not None) + _HAS_OTHERS * (t.others is not None) + _LOOKED_UP * t.looked_up
+             for t in tables]  # fmt: skip
     code_values = host_tensor(codes, wire_dtype, device)
     for index, table in enumerate(tables):
         if table.nonfinite is not None:  # device flag: no host read here
@@ -152,9 +185,11 @@ def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) ->
     recv_sizes = (recv_counts * torch.tensor(widths).unsqueeze(1)).sum(0).tolist()
     recv = exchange_values(flat, send_sizes, recv_sizes, group, world_size, rank, stats)
     *pieces, sources_codes = unpack(recv, recv_counts, to_device(recv_counts, device), widths, word)
+    if sole and gpu_path(recv):
+        return _marked_pieces(tables, pieces, sources_codes, recv_counts[:-1], device), None
     with collective("all-to-all of gradients"):
         all_codes = sources_codes[:, : len(tables)].to(torch.int64).cpu()  # [W, T], the round's one host read
-    touched = ((all_codes & (_HAS_ROUTED | _HAS_OTHERS)) != 0).any(0).tolist()
+    touched = ((all_codes & (_HAS_ROUTED | _HAS_OTHERS | _LOOKED_UP)) != 0).any(0).tolist()
     nonfinite = (all_codes & _NONFINITE) != 0
     any_nonfinite = nonfinite.any(0).tolist()
     incoming = [IncomingGrads([], [], touched=touched[i],
@@ -178,6 +213,26 @@ def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats) ->
         incoming[index].values.append(values)
         incoming[index].merged = senders[k] > 1  # rows of several sources: a row may repeat
     return incoming, all_codes
+
+
+def _marked_pieces(tables, pieces, sources_codes, recv_counts, device) -> list[IncomingGrads]:
+    """The routed rows as they came, placeholders marked on the device (see ``IncomingGrads.present``). No host read.
+
+    Every table counts as touched: each rank that recorded its last round read it (``LookupHeader.sole``).
+    """
+    incoming = [IncomingGrads([], [], touched=True) for _ in tables]
+    routed = [i for i, t in enumerate(tables) if t.route is not None]
+    for index, values, counts in zip(routed, pieces, recv_counts):
+        if not len(values):
+            continue
+        incoming[index].rows.append(tables[index].route.received)
+        incoming[index].values.append(values)
+        incoming[index].merged = int((counts > 0).sum()) > 1  # rows of several sources: a row may repeat
+        had_grad = (sources_codes[:, index].to(torch.int64) & _HAS_ROUTED) != 0  # [W] on the device
+        incoming[index].present = torch.repeat_interleave(
+            had_grad.to(values.dtype), to_device(counts, device), output_size=len(values)
+        )
+    return incoming
 
 
 def _general_round(tables, group, world_size, rank, wire_dtype, device, stats) -> list[tuple[Tensor, Tensor]]:

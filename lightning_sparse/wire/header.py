@@ -35,7 +35,11 @@ class LookupHeader:
     the feature that an error is about (``-1``: none); ``stage`` tells a round
     that looks up rows (0) from one that turns a dynamic table's ids into rows (1) and from one
     that sends a dynamic table's ids and gets their rows back (2, :mod:`lightning_sparse.tables.dynamic`),
-    so that a rank serving others knows which round it is in.
+    so that a rank serving others knows which round it is in; ``sole`` says the round is the rank's sole
+    lookup of its tables before their next optimizer step: it holds no other lookup of them since their last
+    step and, if it records, reads every one of them. When every rank says so of a table's last round, the
+    step knows without a word that only that round's gradients exist and which tables it counts
+    (:func:`lightning_sparse.wire.grads_exchange.grads_to_owners`). ``0``, the default, promises nothing.
     """
 
     count: int = 0
@@ -50,8 +54,9 @@ class LookupHeader:
     dtype: int = -1
     feature: int = -1
     stage: int = 0
+    sole: int = 0
 
-    WIDTH = 12
+    WIDTH = 13
 
     def fields(self, device: torch.device, id_range: Tensor | None = None) -> Tensor:
         """The fields after ``count`` as an int64 tensor; ``id_range`` (device ``[min, max]``) fills ``id_min``/``id_max``."""
@@ -105,6 +110,11 @@ class Headers:
     def records(self) -> bool:
         """Whether any rank records the lookup for a gradient."""
         return bool(self.column("record").any())
+
+    @property
+    def sole(self) -> bool:
+        """Whether the round is every rank's sole lookup of its tables since their last step (see :class:`LookupHeader`)."""
+        return bool(self.column("sole").all())
 
     def active_units(self) -> list[int]:
         """The lookup units (tables, collections) that the active ranks called in this round, ascending."""

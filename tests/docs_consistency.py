@@ -9,6 +9,9 @@ Three rules, each a function that returns the problems it finds (empty: none):
 - :func:`status_problems`: what has run on a GPU is said in one place, the status table of the
   README (marked ``status``); a page says it by including that table. A sentence elsewhere that
   says CUDA tests passed or failed, or that the code has or has not run on a GPU, is a problem.
+- :func:`launch_problems`: a line that launches on several GPUs (``devices=8`` with a GPU
+  accelerator or ``num_nodes``) carries the caveat ``NCCL: not yet run`` while the status table's
+  NCCL row says so, and no line carries it once that row says otherwise.
 - :func:`name_problems`: every name of the package a page mentions exists: dotted names
   (``lightning_sparse.x.y``, ``ls.Name``), a module's or a class's attribute (``packing.unpack``,
   ``SortedKeys.counts_in_blocks``), and repository paths (``lightning_sparse/wire/exchange.py``).
@@ -90,6 +93,35 @@ def status_problems(pages: dict[str, str]) -> list[str]:
         for number, paragraph in _paragraphs(text):
             if _CLAIM.search(paragraph):
                 problems.append(f"{name}:{number}: a GPU status claim outside the status table: {paragraph[:120]!r}...")
+    return problems
+
+
+# A launch on several GPUs: devices=2 or more, with a GPU accelerator or several nodes, in either order on one line.
+_GPUS = r'(?:accelerator="(?:gpu|cuda)"|num_nodes)'
+_SEVERAL = r"devices[= ](?:[2-9]|[1-9]\d+)\b"
+_LAUNCH = re.compile(rf"{_SEVERAL}.*?{_GPUS}|{_GPUS}.*?{_SEVERAL}")
+NCCL_CAVEAT = "NCCL: not yet run"
+NCCL_ROW = re.compile(r"^\| several GPUs \(NCCL\) \|(.*)$", re.M)
+
+
+def launch_problems(pages: dict[str, str], readme: str) -> list[str]:
+    """Each launch on several GPUs carries :data:`NCCL_CAVEAT` exactly while the README's status table has NCCL not run.
+
+    A launch is judged by the code line, or the prose paragraph, that holds it.
+    """
+    row = NCCL_ROW.search(STATUS.search(readme).group(1)) if STATUS.search(readme) else None
+    if row is None:
+        return ["README.md: the status table has no 'several GPUs (NCCL)' row"]
+    not_run = "not yet run" in row.group(1)
+    problems = []
+    for name, text in pages.items():
+        code_lines = [line for block in CODE.findall(text) for line in block.splitlines()]
+        prose = [paragraph for _, paragraph in _paragraphs(CODE.sub("", STATUS.sub("", text)))]
+        for unit in code_lines + prose:
+            if _LAUNCH.search(unit) and not_run and NCCL_CAVEAT not in unit:
+                problems.append(f"{name}: a launch on several GPUs without '{NCCL_CAVEAT}': {unit.strip()[:100]!r}")
+            elif NCCL_CAVEAT in unit and not not_run:
+                problems.append(f"{name}: '{NCCL_CAVEAT}', but the status table's NCCL row says {row.group(1).strip()!r}")
     return problems
 
 

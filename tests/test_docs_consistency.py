@@ -39,6 +39,22 @@ def test_a_second_gpu_status_is_caught():
     assert found == {"README.md", "docs/benchmarks.md", "docs/guide/launching.md"}
 
 
+def test_launches_on_several_gpus_carry_the_nccl_caveat_of_the_status_table():
+    assert docs.launch_problems(docs.all_pages(), (docs.ROOT / "README.md").read_text()) == []
+
+
+def test_a_launch_without_the_caveat_or_a_stale_caveat_is_caught():
+    readme = (docs.ROOT / "README.md").read_text()
+    planted = {
+        "docs/guide/a.md": '```python\npl.Trainer(accelerator="gpu", devices=8)  # fast\n```\n',
+        "docs/guide/b.md": "Run `Trainer(num_nodes=2, devices=4)` on\ntwo machines (NCCL: not yet run).\n",
+        "docs/guide/c.md": '```python\npl.Trainer(accelerator="cpu", devices=8)\n```\n',  # gloo: no caveat needed
+    }
+    assert [p.split(":")[0] for p in docs.launch_problems(planted, readme)] == ["docs/guide/a.md"]
+    ran = docs.NCCL_ROW.sub("| several GPUs (NCCL) | run on 8 H100s |", readme)
+    assert [p.split(":")[0] for p in docs.launch_problems(planted, ran)] == ["docs/guide/b.md"]
+
+
 def test_every_name_the_docs_mention_exists():
     assert docs.name_problems(docs.all_pages()) == []
 

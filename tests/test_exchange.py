@@ -443,6 +443,29 @@ def test_torchrun_restarts_with_the_shared_store_are_warned_about(monkeypatch):
     assert restart_hazard() is None
 
 
+def test_nccls_duplicate_gpu_error_gets_a_hint_that_names_both_fixes():
+    from lightning_sparse.faults.peers import collective
+
+    with pytest.raises(RuntimeError) as caught, collective("all-to-all of lookup ids"):
+        raise RuntimeError("NCCL error: invalid usage, NCCL version 2.21.5\nncclInvalidUsage: Duplicate GPU detected : rank 1")
+    notes = " ".join(caught.value.__notes__)
+    assert "HINT: " in notes and "torch.cuda.set_device(local_rank)" in notes and '"gloo"' in notes
+    assert not isinstance(caught.value, ls.PeerFailure)
+
+
+def test_a_table_on_another_gpu_than_its_nccl_device_says_so(monkeypatch):
+    """NCCL binds a rank's communicator to the current device: a shard elsewhere raises (CPU-testable: the backend faked)."""
+    from lightning_sparse.tables import shard_placement
+
+    monkeypatch.setattr(shard_placement.dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(shard_placement.torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(RuntimeError, match=r"users is on cuda:1, but this rank's current CUDA device is cuda:0.*HINT: "):
+        shard_placement._check_device("users", torch.device("cuda", 1), None)
+    shard_placement._check_device("users", torch.device("cuda", 0), None)  # its own device: fine
+    monkeypatch.setattr(shard_placement.dist, "get_backend", lambda group: "gloo")
+    shard_placement._check_device("users", torch.device("cuda", 1), None)  # gloo moves any device's tensors
+
+
 def _misuse_then_healthy():
     from lightning_sparse.wire.alltoall import exchange_values
 

@@ -105,11 +105,8 @@ def _accumulate_and_multi_table(device: str = "cpu", group_size: int | None = No
         return a.full_weight().cpu(), b.full_weight().cpu(), opt.stats.bytes_sent
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("world_size, group_size", LAYOUTS)
-def test_gradient_accumulation_and_two_tables(rank_pools, world_size, group_size, device):
-    results = rank_pools(world_size, device).run(_accumulate_and_multi_table, device, group_size)
-    assert_replicas_identical([result[:2] for result in results], group_size)
+def accumulate_reference(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two tables of :func:`_accumulate_and_multi_table` trained in one process: nn.Embedding and torch's SGD."""
     a = torch.nn.Embedding(13, 3, sparse=True)
     b = torch.nn.Embedding(7, 5, sparse=True)
     with torch.no_grad():
@@ -125,9 +122,18 @@ def test_gradient_accumulation_and_two_tables(rank_pools, world_size, group_size
             ((a(ids_a).pow(2).sum() + (b(ids_b) * 3).sum()) / world_size).backward()
         opt.step()
         opt.zero_grad()
+    return a.weight.detach(), b.weight.detach()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("world_size, group_size", LAYOUTS)
+def test_gradient_accumulation_and_two_tables(rank_pools, world_size, group_size, device):
+    results = rank_pools(world_size, device).run(_accumulate_and_multi_table, device, group_size)
+    assert_replicas_identical([result[:2] for result in results], group_size)
+    expected_a, expected_b = accumulate_reference(world_size)
     for got_a, got_b, sent in results:
-        torch.testing.assert_close(got_a, a.weight.detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got_b, b.weight.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_a, expected_a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_b, expected_b, rtol=1e-5, atol=1e-6)
         assert (sent > 0) == (world_size > 1)
 
 

@@ -48,6 +48,9 @@ _LOST_PEER_MESSAGES = (
 )
 
 
+# What NCCL raises when two ranks of a communicator hold the same GPU (ncclInvalidUsage).
+_SHARED_GPU_ON_NCCL = "Duplicate GPU detected"
+
 ROLL_CALL_S = 2.0  # how long a rank that lost a peer waits for the others to answer the roll call
 _roll_calls = count()  # keys of a later roll call in the same job do not see an earlier one's answers
 _ranks_per_node: int | None = None
@@ -100,6 +103,12 @@ def collective(what: str, note_other_errors: bool = True) -> Iterator[None]:
             ) from err
         if note_other_errors:
             err.add_note(f"(raised in lightning_sparse's {what}; not a lost peer)")
+        if _SHARED_GPU_ON_NCCL in str(err):
+            err.add_note(
+                "HINT: two ranks of an NCCL group use one GPU: call torch.cuda.set_device(local_rank) before "
+                "init_process_group (Lightning's strategies do), or share one GPU between ranks over gloo "
+                '(init_process_group("gloo"); docs/guide/launching.md, "Several ranks on one GPU").'
+            )
         raise
 
 

@@ -125,6 +125,7 @@ class ShardPlacementMixin:
         if dist.is_available() and dist.is_initialized():
             group = requested or dist.group.WORLD
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+            _check_device(self.name, self._shard.device, group)
         else:
             rank, world_size = 0, 1
         placed = weakref.ref(requested) if requested is not None else None
@@ -148,6 +149,23 @@ class ShardPlacementMixin:
             self._shard.data = self._initial_rows(global_ids)
             self._materialized = True
         return self
+
+
+def _check_device(name: str, device: torch.device, group: dist.ProcessGroup) -> None:
+    """On NCCL a shard lives on the GPU the rank's communicator was made for: the current device (local, no collective).
+
+    NCCL binds a rank's communicator to the device that was current when it was made; collectives on another
+    device's tensors hang or fail far from their cause. Every rank runs the same check on its own placement.
+    """
+    if device.type != "cuda" or "nccl" not in str(dist.get_backend(group)).lower():
+        return
+    current = torch.cuda.current_device()
+    if device.index is not None and device.index != current:
+        raise RuntimeError(
+            f"{name} is on {device}, but this rank's current CUDA device is cuda:{current}, for which its NCCL "
+            f"communicator is made. HINT: call torch.cuda.set_device(local_rank) before init_process_group and build "
+            f"or move the table to that device (Lightning's strategies do both)."
+        )
 
 
 @cache

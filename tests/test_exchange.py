@@ -467,11 +467,11 @@ def test_a_table_on_another_gpu_than_its_nccl_device_says_so(monkeypatch):
 
 
 def _misuse_then_healthy():
-    from lightning_sparse.wire.alltoall import exchange_values
+    from lightning_sparse.wire.alltoall import Peers, exchange_values
 
     rank = torch.distributed.get_rank()
     try:
-        exchange_values(torch.zeros(3, 2), [1, 1], [1, 1], None, 2, rank)  # 3 rows, splits for 2: a caller's bug
+        exchange_values(torch.zeros(3, 2), [1, 1], [1, 1], Peers(None, rank, 2))  # 3 rows, splits for 2: a caller's bug
     except ls.PeerFailure as err:
         return "PeerFailure", str(err)
     except RuntimeError as err:

@@ -61,15 +61,15 @@ def place_ids(path: Path, store: RowStore, prefix: str, table: DynamicEmbedding,
     order = torch.argsort(owner, stable=True)
     sent = torch.stack([keys, last_used.index_select(0, held), requests.index_select(0, held)], dim=1).index_select(0, order)
     counts = torch.bincount(owner, minlength=table.world_size)
-    group, world, rank = table.process_group if table.world_size > 1 else None, table.world_size, table.rank
+    peers = table.peers.counting(None)
     received, send_splits, recv_splits = sent, counts.tolist(), counts.tolist()
-    if world > 1:
-        recv_counts = exchange_counts(counts.view(-1, 1), group, world).view(-1)
+    if not peers.alone:
+        recv_counts = exchange_counts(counts.view(-1, 1), peers).view(-1)
         with collective(f"placing the ids of {table.name}"):
             recv_splits = recv_counts.tolist()
-        received = exchange_values(sent, send_splits, recv_splits, group, world, rank)
+        received = exchange_values(sent, send_splits, recv_splits, peers)
     slots = table.slots.restore(received[:, 0], received[:, 1], received[:, 2], table.slots.clock)
-    back = exchange_values(slots, recv_splits, send_splits, group, world, rank)
+    back = exchange_values(slots, recv_splits, send_splits, peers)
     rows = torch.where(back >= 0, owner.index_select(0, order) * table.rows_per_rank() + back, -1)
     placed = torch.full_like(used, -1, dtype=torch.int64)
     placed.index_copy_(0, held.index_select(0, order), rows)

@@ -69,18 +69,18 @@ def move_rows(
     ids = global_ids - offset
     if table.world_size == 1:
         return out.index_copy_(0, target.to_local(ids), values)
-    group, world, rank = table.process_group, table.world_size, table.rank
+    peers = table.peers.counting(None)
     keys = target.key(ids)
     runs = SortedKeys(keys)
     if not torch.equal(runs.sorted, keys):  # else already grouped by owner
         ids, values = ids.index_select(0, runs.perm), values.index_select(0, runs.perm)
     below = runs.counts_below(target.key_boundaries(ids.device))
     send = (below[1:] - below[:-1]).view(-1, 1)
-    recv = exchange_counts(send, group, world).view(-1)
+    recv = exchange_counts(send, peers).view(-1)
     with collective("row move of a checkpoint"):
         send_splits, recv_splits = send.view(-1).tolist(), recv.tolist()
-    received_ids = exchange_values(ids, send_splits, recv_splits, group, world, rank)
-    rows = exchange_values(values, send_splits, recv_splits, group, world, rank)
+    received_ids = exchange_values(ids, send_splits, recv_splits, peers)
+    rows = exchange_values(values, send_splits, recv_splits, peers)
     return out.index_copy_(0, target.to_local(received_ids), rows)
 
 

@@ -89,11 +89,12 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
     def check(headers: Headers) -> None:
         check_round(unit, headers, problem)
 
-    route = ids_to_owners(runs, joint, fields, first.process_group, first.rank, unit.stats, check)
+    peers = first.peers.counting(unit.stats)
+    route = ids_to_owners(runs, joint, fields, peers, check)
     mine, theirs = both_ways(route.by_table)
     routes = table_routes(route, joint, theirs)
     round_ = _Round(joint, runs, mine, route, routes, distinct=mine.split(runs.unique))
-    rows = rows_from_owners(tables, route, mine, theirs, routes, unit.stats)
+    rows = rows_from_owners(tables, route, mine, theirs, routes, peers)
     _keep_for_backward(tables, round_, rows, read)
     return _outputs(unit, read, rows, round_)
 
@@ -169,7 +170,7 @@ def serve(unit: LookupUnit, route: Route) -> None:
     route = replace(route, by_table=served_by_table(route.received, route.recv_counts, joint))
     mine, theirs = both_ways(route.by_table)
     routes = table_routes(route, joint, theirs)
-    rows_from_owners(unit.table_list, route, mine, theirs, routes, unit.stats)
+    rows_from_owners(unit.table_list, route, mine, theirs, routes, unit.table_list[0].peers.counting(unit.stats))
     if route.records:
         for table, table_route in zip(unit.table_list, routes):
             table.pending.route = table_route
@@ -192,11 +193,10 @@ def serve_lookups(units: list[Serving]) -> int:
     if first is None or first.world_size == 1:
         return 0
     rounds = 0
-    group, rank = first.process_group, first.rank
     nothing = SortedKeys(torch.empty(0, dtype=torch.int64, device=first.device))
     idle = LookupHeader(active=0).fields(first.device)
     while True:
-        route = ids_to_owners(nothing, first.sharding, idle, group, rank, first.stats)
+        route = ids_to_owners(nothing, first.sharding, idle, first.peers)
         active = route.headers.active_units()
         if not active:
             return rounds

@@ -26,7 +26,7 @@ from lightning_sparse.wire.packing import common_word, pack, unpack
 
 if TYPE_CHECKING:
     from lightning_sparse.lookup.units import ShardedTable
-    from lightning_sparse.wire.alltoall import ExchangeStats
+    from lightning_sparse.wire.alltoall import Peers
     from lightning_sparse.wire.sharding import JointSharding
     from lightning_sparse.wire.table_counts import TableCounts
 
@@ -84,7 +84,7 @@ def rows_from_owners(
     mine: TableMajor,
     theirs: TableMajor,
     routes: list[Route],
-    stats: ExchangeStats,
+    peers: Peers,
 ) -> list[Tensor]:
     """Stage 2 for all tables: owners gather every table's rows and send them in one buffer; returns each table's rows.
 
@@ -95,12 +95,10 @@ def rows_from_owners(
     table's rows go as they are (and with one rank nowhere). Collective: every rank of the
     tables' group must call it.
     """
-    first = tables[0]
-    if len(tables) == 1 or first.world_size == 1:
+    if len(tables) == 1 or peers.alone:
         with torch.no_grad():
             rows = [table.shard.index_select(0, table_route.received) for table, table_route in zip(tables, routes)]
-        group, world_size, rank = first.process_group, first.world_size, first.rank
-        return [rows_to_requesters(r, table_route, group, world_size, rank, stats) for r, table_route in zip(rows, routes)]
+        return [rows_to_requesters(r, table_route, peers) for r, table_route in zip(rows, routes)]
     widths = [t.embedding_dim for t in tables]
     word = common_word(widths)
     one_width = len(set(widths)) == 1
@@ -111,6 +109,6 @@ def rows_from_owners(
             gathered, route.by_table.received.t(), route.by_table.device_received.t(), word, theirs.gather if one_width else None
         )
         recv_sizes = (mine.counts * torch.tensor(widths)).sum(1).tolist()
-        back = exchange_values(send, send_sizes, recv_sizes, first.process_group, first.world_size, first.rank, stats)
+        back = exchange_values(send, send_sizes, recv_sizes, peers)
         rows = unpack(back, mine.counts.t(), mine.device_counts.t(), widths, word, mine.gather if one_width else None)
     return [piece.to(table.dtype) for piece, table in zip(rows, tables)]

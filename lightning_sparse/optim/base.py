@@ -240,14 +240,12 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         sole = only_routed([table.pending.route for table in tables], any(checks), first.replicas)
         outgoing = [row_grads.outgoing(table, mean, check, sole) for table, mean, check in zip(tables, means, checks)]
         wire = row_grads.wire_dtype([t.dtype for t in tables], any(means))
-        incoming = grads_to_owners(
-            outgoing, first.process_group, first.world_size, first.rank, wire, first.device, self.stats, sole
-        )
+        incoming = grads_to_owners(outgoing, first.peers.counting(self.stats), wire, first.device, sole)
         owned = [row_grads.owned_grads(table, grads, mean, wire) for table, grads, mean in zip(tables, incoming, means)]
         if first.replicas > 1:  # 2-D sharding: sum each row's gradient over the replicas of the shard
             summed = [row_grads.coalesced(table, grads) for table, grads in zip(tables, owned)]
             bounds = [table.sharding.block_size for table in tables]
-            summed = grads_over_replicas(summed, bounds, first.replica_group, first.replicas, self.stats)
+            summed = grads_over_replicas(summed, bounds, first.replica_peers.counting(self.stats))
             owned = [row_grads.from_replicas(table, grads, mean) for table, grads, mean in zip(tables, summed, means)]
         return owned
 

@@ -105,7 +105,7 @@ class DynamicLookupMixin:
         slot_columns = route.received.unsqueeze(1).view(self._shard.dtype)
         with torch.no_grad():
             rows = torch.cat([self._shard.index_select(0, route.received), slot_columns], dim=1)
-        back = rows_to_requesters(rows, route, self.process_group, self.world_size, self.rank, self.stats)
+        back = rows_to_requesters(rows, route, self.peers)
         if route.records:
             self.pending.route = route
         return back, route
@@ -132,13 +132,13 @@ class DynamicLookupMixin:
         runs, sharding = SortedKeys(mix(flat)), HashSharding(self.world_size)
         fields = header.fields(self.device)
         check = partial(check_round, self.lookup_unit, problem=problem)
-        route = ids_to_owners(runs, sharding, fields, self.process_group, self.rank, self.stats, check)
+        route = ids_to_owners(runs, sharding, fields, self.peers, check)
         return runs, sharding, route  # (stage 1 finished the sort)
 
     def answer(self, route: Route) -> Tensor:
         """Stage 1 on the owner: give the ids that ranks sent their slots and send them back; returns this rank's own. Collective."""
         slots = self._resolve_received(route)
-        back = rows_to_requesters(slots.unsqueeze(1), route, self.process_group, self.world_size, self.rank, self.stats)
+        back = rows_to_requesters(slots.unsqueeze(1), route, self.peers)
         return back.view(-1)
 
     def _resolve_received(self, route: Route) -> Tensor:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sparse.wire.alltoall import ExchangeStats, Peers
 from lightning_sparse.wire.sharding import RowSharding
 
 
@@ -35,6 +36,7 @@ class ShardPlacementMixin:
     _replicas: int
     _materialized: bool
     _shard: Tensor  # an empty placeholder until materialized, then the shard (the same tensor for life)
+    stats: ExchangeStats
     _initial_rows: Callable[[Tensor], Tensor]  # the host table's method: the initial values of rows ``global_ids``
 
     @property
@@ -63,6 +65,17 @@ class ShardPlacementMixin:
             f"The process group {self.name} is sharded over ({self._world_size} ranks) has been destroyed. "
             f"HINT: use the table before destroy_process_group(), or save a checkpoint and load it into a new module."
         )
+
+    @property
+    def peers(self) -> Peers:
+        """The ranks the shard is spread over, as the wire takes them, counting into the table's stats."""
+        return Peers(self.process_group, self._rank, self._world_size, self.stats)
+
+    @property
+    def replica_peers(self) -> Peers:
+        """The ranks that hold this rank's shard (2-D sharding), as the wire takes them."""
+        group = self.replica_group
+        return Peers(group, dist.get_rank(group) if group is not None else 0, self._replicas, self.stats)
 
     @property
     def replicas(self) -> int:

@@ -1,13 +1,17 @@
-"""The two all-to-all primitives every stage is made of (split sizes, then values), and what they count.
+"""The two all-to-all primitives every stage is made of (split sizes, then values), who they talk to, and what they count.
+
+Every stage takes its ranks as one value, :class:`Peers`: the process group, this rank, their
+number, and the :class:`ExchangeStats` that count the traffic. With one rank (``peers.alone``)
+nothing is exchanged: each stage keeps its data where it is, the one-rank case in one place.
 
 Collectives: **every rank of the group must call each**, in the same order, also with nothing
-to send. With one rank nothing is exchanged.
+to send.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
@@ -53,54 +57,71 @@ class ExchangeStats:
         return value
 
 
+@dataclass(frozen=True)
+class Peers:
+    """The ranks a stage talks to: ``group`` (``None``: the default group), this ``rank``, ``world_size``, and
+    ``stats``, where the stage counts what it sent (``None``: not counted).
+
+    A table makes one from its placement when it is needed (it keeps only weak references to its
+    groups); a lookup unit or an optimizer counts its own traffic with :meth:`counting`.
+    """
+
+    group: ProcessGroup | None = None
+    rank: int = 0
+    world_size: int = 1
+    stats: ExchangeStats | None = None
+
+    @property
+    def alone(self) -> bool:
+        """Whether this rank is the group's only one: then no stage talks to anyone."""
+        return self.world_size == 1
+
+    def counting(self, stats: ExchangeStats | None) -> Peers:
+        """The same ranks, their traffic counted in ``stats``."""
+        return replace(self, stats=stats)
+
+
 def split_starts(splits: Sequence[int]) -> list[int]:
     """``[0, s0, s0 + s1, ...]``: where each split starts (and, last, the total)."""
     return [0, *accumulate(splits)]
 
 
 # ---------------------------------------------------------------------------- primitives
-def exchange_counts(send: Tensor, group: ProcessGroup | None, world_size: int, stats: ExchangeStats | None = None) -> Tensor:
+def exchange_counts(send: Tensor, peers: Peers) -> Tensor:
     """Row ``j`` of ``send`` ([W, K] int64) goes to rank ``j``; row ``i`` of the result came from rank ``i``.
 
-    Collective: every rank of ``group`` must call it with the same ``K``.
+    Collective: every rank of the group must call it with the same ``K``.
     """
-    if world_size == 1:
+    if peers.alone:
         return send
     send = send.contiguous()
     recv = torch.empty_like(send)
     with collective("all-to-all of split sizes"):
-        dist.all_to_all_single(recv, send, group=group)
-    if stats is not None:  # what crossed to other ranks: all rows but our own
+        dist.all_to_all_single(recv, send, group=peers.group)
+    if peers.stats is not None:  # what crossed to other ranks: all rows but our own
         row = send[0].numel() * send.element_size()
-        stats.bytes_sent += row * (world_size - 1)
-        stats.bytes_received += row * (world_size - 1)
-        stats.collectives += 1
+        peers.stats.bytes_sent += row * (peers.world_size - 1)
+        peers.stats.bytes_received += row * (peers.world_size - 1)
+        peers.stats.collectives += 1
     return recv
 
 
-def exchange_values(
-    values: Tensor,
-    send_splits: Sequence[int],
-    recv_splits: Sequence[int],
-    group: ProcessGroup | None,
-    world_size: int,
-    rank: int,
-    stats: ExchangeStats | None = None,
-) -> Tensor:
+def exchange_values(values: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], peers: Peers) -> Tensor:
     """Uneven all-to-all along dim 0: ``send_splits[j]`` leading rows go to rank ``j``.
 
-    Collective: every rank of ``group`` must call it; ``recv_splits`` must be what the peers send.
+    Collective: every rank of the group must call it; ``recv_splits`` must be what the peers send.
     """
-    if world_size == 1:
+    if peers.alone:
         return values
     recv = values.new_empty((sum(recv_splits), *values.shape[1:]))
     with collective("all-to-all of values"):
         dist.all_to_all_single(
-            recv, values.contiguous(), output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=group
-        )
-    if stats is not None:  # what crossed to other ranks: our own split stays here
+            recv, values.contiguous(), output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits),
+            group=peers.group,
+        )  # fmt: skip
+    if peers.stats is not None:  # what crossed to other ranks: our own split stays here
         row = values[0].numel() * values.element_size() if len(values) else 0
-        stats.bytes_sent += (sum(send_splits) - send_splits[rank]) * row
-        stats.bytes_received += (sum(recv_splits) - recv_splits[rank]) * row
-        stats.collectives += 1
+        peers.stats.bytes_sent += (sum(send_splits) - send_splits[peers.rank]) * row
+        peers.stats.bytes_received += (sum(recv_splits) - recv_splits[peers.rank]) * row
+        peers.stats.collectives += 1
     return recv

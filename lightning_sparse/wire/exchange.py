@@ -44,7 +44,7 @@ from torch.profiler import record_function
 
 from lightning_sparse.faults.peers import collective
 from lightning_sparse.kernels.host import to_device
-from lightning_sparse.wire.alltoall import ExchangeStats, exchange_values, split_starts
+from lightning_sparse.wire.alltoall import Peers, exchange_values, split_starts
 from lightning_sparse.wire.grouping import SortedKeys, transpose_blocks
 from lightning_sparse.wire.header import Headers, LookupHeader
 from lightning_sparse.wire.sharding import JointSharding, RowSharding
@@ -103,9 +103,7 @@ def ids_to_owners(
     runs: SortedKeys,
     sharding: RowSharding | JointSharding | HashSharding,
     fields: Tensor,
-    group: ProcessGroup,
-    rank: int,
-    stats: ExchangeStats | None = None,
+    peers: Peers,
     check: Callable[[Headers], None] | None = None,
 ) -> Route:
     """Stage 1: every rank's header and its distinct ids, grouped by owner, in one all-to-all.
@@ -121,12 +119,12 @@ def ids_to_owners(
     brings the ids per (rank, table) both ways (``Route.by_table``). The same read gives the number
     of distinct ids, with which it finishes ``runs`` (:meth:`SortedKeys.finish`: ``unique`` is then set).
 
-    With one rank nothing is sent (:func:`_to_itself`). Collective: every rank of ``group`` must call it.
+    With one rank nothing is sent (:func:`_to_itself`). Collective: every rank of the group must call it.
     """
-    if sharding.world_size == 1:
+    if peers.alone:
         return _to_itself(runs, sharding, fields, check)
     start = time.perf_counter()
-    world_size, width = sharding.world_size, LookupHeader.WIDTH
+    group, world_size, width = peers.group, peers.world_size, LookupHeader.WIDTH
     device = runs.sorted.device
     with record_function("lightning_sparse.ids_to_owners"):
         room = _ROOM.get(group, 0)
@@ -167,16 +165,16 @@ def ids_to_owners(
             recv.view(-1), torch.arange(world_size) * (width + room) + width, headers.tensor[:, 0].clamp(max=room)
         )
         if most > room:  # overflow: the ids beyond the room, in a second round
-            received = _overflow(runs, sharding, send_splits, recv_splits, room, received, group, rank, stats)
+            received = _overflow(runs, sharding, send_splits, recv_splits, room, received, peers)
             if tables:  # the room held only some ids: count them all (a second host read, with the second round)
                 device_received = count_received_by_table(received, recv_splits, sharding)
                 received_by_table = device_received.cpu()
-    if stats is not None:
+    if peers.stats is not None:
         sent = world_size * (width + room) * 8
-        stats.bytes_sent += sent * (world_size - 1) // world_size
-        stats.bytes_received += sent * (world_size - 1) // world_size
-        stats.collectives += 1
-        stats.exchange_seconds += time.perf_counter() - start
+        peers.stats.bytes_sent += sent * (world_size - 1) // world_size
+        peers.stats.bytes_received += sent * (world_size - 1) // world_size
+        peers.stats.collectives += 1
+        peers.stats.exchange_seconds += time.perf_counter() - start
     by_table = None
     if tables:
         by_table = TableCounts(sent_by_table, received_by_table, device_sent, device_received)
@@ -247,33 +245,30 @@ def _segments(flat: Tensor, starts: Tensor, lengths: Tensor) -> Tensor:
     return flat.index_select(0, index.to(flat.device, non_blocking=True))
 
 
-def _overflow(runs, sharding, send_splits, recv_splits, room, received, group, rank, stats) -> Tensor:
+def _overflow(runs, sharding, send_splits, recv_splits, room, received, peers) -> Tensor:
     """The second round of stage 1: ids beyond the room, then every requester's ids in order."""
-    world_size = sharding.world_size
     local = sharding.local_of_key(runs.unique)
     starts = split_starts(send_splits)
     extra_send = [max(0, c - room) for c in send_splits]
     extra_recv = [max(0, c - room) for c in recv_splits]
     extra = _segments(local, torch.tensor(starts[:-1], dtype=torch.int64) + room, torch.tensor(extra_send, dtype=torch.int64))
-    extra = exchange_values(extra, extra_send, extra_recv, group, world_size, rank, stats)
+    extra = exchange_values(extra, extra_send, extra_recv, peers)
     counts = torch.tensor([[min(c, room) for c in recv_splits], extra_recv], dtype=torch.int64)  # [2, W]
     both = torch.cat([received, extra])  # all the room's ids by source, then all extra ids by source
     return both.index_select(0, to_device(transpose_blocks(counts, len(both)), both.device))  # by source
 
 
 # ---------------------------------------------------------------------------- stage 2: rows to requesters
-def rows_to_requesters(
-    rows: Tensor, route: Route, group: ProcessGroup | None, world_size: int, rank: int, stats: ExchangeStats | None = None
-) -> Tensor:
+def rows_to_requesters(rows: Tensor, route: Route, peers: Peers) -> Tensor:
     """Stage 2: send the rows for ``route.received`` back; returns the requested rows in key order.
 
-    Collective: every rank of ``group`` must call it. No host read: the splits are the route's.
+    Collective: every rank of the group must call it. No host read: the splits are the route's.
     """
-    if world_size == 1:
+    if peers.alone:
         return rows
     start = time.perf_counter()
     with record_function("lightning_sparse.rows_to_requesters"):
-        out = exchange_values(rows, route.recv_splits, route.send_splits, group, world_size, rank, stats)
-    if stats is not None:
-        stats.exchange_seconds += time.perf_counter() - start
+        out = exchange_values(rows, route.recv_splits, route.send_splits, peers)
+    if peers.stats is not None:
+        peers.stats.exchange_seconds += time.perf_counter() - start
     return out

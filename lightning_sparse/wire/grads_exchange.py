@@ -18,18 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
 from lightning_sparse.faults.peers import collective
 from lightning_sparse.kernels import gpu_path
 from lightning_sparse.kernels.host import host_tensor, to_device
-from lightning_sparse.wire.alltoall import ExchangeStats, exchange_counts, exchange_values
+from lightning_sparse.wire.alltoall import Peers, exchange_counts, exchange_values
 from lightning_sparse.wire.exchange import Route
 from lightning_sparse.wire.packing import common_word, pack, unpack
-
-ProcessGroup = dist.ProcessGroup
 
 
 # ---------------------------------------------------------------------------- stage 3: grads to owners
@@ -97,14 +94,7 @@ def only_routed(routes: Sequence[Route | None], checks: bool, replicas: int = 1)
 
 
 def grads_to_owners(
-    tables: Sequence[OutgoingGrads],
-    group: ProcessGroup | None,
-    world_size: int,
-    rank: int,
-    wire_dtype: torch.dtype,
-    device: torch.device,
-    stats: ExchangeStats | None = None,
-    sole: bool = False,
+    tables: Sequence[OutgoingGrads], peers: Peers, wire_dtype: torch.dtype, device: torch.device, sole: bool = False
 ) -> list[IncomingGrads]:
     """Stage 3: send every table's row gradients to the rows' owners.
 
@@ -124,22 +114,22 @@ def grads_to_owners(
     A table's ``nonfinite`` flag rides in its control code too, so every rank learns which
     ranks' gradients held an inf or NaN (``IncomingGrads.nonfinite_ranks``).
 
-    Collective: every rank of ``group`` must call it with the same tables in the same order.
+    Collective: every rank of the group must call it with the same tables in the same order.
     """
-    if world_size == 1:
+    if peers.alone:
         return [_keep_local(t) for t in tables]
     start = time.perf_counter()
     with record_function("lightning_sparse.grads_to_owners"):
-        incoming, codes = _routed_round(tables, group, world_size, rank, wire_dtype, device, stats, sole)
+        incoming, codes = _routed_round(tables, peers, wire_dtype, device, sole)
         if codes is not None and bool((codes & _HAS_OTHERS).any()):
-            general = _general_round(tables, group, world_size, rank, wire_dtype, device, stats)
+            general = _general_round(tables, peers, wire_dtype, device)
             for table, (rows, values) in zip(incoming, general):
                 if len(rows):
                     table.rows.append(rows)
                     table.values.append(values)
                     table.merged = True
-    if stats is not None:
-        stats.exchange_seconds += time.perf_counter() - start
+    if peers.stats is not None:
+        peers.stats.exchange_seconds += time.perf_counter() - start
     return incoming
 
 
@@ -157,7 +147,7 @@ def _keep_local(table: OutgoingGrads) -> IncomingGrads:
     return incoming
 
 
-def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats, sole) -> tuple[list[IncomingGrads], Tensor | None]:
+def _routed_round(tables, peers, wire_dtype, device, sole) -> tuple[list[IncomingGrads], Tensor | None]:
     """Every table's routed rows and the control codes, one message per destination (:func:`pack`).
 
     Returns the tables' rows and every rank's codes on the host (``[W, T]``), or ``None`` for the codes
@@ -176,14 +166,14 @@ def _routed_round(tables, group, world_size, rank, wire_dtype, device, stats, so
     code_row[: len(tables)] = code_values
     rows = [t.routed.to(wire_dtype) if t.routed is not None  # else placeholders, marked unused by the code
             else torch.zeros(sum(t.route.send_splits), t.width, dtype=wire_dtype, device=device) for t in routed]  # fmt: skip
-    rows.append(code_row.expand(world_size, code_width))
-    one_each = torch.ones(world_size, dtype=torch.int64)
+    rows.append(code_row.expand(peers.world_size, code_width))
+    one_each = torch.ones(peers.world_size, dtype=torch.int64)
     send_counts = torch.stack([t.route.send_counts for t in routed] + [one_each])  # [tables + 1, W]
     recv_counts = torch.stack([t.route.recv_counts for t in routed] + [one_each])
     widths = [t.width for t in routed] + [code_width]
     flat, send_sizes = pack(rows, send_counts, to_device(send_counts, device), word)
     recv_sizes = (recv_counts * torch.tensor(widths).unsqueeze(1)).sum(0).tolist()
-    recv = exchange_values(flat, send_sizes, recv_sizes, group, world_size, rank, stats)
+    recv = exchange_values(flat, send_sizes, recv_sizes, peers)
     *pieces, sources_codes = unpack(recv, recv_counts, to_device(recv_counts, device), widths, word)
     if sole and gpu_path(recv):
         return _marked_pieces(tables, pieces, sources_codes, recv_counts[:-1], device), None
@@ -235,11 +225,11 @@ def _marked_pieces(tables, pieces, sources_codes, recv_counts, device) -> list[I
     return incoming
 
 
-def _general_round(tables, group, world_size, rank, wire_dtype, device, stats) -> list[tuple[Tensor, Tensor]]:
+def _general_round(tables, peers, wire_dtype, device) -> list[tuple[Tensor, Tensor]]:
     """A header of counts per (owner, table), then rows of (local id, values) of every table in one buffer."""
-    empty_counts = torch.zeros(world_size, dtype=torch.int64, device=device)
+    empty_counts = torch.zeros(peers.world_size, dtype=torch.int64, device=device)
     counts = torch.stack([t.others.counts if t.others is not None else empty_counts for t in tables])  # [T, W]
-    recv_counts = exchange_counts(counts.t().contiguous(), group, world_size, stats).t()  # [T, W]: from each source
+    recv_counts = exchange_counts(counts.t().contiguous(), peers).t()  # [T, W]: from each source
     with collective("all-to-all of gradient counts"):
         host = torch.stack([counts, recv_counts]).cpu()  # the round's one host read
     id_width = 8 // torch.empty(0, dtype=wire_dtype).element_size()
@@ -255,7 +245,7 @@ def _general_round(tables, group, world_size, rank, wire_dtype, device, stats) -
     word = common_word(widths)
     flat, send_sizes = pack(wire, host[0], counts, word)
     recv_sizes = (host[1] * torch.tensor(widths).unsqueeze(1)).sum(0).tolist()
-    recv = exchange_values(flat, send_sizes, recv_sizes, group, world_size, rank, stats)
+    recv = exchange_values(flat, send_sizes, recv_sizes, peers)
     # the ids' values are copied out first: a view into the buffer may start at an offset that is no multiple of 8 bytes
     return [(rows[:, :id_width].reshape(-1).clone().view(torch.int64), rows[:, id_width:])
             for rows in unpack(recv, host[1], recv_counts, widths, word)]  # fmt: skip

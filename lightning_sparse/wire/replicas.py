@@ -31,7 +31,7 @@ from torch.profiler import record_function
 
 from lightning_sparse.faults.peers import collective
 from lightning_sparse.kernels.host import to_device
-from lightning_sparse.wire.alltoall import ExchangeStats
+from lightning_sparse.wire.alltoall import Peers
 from lightning_sparse.wire.grouping import coalesce
 from lightning_sparse.wire.packing import common_word, unpack
 
@@ -78,44 +78,38 @@ class OwnedGrads:
     nonfinite_ranks: list[int]  # global ranks
 
 
-def grads_over_replicas(
-    tables: list[OwnedGrads],
-    bounds: list[int],
-    group: ProcessGroup,
-    replicas: int,
-    stats: ExchangeStats | None = None,
-) -> list[OwnedGrads]:
+def grads_over_replicas(tables: list[OwnedGrads], bounds: list[int], replicas: Peers) -> list[OwnedGrads]:
     """Sum every table's owned gradient rows over the replicas of this rank's shard.
 
     ``bounds[t]``: table ``t``'s local rows are below it. Returns, per table, the distinct rows
     touched on any replica (ascending) and their sums, added in replica order: every replica
     gets the same result. ``touched`` and the ranks with inf/NaN (the first of each sharding
-    group) are agreed too. Collective: every rank of the replica group must call it, with the
-    same tables in the same order.
+    group) are agreed too. ``replicas``: the replica group's ranks. Collective: every rank of the
+    replica group must call it, with the same tables in the same order.
     """
-    device = tables[0].values.device
+    device, group, stats = tables[0].values.device, replicas.group, replicas.stats
     with record_function("lightning_sparse.grads_over_replicas"):
         header = torch.tensor(
             [[len(t.rows) for t in tables], [t.touched for t in tables], [min(t.nonfinite_ranks, default=-1) for t in tables]],
             dtype=torch.int64,
         )  # fmt: skip
-        gathered = torch.empty(replicas * header.numel(), dtype=torch.int64, device=device)
+        gathered = torch.empty(replicas.world_size * header.numel(), dtype=torch.int64, device=device)
         with collective("all-gather of the replicas' gradient counts"):
             _all_gather(gathered, to_device(header, device).view(-1), group)
-            headers = gathered.cpu().view(replicas, *header.shape)  # the one host read of this stage
+            headers = gathered.cpu().view(replicas.world_size, *header.shape)  # the one host read of this stage
         counts = headers[:, 0].t()  # [T, R]
         widths = [_ID_BYTES + t.values.shape[1] * t.values.element_size() for t in tables]
         sent = (counts * torch.tensor(widths).unsqueeze(1)).sum(0)  # bytes from each replica
         most = int(sent.max())
         if stats is not None:
             stats.collectives += 1 + (most > 0)
-            stats.bytes_sent += (replicas - 1) * (header.numel() * 8 + most)
-            stats.bytes_received += (replicas - 1) * header.numel() * 8 + int(sent.sum()) - int(sent[_rank(group)])
+            stats.bytes_sent += (replicas.world_size - 1) * (header.numel() * 8 + most)
+            stats.bytes_received += (replicas.world_size - 1) * header.numel() * 8 + int(sent.sum()) - int(sent[replicas.rank])
         touched, first_bad = headers[:, 1].amax(0).tolist(), headers[:, 2].t().tolist()
         if most == 0:
             summed = [(t.rows, t.values) for t in tables]
         else:
-            summed = _sum_rows(tables, bounds, counts, sent, most, widths, group, replicas)
+            summed = _sum_rows(tables, bounds, counts, sent, most, widths, group, replicas.world_size)
     return [
         OwnedGrads(rows, values, bool(touched[i]), sorted(r for r in first_bad[i] if r >= 0))
         for i, (rows, values) in enumerate(summed)
@@ -154,7 +148,3 @@ def _all_gather(output: Tensor, input: Tensor, group: ProcessGroup) -> None:
     """``output`` (1-D) = every rank's ``input`` (1-D, same size), in rank order."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the former from torch 2.13 on
     gather(output, input, group=group)
-
-
-def _rank(group: ProcessGroup) -> int:
-    return dist.get_rank(group)

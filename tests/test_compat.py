@@ -117,3 +117,41 @@ def test_autograd_records_inside_a_custom_op_only_with_the_shim():
     """compiled.py runs the eager lookup and its backward inside custom ops: torch excludes autograd there."""
     without, with_shim = torch.ops.lightning_sparse_test.doubled_with_graph(torch.ones(3, requires_grad=True)).tolist()
     assert with_shim and not without
+
+
+def test_a_handle_holds_its_value_exactly_as_long_as_a_graph_saves_it():
+    """torch keeps a saved tensor's Python object, attributes included, while the graph holds it (torch_compat)."""
+    import gc
+    import weakref
+
+    from lightning_sparse.lookup import torch_compat
+
+    class Value:
+        pass
+
+    seen = []
+
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, handle):
+            ctx.save_for_backward(handle)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(torch_compat.held_by(ctx.saved_tensors[0]))
+            return grad * 2, None
+
+    value = Value()
+    alive = weakref.ref(value)
+    out = Saves.apply(torch.ones(1, requires_grad=True), torch_compat.handle_holding(value))
+    del value
+    gc.collect()
+    assert alive() is not None, "the graph holds the handle, and the handle its value"
+    out.sum().backward()
+    assert seen == [alive()]
+    seen.clear()
+    del out
+    gc.collect()
+    assert alive() is None, "the value dies with the graph"
+    assert torch_compat.held_by(torch.zeros(())) is None

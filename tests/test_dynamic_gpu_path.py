@@ -17,7 +17,7 @@ from test_kernels import KERNEL_DEVICES
 
 import lightning_sparse as ls
 from lightning_sparse.kernels import backend
-from lightning_sparse.tables import embedding
+from lightning_sparse.tables import init as row_init
 from lightning_sparse.tables.slot_map import SlotMap
 from lightning_sparse.wire.hashing import mix
 
@@ -115,7 +115,7 @@ def test_a_one_process_step_of_a_dynamic_table_reads_the_host_never(device, case
 def test_a_dynamic_step_takes_a_bounded_number_of_ops(device, monkeypatch):
     """However large the batch: its new rows (the batch's bound on a GPU's path) are one init, not a CPU's cache-sized chunks."""
     monkeypatch.setenv(backend.ENV, "triton")
-    monkeypatch.setattr(embedding, "_INIT_CHUNK_ELEMENTS", 64)  # a CPU's init chunk: 16 rows of 4, a third of the batch
+    monkeypatch.setattr(row_init, "_CHUNK_ELEMENTS", 64)  # a CPU's init chunk: 16 rows of 4, a third of the batch
     emb = ls.DynamicEmbedding(400, 4, seed=1, device=device)
     opt = ls.SparseAdagrad([emb], lr=0.1)
     batches = _batches(3, 48, device)

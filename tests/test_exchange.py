@@ -455,15 +455,15 @@ def test_nccls_duplicate_gpu_error_gets_a_hint_that_names_both_fixes():
 
 def test_a_table_on_another_gpu_than_its_nccl_device_says_so(monkeypatch):
     """NCCL binds a rank's communicator to the current device: a shard elsewhere raises (CPU-testable: the backend faked)."""
-    from lightning_sparse.tables import shard_placement
+    from lightning_sparse.tables import placement
 
-    monkeypatch.setattr(shard_placement.dist, "get_backend", lambda group: "nccl")
-    monkeypatch.setattr(shard_placement.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(placement.dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(placement.torch.cuda, "current_device", lambda: 0)
     with pytest.raises(RuntimeError, match=r"users is on cuda:1, but this rank's current CUDA device is cuda:0.*HINT: "):
-        shard_placement._check_device("users", torch.device("cuda", 1), None)
-    shard_placement._check_device("users", torch.device("cuda", 0), None)  # its own device: fine
-    monkeypatch.setattr(shard_placement.dist, "get_backend", lambda group: "gloo")
-    shard_placement._check_device("users", torch.device("cuda", 1), None)  # gloo moves any device's tensors
+        placement.check_device("users", torch.device("cuda", 1), None)
+    placement.check_device("users", torch.device("cuda", 0), None)  # its own device: fine
+    monkeypatch.setattr(placement.dist, "get_backend", lambda group: "gloo")
+    placement.check_device("users", torch.device("cuda", 1), None)  # gloo moves any device's tensors
 
 
 def _misuse_then_healthy():

@@ -150,8 +150,9 @@ def _bad_id_on_rank_one(device: str) -> tuple[str, str, torch.Size]:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_bad_id_on_one_rank_raises_on_every_rank(rank_pools, device):
-    for message, shape in rank_pools(2, _pool_device(device)).run(_on_gpu_path, _bad_id_on_rank_one, _pool_device(device)):
-        assert "57" in message and "rank 1" in message and "HINT" in message, message
+    results = rank_pools(2, _pool_device(device)).run(_on_gpu_path, _bad_id_on_rank_one, _pool_device(device))
+    for rank, (message, shape) in enumerate(results):
+        assert "got id 57 on " + ("rank 1" if rank == 0 else "this rank") in message and "HINT: " in message, message
         assert shape == torch.Size([2, 4])
 
 

@@ -13,12 +13,13 @@ row lives depends on the ranks that saved it, so loading *places* the ids first:
 3. every per-row tensor (the rows, then each optimizer state) is read block by block again and
    each saved row moves to its new row; rows of ids that found no room are dropped.
 
-The outcome of step 2 (:class:`Placement`) stays with the table, so that optimizers loaded from
-the same checkpoint afterwards move their state rows the same way.
+The outcome of step 2 (:class:`PlacedIds`) is kept for the table (:data:`PLACED`), so that optimizers
+loaded from the same checkpoint afterwards move their state rows the same way.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,15 +40,19 @@ Reader = Callable[[str], dict[str, Any]]  # key -> the stored tensor's entry in 
 
 
 @dataclass
-class Placement:
+class PlacedIds:
     """Where the saved rows that this rank reads (a block of each band, in order) went: a row of the table, or -1."""
 
     checkpoint: str
     rows: Tensor
 
 
+# Each dynamic table's ids as the last checkpoint loaded into it placed them (kept while the table lives).
+PLACED: weakref.WeakKeyDictionary[DynamicEmbedding, PlacedIds] = weakref.WeakKeyDictionary()
+
+
 @torch.no_grad()
-def place_ids(path: Path, store: RowStore, prefix: str, table: DynamicEmbedding, entry: Reader, load: Callable) -> Placement:
+def place_ids(path: Path, store: RowStore, prefix: str, table: DynamicEmbedding, entry: Reader, load: Callable) -> PlacedIds:
     """Steps 1 and 2: read the saved slots, send the held ids to their owners, restore them there. Collective."""
     columns = []
     for name in SLOT_STATE:
@@ -73,16 +78,16 @@ def place_ids(path: Path, store: RowStore, prefix: str, table: DynamicEmbedding,
     rows = torch.where(back >= 0, owner.index_select(0, order) * table.rows_per_rank() + back, -1)
     placed = torch.full_like(used, -1, dtype=torch.int64)
     placed.index_copy_(0, held.index_select(0, order), rows)
-    return Placement(str(path), placed)
+    return PlacedIds(str(path), placed)
 
 
 @torch.no_grad()
 def read_placed(store: RowStore, key: str, table: DynamicEmbedding, out: Tensor, stored: dict[str, Any], load: Callable,
-                placement: Placement) -> None:  # fmt: skip
+                placed_ids: PlacedIds) -> None:  # fmt: skip
     """Step 3 for one per-row tensor: each saved row this rank reads goes to its new row of ``out``. Collective."""
     start = 0
     for _, block in store.blocks(key, table, stored, load, out):
-        rows = placement.rows[start : start + len(block)]
+        rows = placed_ids.rows[start : start + len(block)]
         start += len(block)
         kept = torch.nonzero(rows >= 0).view(-1)
         move_rows(block.index_select(0, kept), rows.index_select(0, kept), table.sharding, table, out)

@@ -25,7 +25,7 @@ from lightning_sparse.checkpoint.contents import (
     table_rows,
     tables,
 )
-from lightning_sparse.checkpoint.dynamic_rows import place_ids, read_placed
+from lightning_sparse.checkpoint.dynamic_rows import PLACED, place_ids, read_placed
 from lightning_sparse.checkpoint.files import FORMAT, METADATA_FILE, ROWS_DIR, first_damaged, read_checksums
 from lightning_sparse.checkpoint.rows import RowStore
 from lightning_sparse.faults.peers import PeerFailure, caused_by_lost_peer, collective
@@ -140,11 +140,11 @@ def _read_rows(
     if not isinstance(table, DynamicEmbedding):
         store.load(key, table, out, entry, _loader(path, what, store.distributed))
         return
-    placement = getattr(table, "placement", None)
-    if placement is None or placement.checkpoint != str(path):
+    placed = PLACED.get(table)
+    if placed is None or placed.checkpoint != str(path):
         raise RuntimeError(f"The rows of {table.name} in {path} can only be read after its ids are placed. "
                            f"HINT: load the module from the same checkpoint first (checkpoint.load_module).")  # fmt: skip
-    read_placed(store, key, table, out, entry, _loader(path, what, store.distributed), placement)
+    read_placed(store, key, table, out, entry, _loader(path, what, store.distributed), placed)
 
 
 def _check_rows(stored: dict[str, StoredTensor], key: str, table: SparseEmbedding, row_shape: tuple[int, ...], path: Path,
@@ -156,8 +156,8 @@ def _check_rows(stored: dict[str, StoredTensor], key: str, table: SparseEmbeddin
 
 def _place_dynamic(path: Path, store: RowStore, entries: dict[str, Any], prefix: str, table: DynamicEmbedding) -> None:
     """Put a dynamic table's ids where they belong now, and forget every row and optimizer state they held. Collective."""
-    table.placement = place_ids(path, store, prefix, table, entries.__getitem__,
-                                lambda key: _loader(path, f"slots of {table.name}", store.distributed))  # fmt: skip
+    PLACED[table] = place_ids(path, store, prefix, table, entries.__getitem__,
+                              lambda key: _loader(path, f"slots of {table.name}", store.distributed))  # fmt: skip
     table.shard.zero_()
     for optimizer in table.watchers():
         optimizer.reset_rows(table.shard, torch.arange(len(table.shard), device=table.device))

@@ -13,7 +13,7 @@ from typing import Any
 from typing_extensions import override
 
 from lightning_sparse.lightning.compat import MultiProcessingLauncher
-from lightning_sparse.tables.embedding import full_state_dict
+from lightning_sparse.tables.shard_state import full_state_dict
 
 
 class SparseMultiProcessingLauncher(MultiProcessingLauncher):

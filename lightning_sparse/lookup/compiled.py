@@ -32,26 +32,25 @@ from lightning_sparse.lookup.features import JaggedIds
 _UNITS: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 
 
-class CompiledLookups:
-    """What a lookup unit (a table, a collection) needs to run under ``torch.compile``: a mixin of it.
+def register(unit: nn.Module) -> Tensor:
+    """Make ``unit`` (a table or a collection) one the op can run, and return the leaf its op's backward hangs on.
 
     The unit provides ``eager_lookup(inputs) -> list[Tensor]`` (its outputs in the order of
-    :meth:`output_specs`) and ``output_specs(inputs) -> list[(shape, dtype, device)]``.
+    ``output_specs``) and ``output_specs(inputs) -> list[(shape, dtype, device)]``, and keeps the
+    returned leaf as ``compile_token``; a copy of the unit (``deepcopy``, pickle) registers itself again.
     """
-
-    def enable_compiled_lookups(self) -> None:
-        """Register the unit for the op and make the leaf its op's backward hangs on (called by ``__init__``)."""
-        _UNITS[id(self)] = self
-        # The op's backward returns this leaf's gradient (zeros): a value the compiled backward must compute, so it
-        # runs every lookup's backward (an empty one would be computed without running them).
-        self.__dict__["compile_token"] = torch.zeros(1, requires_grad=True)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy (deepcopy, pickle) is a unit of its own
-        super().__setstate__(state)  # type: ignore[misc]
-        _UNITS[id(self)] = self
+    _UNITS[id(unit)] = unit
+    # The op's backward returns this leaf's gradient (zeros): a value the compiled backward must compute, so it
+    # runs every lookup's backward (an empty one would be computed without running them).
+    return torch.zeros(1, requires_grad=True)
 
 
-def takes(inputs: Any) -> bool:
+def register_copy(unit: nn.Module) -> None:
+    """Register a copy of a unit (its ``__setstate__`` calls this): it keeps the original's ``compile_token``'s value."""
+    _UNITS[id(unit)] = unit
+
+
+def traceable(inputs: Any) -> bool:
     """Whether the op takes ``inputs``: not per-id weights that need a gradient (see the module)."""
     if isinstance(inputs, Tensor):
         return True
@@ -59,8 +58,8 @@ def takes(inputs: Any) -> bool:
                    for given in inputs.values())  # fmt: skip
 
 
-def lookup(unit: nn.Module, inputs: Any) -> list[Tensor]:
-    """The unit's outputs for ``inputs`` through the custom op (call it only while compiling, on inputs it :func:`takes`)."""
+def run_op(unit: nn.Module, inputs: Any) -> list[Tensor]:
+    """The unit's outputs for ``inputs`` through the custom op (call it only while compiling, on :func:`traceable` inputs)."""
     layout, tensors = flatten(inputs)
     outputs, _handle = torch.ops.lightning_sparse.lookup(unit.compile_token, id(unit), layout, tensors, torch.is_grad_enabled())
     return outputs
@@ -119,8 +118,7 @@ def _lookup(token: Tensor, unit: int, layout: str, tensors: list[Tensor], record
     module = _UNITS[unit]
     with compat.autograd_in_custom_op(), torch.set_grad_enabled(record):
         outputs = module.eager_lookup(unflatten(layout, tensors))
-    handle = torch.zeros((), dtype=torch.int64)
-    handle.lookup_outputs = outputs  # the handle is saved for backward: the eager graph lives as long as the compiled one
+    handle = compat.handle_holding(outputs)  # saved for backward: the eager graph lives as long as the compiled one
     return _unaliased(outputs, tensors), handle
 
 
@@ -164,7 +162,7 @@ def _backward(ctx: Any, grads: list[Tensor | None], _handle_grad: Tensor | None)
 @torch.library.custom_op("lightning_sparse::lookup_backward", mutates_args=(), tags=NOT_IN_CUDA_GRAPHS)
 def _lookup_backward(grads: list[Tensor], outputs: list[int], handle: Tensor) -> Tensor:
     """The eager lookup's backward for the outputs that received a gradient; returns the token's gradient (zeros)."""
-    eager = getattr(handle, "lookup_outputs", None)
+    eager = compat.held_by(handle)
     if eager is None:
         raise RuntimeError("A compiled lookup's backward lost its lookup: the handle tensor was copied. HINT: report this.")
     pairs = [(eager[i], grad) for i, grad in zip(outputs, grads) if eager[i].requires_grad]

@@ -24,13 +24,15 @@ feature, named like the table, unpooled).
    ``[distinct rows, dim]`` to the table's pending gradients (:mod:`lightning_sparse.lookup.pending`);
    backward communicates nothing.
 
-With one rank the round is the same and the mechanisms have nothing to send: stage 3 keeps
+With one rank the round is the same and the mechanisms have nothing to send: step 3 keeps
 the ids where they are, with one host read for the verdict and the ids per table
-(:func:`~lightning_sparse.wire.exchange.ids_to_owners`), and stage 4 gathers each table's rows
-in place (:func:`~lightning_sparse.lookup.joint_rows.rows_from_owners`). With one rank, one
-table and one unpooled feature there is no round at all: one gather at the ids, whose gradient
-rows the optimizer step sums (:func:`~lightning_sparse.lookup.outputs.gather_feature`; on a GPU
-with no host read).
+(:func:`~lightning_sparse.wire.exchange.ids_to_owners`), and step 4 gathers each table's rows
+in place (:func:`~lightning_sparse.lookup.joint_rows.rows_from_owners`).
+
+The round is one of the lookup paths a unit takes, chosen when its tables are placed
+(:class:`Round`; the others are a lone table's gather, :class:`~lightning_sparse.lookup.outputs.Gather`,
+a collection's kernel on one GPU, :class:`~lightning_sparse.lookup.joint.Joint`, and a dynamic
+table's own rounds).
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_sparse.lookup.features import FeatureIds, Problem, read_ids
+from lightning_sparse.lookup.features import FeatureIds, Problem
 from lightning_sparse.lookup.joint_rows import TableMajor, both_ways, rows_from_owners, table_routes
-from lightning_sparse.lookup.outputs import distinct_rows, expand_rows, gather_feature
+from lightning_sparse.lookup.outputs import distinct_rows, expand_rows
 from lightning_sparse.lookup.pooling import pool, select
-from lightning_sparse.lookup.units import LookupUnit, OneTable, ShardedTable
+from lightning_sparse.lookup.units import LookupUnit, ShardedTable
 from lightning_sparse.lookup.verdict import check_round, header_of, write_verdicts
 from lightning_sparse.wire.exchange import Route, ids_to_owners
 from lightning_sparse.wire.grouping import SortedKeys
@@ -63,23 +65,30 @@ class Serving(Protocol):
     def serve(self, route: Route) -> None: ...
 
 
-def lookup_ids(unit: OneTable, ids: Any) -> Tensor:
-    """Rows of one table for ``ids`` -> ``[*ids.shape, embedding_dim]``. Collective (see ``SparseEmbedding.forward``)."""
-    read, problem = read_ids(ids, unit.table.name, unit.table.device)
-    return lookup(unit, read, problem)[unit.table.name]
+class Round:
+    """A unit's lookups as rounds over the ranks (any number of ranks, tables and features): the engine's path."""
+
+    def __init__(self, unit: LookupUnit) -> None:
+        self.unit = unit
+
+    def lookup(self, inputs: Any) -> dict[str, Tensor]:
+        """Every given feature's rows or pooled bags. Collective (see the table's and the collection's ``forward``)."""
+        return run_round(self.unit, *self.unit.read(inputs))
+
+    def serve(self, route: Route) -> None:
+        """Answer the other ranks' round of this unit on a rank with no lookups of its own (step 4 only)."""
+        serve(self.unit, route)
 
 
-def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offsets: Tensor | None = None) -> dict[str, Tensor]:
+def run_round(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offsets: Tensor | None = None) -> dict[str, Tensor]:
     """Every read feature's rows or pooled bags, all of the unit's tables in one round.
 
-    ``read``, ``problem`` and ``bad_offsets`` are what :func:`~lightning_sparse.lookup.features.read_features`
-    (or ``read_ids``) made of this rank's input. Collective: every rank of the tables' group must
-    call it for the same unit in the same round (see the collection's and the table's ``forward``).
+    ``read``, ``problem`` and ``bad_offsets`` are what the unit's ``read`` made of this rank's
+    input. Collective: every rank of the tables' group must call it for the same unit in the same
+    round (see the collection's and the table's ``forward``).
     """
     tables, joint = unit.table_list, unit.joint_sharding
     first = tables[0]
-    if first.world_size == 1 and len(tables) == len(read) == 1 and unit.feature_pooling[read[0].index] == "none":
-        return {read[0].name: gather_feature(unit, read[0])}  # no round: nothing to exchange or deduplicate
     fields = header_of(unit.unit_index, problem, read, bad_offsets, tables=tables).fields(first.device)
     if problem.error == OK and read:
         write_verdicts(fields, read, bad_offsets, tables)
@@ -93,14 +102,14 @@ def lookup(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offse
     route = ids_to_owners(runs, joint, fields, peers, check)
     mine, theirs = both_ways(route.by_table)
     routes = table_routes(route, joint, theirs)
-    round_ = _Round(joint, runs, mine, route, routes, distinct=mine.split(runs.unique))
+    round_ = _Routed(joint, runs, mine, route, routes, distinct=mine.split(runs.unique))
     rows = rows_from_owners(tables, route, mine, theirs, routes, peers)
     _keep_for_backward(tables, round_, rows, read)
     return _outputs(unit, read, rows, round_)
 
 
 @dataclass(frozen=True)
-class _Round:
+class _Routed:
     """A lookup round once its ids are sorted and routed: what the outputs and the backward need."""
 
     joint: JointSharding
@@ -117,7 +126,7 @@ def _concat(keys: list[Tensor], device: torch.device) -> Tensor:
     return torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64, device=device)
 
 
-def _keep_for_backward(tables: list[ShardedTable], round_: _Round, rows: list[Tensor], read: list[FeatureIds]) -> None:
+def _keep_for_backward(tables: list[ShardedTable], round_: _Routed, rows: list[Tensor], read: list[FeatureIds]) -> None:
     """Each table's distinct rows in its output dtype (``rows``, in place), recorded for their gradient in grad mode.
 
     Also counts each table's distinct ids and keeps the round's route as the table's last.
@@ -140,7 +149,7 @@ def _keep_for_backward(tables: list[ShardedTable], round_: _Round, rows: list[Te
         rows[t] = distinct_rows(table, rows[t], record)
 
 
-def _outputs(unit: LookupUnit, read: list[FeatureIds], rows: list[Tensor], round_: _Round) -> dict[str, Tensor]:
+def _outputs(unit: LookupUnit, read: list[FeatureIds], rows: list[Tensor], round_: _Routed) -> dict[str, Tensor]:
     """Stage 5: each feature's rows (``index_select`` from its table's distinct rows) or pooled bags.
 
     A round's only feature holds all the ids of the sort: its rows' backward is the sort's
@@ -190,7 +199,7 @@ def serve_lookups(units: list[Serving]) -> int:
     Collective: every rank of the group must call it once it has no lookups left to make.
     """
     first: ShardedTable | None = units[0] if units else None  # type: ignore[assignment]  # a table: tables come first
-    if first is None or first.world_size == 1:
+    if first is None:
         return 0
     rounds = 0
     nothing = SortedKeys(torch.empty(0, dtype=torch.int64, device=first.device))

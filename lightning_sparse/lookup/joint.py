@@ -28,7 +28,9 @@ from lightning_sparse.kernels import uses_triton
 from lightning_sparse.kernels.bags import Feature, gather_bags, verdict_size
 from lightning_sparse.kernels.rounding import HALF
 from lightning_sparse.kernels.runs import table_entries
-from lightning_sparse.lookup.features import ID_DTYPES, ID_SOURCE_DTYPES, JaggedIds, code_of
+from lightning_sparse.lookup.engine import Round
+from lightning_sparse.lookup.features import ID_DTYPES, ID_SOURCE_DTYPES, JaggedIds, as_feature_dict, code_of
+from lightning_sparse.lookup.pending import Bags
 from lightning_sparse.lookup.verdict import check_round
 from lightning_sparse.wire.header import Headers, LookupHeader
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from lightning_sparse.lookup.pending import PendingGrads
     from lightning_sparse.lookup.range_check import RangeCheck
     from lightning_sparse.lookup.units import ShardedTable
+    from lightning_sparse.wire.exchange import Route
 
 
 class SparseEmbeddingCollection(Protocol):
@@ -55,7 +58,7 @@ class SparseEmbeddingCollection(Protocol):
     def describe_feature(self, index: int) -> str: ...
 
 
-def takes(collection: SparseEmbeddingCollection) -> bool:
+def fits(collection: SparseEmbeddingCollection) -> bool:
     """Whether the collection's rounds can take this path (its tables; each round's input is checked by :func:`read`)."""
     tables = collection.table_list
     first = tables[0]
@@ -146,7 +149,7 @@ def grads_zeros(rows: int, dim: int, grads: tuple[Tensor | None, ...]) -> Tensor
     return like.new_zeros(rows, dim)
 
 
-def lookup(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -> dict[str, Tensor] | None:
+def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -> dict[str, Tensor] | None:
     """The round on one GPU; ``None`` if it cannot take it (then the engine does)."""
     read_in = read(collection, features)
     if read_in is None:
@@ -166,9 +169,8 @@ def lookup(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -
     if not recording:
         raise_failed(collection, check.failed(1, wait=True))
         return {name: piece.view(*shape) for (name, _, shape, _), piece in zip(read_in, out.split(splits))}
-    record = collection.pending.new_record(None, keys)
-    record.sources, record.weights = sources, scales
-    record.tables = sorted({f.table for _, f, _, _ in read_in if len(f.ids)})
+    touched = sorted({f.table for _, f, _, _ in read_in if len(f.ids)})
+    record = collection.pending.new_record(None, keys, bags=Bags(sources, scales, touched))
     token = torch.empty(0, device=first.device, requires_grad=True)
     outputs = _RecordedBags.apply(token, out, record, splits, shapes)
     return {name: output for (name, _, _, _), output in zip(read_in, outputs)}
@@ -194,3 +196,22 @@ def raise_failed(collection: SparseEmbeddingCollection, failed: list[int] | None
         if code:
             dtype = collection.range_check.dtype_code.get(index, -1)  # a collection's: per feature
             check_round(collection, Headers.of(LookupHeader(error=code, feature=index, id_min=low, id_max=high, dtype=dtype)))
+
+
+class Joint:
+    """A collection's lookups on one GPU (the path a collection that :func:`fits` takes): every feature in one kernel.
+
+    A round whose input the kernel cannot judge (see :func:`read`) goes through the engine's
+    round instead (``fallback``), which names the problem.
+    """
+
+    def __init__(self, collection: SparseEmbeddingCollection) -> None:
+        self.collection, self.fallback = collection, Round(collection)
+
+    def lookup(self, features: Any) -> dict[str, Tensor]:
+        given = as_feature_dict(features)
+        out = gather_features(self.collection, given) if given is not None else None
+        return out if out is not None else self.fallback.lookup(features)
+
+    def serve(self, route: Route) -> None:
+        self.fallback.serve(route)

@@ -5,8 +5,9 @@ gradient to the table's :class:`~lightning_sparse.lookup.pending.LookupRecord` a
 nothing. The engine records each table's distinct rows (:func:`distinct_rows`); features read
 them with ``index_select`` (:func:`expand_rows`, whose backward is the segment sum of the
 lookup's sort) or pool them (:mod:`lightning_sparse.lookup.pooling`). With one rank and one table
-there is nothing to deduplicate: :func:`gather` reads the shard straight at the ids, as
-``nn.Embedding`` does, and records one gradient row per id, summed at the optimizer step.
+there is nothing to deduplicate: :class:`Gather`, the lone table's lookup path, reads the shard
+straight at the ids (:func:`gather`), as ``nn.Embedding`` does, and records one gradient row per
+id, summed at the optimizer step.
 Every sum of gradient rows is :func:`lightning_sparse.kernels.segment_sum` (or the fused update).
 """
 
@@ -19,12 +20,13 @@ from torch import Tensor
 
 from lightning_sparse.kernels import rows as kernel_rows
 from lightning_sparse.kernels import uses_triton
-from lightning_sparse.lookup.verdict import raise_if_out_of_range
+from lightning_sparse.lookup.features import read_ids
+from lightning_sparse.lookup.verdict import check_gather, raise_if_out_of_range
 
 if TYPE_CHECKING:
-    from lightning_sparse.lookup.features import FeatureIds
     from lightning_sparse.lookup.pending import LookupRecord
     from lightning_sparse.lookup.units import LookupUnit, ShardedTable
+    from lightning_sparse.wire.exchange import Route
     from lightning_sparse.wire.grouping import SortedKeys
 
 
@@ -107,23 +109,31 @@ def gather(table: ShardedTable, ids: Tensor) -> Tensor:
     return _RecordedRows.apply(_token(ids.device), rows, table.pending.new_record(None, keys), dtype)
 
 
-def gather_feature(unit: LookupUnit, feature: FeatureIds) -> Tensor:
-    """One rank, one table, one unpooled feature: no round, the rows at the feature's ids (:func:`gather`).
+class Gather:
+    """A table's lookups with one rank: no round, the rows at the ids, as ``nn.Embedding`` reads them (the lone table's path).
 
     On a CPU the ids are checked first (one host read). On a GPU the gather checks them on the
     device and the error is raised later without a host read (:mod:`lightning_sparse.lookup.range_check`),
-    here for an earlier lookup's ids, or at once for a lookup without grad mode (no step to wait for).
+    for an earlier lookup's ids, or at once for a lookup without grad mode (no step to wait for).
     """
-    table = unit.table_list[0]
-    table.stats.ids_looked_up += len(feature.ids)
-    if not uses_triton(table.shard):
-        low, high = torch.stack(torch.aminmax(feature.ids)).tolist() if len(feature.ids) else (0, 0)
-        raise_if_out_of_range(unit, low, high, feature.dtype)
-        return gather(table, feature.ids).view(*feature.shape, table.embedding_dim)
-    check = table.range_check
-    raise_if_out_of_range(unit, *(check.failed(table.num_embeddings) or (0, 0))[:2], check.dtype_code)
-    rows = gather(table, feature.ids)
-    check.dtype_code = feature.dtype
-    if not torch.is_grad_enabled():
-        raise_if_out_of_range(unit, *(check.failed(table.num_embeddings, wait=True) or (0, 0))[:2], feature.dtype)
-    return rows.view(*feature.shape, table.embedding_dim)
+
+    def __init__(self, unit: LookupUnit) -> None:
+        self.unit = unit
+
+    def lookup(self, ids: Any) -> dict[str, Tensor]:
+        """The table's rows at ``ids``: ``[*ids.shape, dim]``, under the table's name. Bad input raises."""
+        table = self.unit.table_list[0]
+        read, problem = read_ids(ids, table.name, table.device)
+        feature = check_gather(self.unit, read, problem)  # raises for bad input, or a range check that failed
+        table.stats.ids_looked_up += len(feature.ids)
+        rows = gather(table, feature.ids)
+        if uses_triton(table.shard):  # the range check of these ids: read at the next lookup or step, or now without grad
+            table.range_check.dtype_code = feature.dtype
+            if not torch.is_grad_enabled():
+                raise_if_out_of_range(self.unit, *(table.range_check.failed(table.num_embeddings, wait=True) or (0, 0))[:2],
+                                      feature.dtype)  # fmt: skip
+        return {feature.name: rows.view(*feature.shape, table.embedding_dim)}
+
+    def serve(self, route: Route) -> None:
+        """A lone rank serves nobody; the round's :func:`~lightning_sparse.lookup.engine.serve` would answer."""
+        raise RuntimeError(f"{self.unit.name} has one rank: no other rank looks it up. HINT: report this.")

@@ -47,13 +47,14 @@ class LookupRecord:
         route: Route | None,
         keys: Tensor,
         occurrences: Tensor | Callable[[], Tensor] | None = None,
+        bags: Bags | None = None,
     ) -> None:
         self.route, self.keys, self.occurrences = route, keys, occurrences
         # A collection's lookup on one GPU (lightning_sparse.lookup.joint) records its ids' keys over all its tables:
         # key i's gradient is grad[sources[i]] * weights[i] (a bag's), and ``tables`` lists the tables it touched.
-        self.sources: Tensor | None = None
-        self.weights: Tensor | None = None
-        self.tables: list[int] | None = None
+        self.sources = bags.sources if bags is not None else None
+        self.weights = bags.weights if bags is not None else None
+        self.tables = bags.tables if bags is not None else None
         self.grad: Tensor | None = None
         self._pending = pending
         self._listed = False  # in ``pending.received``: its gradient has not been taken or zeroed
@@ -83,6 +84,14 @@ class LookupRecord:
         return self.occurrences
 
 
+class Bags(NamedTuple):
+    """How a collection's round on one GPU reaches its ids' gradients: key ``i``'s is ``grad[sources[i]] * weights[i]``."""
+
+    sources: Tensor  # each id's bag (int32)
+    weights: Tensor | None  # each id's weight (a mean's 1 / bag length, or a weighted sum's), None: 1 each
+    tables: list[int]  # the tables the round touched
+
+
 class TakenGrads(NamedTuple):
     """What a step takes of a table's pending gradients (:meth:`PendingGrads.take`)."""
 
@@ -102,11 +111,15 @@ class PendingGrads:
         self.recorded = 0  # lookups recorded since the last step took the table's gradients
 
     def new_record(
-        self, route: Route | None, keys: Tensor, occurrences: Tensor | Callable[[], Tensor] | None = None
+        self,
+        route: Route | None,
+        keys: Tensor,
+        occurrences: Tensor | Callable[[], Tensor] | None = None,
+        bags: Bags | None = None,
     ) -> LookupRecord:
         """A record of one lookup (see :class:`LookupRecord`: distinct with ``occurrences``, else one key per id)."""
         self.recorded += 1
-        return LookupRecord(self, route, keys, occurrences)
+        return LookupRecord(self, route, keys, occurrences, bags)
 
     @property
     def empty(self) -> bool:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import torch
+from torch import Tensor
 
 TORCH_CHECKED = "2.13.0"
 
@@ -29,3 +31,21 @@ def autograd_in_custom_op() -> Iterator[None]:
             stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(getattr(torch._C.DispatchKey, key), False))
         with torch.enable_grad():
             yield
+
+
+def handle_holding(value: Any) -> Tensor:
+    """A 0-d tensor that holds ``value`` for as long as the tensor lives (:func:`held_by` gives it back).
+
+    The value rides as an attribute of the tensor's Python object. Torch keeps that object, with
+    its attributes, alive while the tensor lives in C++ (an autograd graph's saved tensors: "PyObject
+    preservation"), so the value lives exactly as long as the graph that saved the handle, and dies
+    with it: the compiled lookup's eager graph (``compiled.py``).
+    """
+    handle = torch.zeros((), dtype=torch.int64)
+    handle.held_value = value
+    return handle
+
+
+def held_by(handle: Tensor) -> Any:
+    """What :func:`handle_holding` put in ``handle`` (``None`` for a copy of it, which holds nothing)."""
+    return getattr(handle, "held_value", None)

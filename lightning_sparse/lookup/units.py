@@ -7,11 +7,12 @@ A lookup unit is a set of tables looked up in one round: a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
+from lightning_sparse.lookup.features import FeatureIds, Problem, read_ids
 from lightning_sparse.wire.sharding import JointSharding
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ class LookupUnit(Protocol):
     @property
     def rank(self) -> int: ...
     def describe_feature(self, index: int) -> str: ...
+    def read(self, inputs: Any) -> tuple[list[FeatureIds], Problem, Tensor | None]:
+        """This rank's input as features (:mod:`lightning_sparse.lookup.features`), without raising."""
 
 
 class OneTable:
@@ -102,3 +105,8 @@ class OneTable:
 
     def describe_feature(self, index: int) -> str:
         return self.table.name
+
+    def read(self, ids: Any) -> tuple[list[FeatureIds], Problem, None]:
+        """The table's ids as the unit's one feature."""
+        read, problem = read_ids(ids, self.table.name, self.table.device)
+        return read, problem, None

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
+from lightning_sparse.kernels import uses_triton
 from lightning_sparse.lookup.features import ID_DEVICES, ID_SOURCE_DTYPES, ID_SOURCE_TYPES, FeatureIds, Problem, code_name
 from lightning_sparse.wire.header import (
     BAD_DTYPE,
@@ -85,10 +86,10 @@ def header_of(
     problem: Problem,
     read: list[FeatureIds],
     bad_offsets: Tensor | None = None,
-    stage: int = 0,
+    kind: int = 0,
     tables: Sequence[ShardedTable] = (),
 ) -> LookupHeader:
-    """This rank's header for a round of lookup unit ``unit_index``: its problem, whether it records (grad mode), its stage.
+    """This rank's header for a round of lookup unit ``unit_index``: its problem, whether it records (grad mode), its kind.
 
     ``tables``: the unit's, to say whether the round is this rank's sole lookup of them before their next step
     (``LookupHeader.sole``): none holds a pending lookup and, recording, the round reads every one of them.
@@ -99,7 +100,7 @@ def header_of(
     if sole and recording:
         sole = len({f.table for f in read}) == len(tables)
     header = LookupHeader(unit=unit_index, record=int(recording), error=problem.error, feature=problem.feature,
-                          detail=problem.detail, dtype=problem.dtype, stage=stage, sole=int(sole))  # fmt: skip
+                          detail=problem.detail, dtype=problem.dtype, kind=kind, sole=int(sole))  # fmt: skip
     if len(read) != 1 or bad_offsets is not None or header.error != OK:
         return header
     return replace(header, feature=read[0].index, dtype=read[0].dtype)
@@ -110,7 +111,7 @@ def check_one_unit(headers: Headers, name: str) -> None:
     if len(headers) == 1:  # one rank agrees with itself
         return
     units = headers.active_units()
-    if len(units) > 1 or len(headers.active_stages()) > 1:
+    if len(units) > 1 or len(headers.active_kinds()) > 1:
         raise RuntimeError(
             f"Ranks looked up different tables in the same round (lookup units {units}, this rank: {name}). "
             f"HINT: every rank must call its SparseEmbeddings and collections in the same order, every step, "
@@ -165,6 +166,25 @@ def _error(unit: Subject, h: LookupHeader, rank: int, own: bool, words: str | No
         return ValueError(f"{subject} got input it cannot use on {where}: "
                           f"{words or f'HINT: the error raised on rank {rank} names the problem and its fix'}")  # fmt: skip
     return RuntimeError(f"{unit.name}: rank {rank} reported error code {h.error}.")
+
+
+def check_gather(unit: Subject, read: list[FeatureIds], problem: Problem) -> FeatureIds:
+    """The one feature of a lone table's gather, after raising, as a round would, for bad input.
+
+    A problem of the ids raises; so do ids out of range, checked on the host on a CPU (it costs
+    nothing there), and, on a GPU, an earlier lookup's range check once its copy is done (read
+    without waiting: :mod:`lightning_sparse.lookup.range_check`).
+    """
+    if problem.error != OK:
+        check_round(unit, Headers.of(header_of(unit.unit_index, problem, read)), problem)
+    feature, table = read[0], unit.table_list[0]
+    if not uses_triton(table.shard):
+        low, high = torch.stack(torch.aminmax(feature.ids)).tolist() if len(feature.ids) else (0, 0)
+        raise_if_out_of_range(unit, low, high, feature.dtype)
+    else:
+        check = table.range_check
+        raise_if_out_of_range(unit, *(check.failed(table.num_embeddings) or (0, 0))[:2], check.dtype_code)
+    return feature
 
 
 def raise_if_out_of_range(unit: Subject, low: int, high: int, dtype: int) -> None:

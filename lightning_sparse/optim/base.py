@@ -105,7 +105,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
             table.materialize()
         known = list(self._tables.values())
         for table in tables:
-            if known and any(getattr(table, name) != getattr(known[0], name) for name in _PLACEMENT):
+            if known and any(getattr(table.placement, name) != getattr(known[0].placement, name) for name in _PLACEMENT):
                 raise ValueError(
                     f"{table.name} is sharded over a different process group than {known[0].name}. "
                     f"HINT: use one optimizer per process group."
@@ -185,7 +185,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         rounds = []  # collections' rounds on one GPU: one launch for all their tables; taken now, dropped if the step raises
         for unit in joint.units_with_rounds(self.tables):
             records = unit.pending.take().others
-            if joint.takes(unit, self):
+            if joint.in_one_launch(unit, self):
                 rounds.append((unit, records))
             else:
                 joint.split_into_tables(unit, records)
@@ -214,7 +214,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
     def _apply(self, table: SparseEmbedding, state: dict[str, Tensor], group: dict[str, Any], grads: TableGrads) -> None:
         """Sum the table's gradient rows per row and update those rows: one fused kernel on a GPU, else sum then update."""
         mean = group["duplicate_grads"] == "mean"
-        rule = self.update_rule(state, group) if fused.takes(table) else None
+        rule = self.update_rule(state, group) if fused.applies(table) else None
         if rule is None:
             rows, grad = row_grads.summed(table, grads, mean)
             write = writer_for(table, int(state.get("step", 0)))  # a half table's rows: rounded
@@ -235,17 +235,16 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         means = [group["duplicate_grads"] == "mean" for group, _ in entries]
         checks = [group.get("check_finite", False) for group, _ in entries]
         first = tables[0]
-        if first.world_size == 1 and first.replicas == 1:  # nothing to exchange
-            return [row_grads.local_grads(table, mean, check) for table, mean, check in zip(tables, means, checks)]
-        sole = only_routed([table.pending.route for table in tables], any(checks), first.replicas)
-        outgoing = [row_grads.outgoing(table, mean, check, sole) for table, mean, check in zip(tables, means, checks)]
+        peers = first.peers.counting(self.stats)
+        sole = only_routed([table.pending.route for table in tables], peers, any(checks), first.replicas)
+        outgoing = [row_grads.outgoing(table, peers, mean, check, sole) for table, mean, check in zip(tables, means, checks)]
         wire = row_grads.wire_dtype([t.dtype for t in tables], any(means))
-        incoming = grads_to_owners(outgoing, first.peers.counting(self.stats), wire, first.device, sole)
+        incoming = grads_to_owners(outgoing, peers, wire, first.device, sole)
         owned = [row_grads.owned_grads(table, grads, mean, wire) for table, grads, mean in zip(tables, incoming, means)]
         if first.replicas > 1:  # 2-D sharding: sum each row's gradient over the replicas of the shard
             summed = [row_grads.coalesced(table, grads) for table, grads in zip(tables, owned)]
             bounds = [table.sharding.block_size for table in tables]
-            summed = grads_over_replicas(summed, bounds, first.replica_peers.counting(self.stats))
+            summed = grads_over_replicas(summed, bounds, first.placement.replica_peers(self.stats))
             owned = [row_grads.from_replicas(table, grads, mean) for table, grads, mean in zip(tables, summed, means)]
         return owned
 

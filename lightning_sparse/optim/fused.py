@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from lightning_sparse.tables.embedding import SparseEmbedding
 
 
-def takes(table: SparseEmbedding) -> bool:
+def applies(table: SparseEmbedding) -> bool:
     """Whether the fused kernel steps ``table``: Triton for its device, and float32, bf16, or fp16 rounded to nearest."""
     fusable = table.dtype in (torch.float32, torch.bfloat16) or (
         table.dtype == torch.float16 and table.stochastic_rounding is False
@@ -51,7 +51,7 @@ def check_capturable(optimizer: str, table: SparseEmbedding, has_fused_update: b
     """``capturable=True`` on a GPU needs the fused update without stochastic rounding, which read no host value."""
     if table.device.type != "cuda" and not uses_triton(table.shard):
         return  # elsewhere the step counts on the table's device too, and its host reads are no GPU's
-    if not (has_fused_update and takes(table) and rounding(table, 0) is None):
+    if not (has_fused_update and applies(table) and rounding(table, 0) is None):
         raise ValueError(
             f"{optimizer}(capturable=True) cannot step {table.name} ({table.dtype}) without reading the host: it needs "
             f"the fused update (float32, bf16 or fp16 tables with Triton), and no stochastic rounding, whose draws are "

@@ -61,7 +61,7 @@ def _per_key(record: LookupRecord) -> Tensor:
     return values * record.weights.unsqueeze(1) if record.weights is not None else values
 
 
-def takes(unit: SparseEmbeddingCollection, optimizer: Any) -> bool:
+def in_one_launch(unit: SparseEmbeddingCollection, optimizer: Any) -> bool:
     """Whether ``optimizer`` can step the collection's rounds as one launch (else :func:`split_into_tables`)."""
     tables = unit.table_list
     shards = [t.shard for t in tables]
@@ -72,7 +72,7 @@ def takes(unit: SparseEmbeddingCollection, optimizer: Any) -> bool:
 
 
 def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer: Any, mean: bool, check_finite: bool) -> None:
-    """Update the collection's tables in one launch with the rounds ``records`` taken from it (after :func:`takes`)."""
+    """Update the collection's tables in one launch with the rounds ``records`` taken from it (after :func:`in_one_launch`)."""
     from lightning_sparse.lookup.joint import key_shift
 
     tables, shift = unit.table_list, key_shift(unit)

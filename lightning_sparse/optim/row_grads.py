@@ -1,9 +1,8 @@
 """A table's gradient rows at an optimizer step, brought to the rows' owner and not yet summed.
 
-With one rank they are the table's pending lookups' gradient rows as they are (:func:`local_grads`):
-one per id for a lookup of one table (``gather``), one per distinct row for the lookup
-engine's. With several, they are what :func:`~lightning_sparse.wire.grads_exchange.grads_to_owners`
-delivered (:func:`owned_grads`). Rows may repeat; the update sums them (the fused
+They are what :func:`~lightning_sparse.wire.grads_exchange.grads_to_owners` delivered (:func:`owned_grads`):
+with one rank the table's pending lookups' gradient rows as they are, one per id for a lookup of
+one table (``gather``), one per distinct row for the lookup engine's. Rows may repeat; the update sums them (the fused
 :func:`~lightning_sparse.kernels.update_rows` on a GPU, :func:`summed` otherwise).
 """
 
@@ -18,6 +17,7 @@ from torch import Tensor
 from lightning_sparse.kernels.rounding import compute_dtype
 from lightning_sparse.lookup.pending import LookupRecord
 from lightning_sparse.tables.embedding import SparseEmbedding
+from lightning_sparse.wire.alltoall import Peers
 from lightning_sparse.wire.grads_exchange import IncomingGrads, OutgoingGrads, RowsByOwner
 from lightning_sparse.wire.grouping import SortedKeys, coalesce
 from lightning_sparse.wire.replicas import OwnedGrads
@@ -45,24 +45,9 @@ class TableGrads:
     placeholders: bool = False
 
 
-def local_grads(table: SparseEmbedding, mean: bool, check_finite: bool) -> TableGrads:
-    """One rank: the table's pending gradient rows, taken (no exchange), in the order they arrived."""
-    taken = table.pending.take()
-    records = taken.received
-    if not records:
-        return TableGrads(_no_rows(table), table.shard.new_empty(0, table.embedding_dim), touched=taken.looked_up)
-    rows = _cat([record.keys for record in records])
-    values = _cat([record.grad for record in records])
-    counts = None
-    if mean and any(record.distinct for record in records):
-        counts = _cat([_counts(record) for record in records])
-    bad = [0] if check_finite and bool((~torch.isfinite(values)).any()) else []  # a host read, only when checking
-    distinct = len(records) == 1 and records[0].distinct
-    return TableGrads(rows, values, counts, distinct, True, bad, per_id=not all(r.distinct for r in records))
-
-
 def owned_grads(table: SparseEmbedding, grads: IncomingGrads, mean: bool, wire: torch.dtype) -> TableGrads:
-    """Several ranks: what arrived for the table's rows, in the ``wire`` dtype (with ``mean``, each value's last column is its count)."""
+    """What arrived for the table's rows (with ``mean``, each value's last column is its count), from other ranks in
+    the ``wire`` dtype."""
     bad = grads.nonfinite_ranks
     if bad:  # group ranks -> global ranks
         bad = [dist.get_global_rank(table.process_group, r) for r in bad]
@@ -72,7 +57,7 @@ def owned_grads(table: SparseEmbedding, grads: IncomingGrads, mean: bool, wire: 
         rows, values = _no_rows(table), table.shard.new_empty(0, table.embedding_dim + mean, dtype=wire)
     counts = values[:, -1] if mean else grads.present
     return TableGrads(rows, values[:, : table.embedding_dim], counts, grads.distinct or not grads.rows, grads.touched, bad,
-                      placeholders=grads.present is not None)  # fmt: skip
+                      per_id=grads.per_id, placeholders=grads.present is not None)  # fmt: skip
 
 
 def coalesced(table: SparseEmbedding, grads: TableGrads) -> OwnedGrads:
@@ -115,11 +100,12 @@ def summed(table: SparseEmbedding, grads: TableGrads, mean: bool) -> tuple[Tenso
     return rows, values / ranks if ranks > 1 else values
 
 
-def outgoing(table: SparseEmbedding, mean: bool, check_finite: bool = False, sole: bool = False) -> OutgoingGrads:
-    """Several ranks: a table's pending gradients, taken and laid out for ``grads_to_owners``.
+def outgoing(table: SparseEmbedding, peers: Peers, mean: bool, check_finite: bool = False, sole: bool = False) -> OutgoingGrads:
+    """A table's pending gradients, taken and laid out for ``grads_to_owners`` over ``peers``.
 
     The last lookup's gradient rows go as they are (routed); the others are coalesced by row
-    first, with one sort, which also groups them by owner. ``sole`` (see
+    first, with one sort, which also groups them by owner; with one rank they stay as they came
+    (the update sums rows that repeat). ``sole`` (see
     :func:`~lightning_sparse.wire.grads_exchange.only_routed`): the step sends routed rows only, and
     any other gradient stays pending for the next step: one that reached a lookup made before the
     last step after this rank's header promised none (``LookupHeader.sole``).
@@ -128,7 +114,12 @@ def outgoing(table: SparseEmbedding, mean: bool, check_finite: bool = False, sol
     route, routed, records = taken.route, taken.routed, taken.others
     routed_values = _values(routed, mean) if routed is not None else None
     others = None
-    if records:
+    if records and peers.alone:  # one owner, whose keys are its rows: as they came, one per id for a gather's record
+        values = _cat([_values(record, mean) for record in records])
+        distinct = len(records) == 1 and records[0].distinct
+        per_id = not all(record.distinct for record in records)
+        others = RowsByOwner(_cat([record.keys for record in records]), values, None, distinct, per_id)
+    elif records:
         if len(records) == 1 and records[0].distinct:  # already distinct and ascending
             keys, values = records[0].keys, _values(records[0], mean)
         else:
@@ -147,7 +138,8 @@ def wire_dtype(dtypes: list[torch.dtype], mean: bool) -> torch.dtype:
     """One dtype for all tables' gradients on the wire; at least float32 when occurrence counts ride along."""
     wire = torch.float32 if mean else compute_dtype(dtypes[0])
     for dtype in dtypes:
-        wire = torch.promote_types(wire, compute_dtype(dtype))
+        if compute_dtype(dtype) != wire:  # (tables of one dtype: no promotion, which is an op of its own)
+            wire = torch.promote_types(wire, compute_dtype(dtype))
     return wire
 
 

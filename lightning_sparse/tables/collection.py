@@ -1,7 +1,10 @@
 """SparseEmbeddingCollection: many tables, many features, one exchange round per lookup.
 
-The module holds the tables and says which feature reads which table and how it is pooled;
-the lookup itself is the engine's (:mod:`lightning_sparse.lookup.engine`), as for a single table.
+The module holds the tables and says which feature reads which table and how it is pooled. Its
+lookup path is chosen when its tables are placed: on one GPU, every feature in one kernel
+(:class:`~lightning_sparse.lookup.joint.Joint`); elsewhere the engine's rounds
+(:class:`~lightning_sparse.lookup.engine.Round`), as for a single table, after its dynamic tables
+turned their ids into rows.
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_sparse.kernels import backend
 from lightning_sparse.lookup import compiled
 from lightning_sparse.lookup import joint as joint_lookup
-from lightning_sparse.lookup.compiled import CompiledLookups
-from lightning_sparse.lookup.engine import lookup, serve
-from lightning_sparse.lookup.features import POOLING, JaggedIds, as_feature_dict, read_features
+from lightning_sparse.lookup.engine import Round
+from lightning_sparse.lookup.features import POOLING, FeatureIds, JaggedIds, Problem, as_feature_dict, read_features
 from lightning_sparse.lookup.pending import PendingGrads
 from lightning_sparse.lookup.range_check import RangeCheck
 from lightning_sparse.tables.dynamic import rows_of_features
@@ -63,7 +66,7 @@ class TableDict(nn.Module):
         return list(self._modules.items())
 
 
-class SparseEmbeddingCollection(CompiledLookups, nn.Module):
+class SparseEmbeddingCollection(nn.Module):
     """Several SparseEmbedding tables looked up together: all features of a batch in one exchange round.
 
     Args:
@@ -132,14 +135,17 @@ class SparseEmbeddingCollection(CompiledLookups, nn.Module):
         # Set by a strategy: this collection's position among the lookup units (tables, then collections).
         self.unit_index = -1
         self._joint: JointSharding | None = None
-        self.pending = PendingGrads()  # a round's gradient over all tables, on one GPU (joint_lookup.py)
+        self.pending = PendingGrads()  # a round's gradient over all tables, on one GPU (lookup/joint.py)
         self.range_check = RangeCheck()
+        self.lookups: joint_lookup.Joint | Round | None = None  # its lookup path: chosen when its tables are placed
+        self._placed_as: tuple | None = None  # what the path was chosen for
         self._link_tables()
-        self.enable_compiled_lookups()
+        self.compile_token = compiled.register(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # a copy links its own tables (weak references do not pickle)
         super().__setstate__(state)
         self._link_tables()
+        compiled.register_copy(self)
 
     def _link_tables(self) -> None:
         """Tell each table that this collection holds it: the optimizer finds the collection's rounds through them."""
@@ -170,7 +176,7 @@ class SparseEmbeddingCollection(CompiledLookups, nn.Module):
         return self._joint
 
     def materialize(self) -> SparseEmbeddingCollection:
-        """Materialize every table; they must share their process group and device."""
+        """Materialize every table (they must share their process group and device), and choose the lookup path."""
         tables = self.table_list
         for table in tables:
             table.materialize()
@@ -179,6 +185,10 @@ class SparseEmbeddingCollection(CompiledLookups, nn.Module):
             if (table.world_size, table.process_group, table.device) != (first.world_size, first.process_group, first.device):
                 raise ValueError(f"{table.name} and {first.name} are placed differently (process group or device). "
                                  f"HINT: the tables of a collection share one process group and device.")  # fmt: skip
+        placed_as = (first.world_size, first.device, first.dtype, backend.choice())
+        if placed_as != self._placed_as:
+            self.lookups = joint_lookup.Joint(self) if joint_lookup.fits(self) else Round(self)
+            self._placed_as = placed_as
         return self
 
     def adopt(self, name: str, unit_index: int) -> None:
@@ -205,8 +215,8 @@ class SparseEmbeddingCollection(CompiledLookups, nn.Module):
         """
         if torch.compiler.is_compiling():
             given = as_feature_dict(features)
-            if given is not None and compiled.takes(given):
-                return dict(zip(given, compiled.lookup(self, given)))
+            if given is not None and compiled.traceable(given):
+                return dict(zip(given, compiled.run_op(self, given)))
         return self.lookup_features(features)
 
     def eager_lookup(self, features: Mapping[str, Any]) -> list[Tensor]:
@@ -233,21 +243,17 @@ class SparseEmbeddingCollection(CompiledLookups, nn.Module):
         """The eager lookup of :meth:`forward` (never traced by dynamo: see :mod:`lightning_sparse.lookup.compiled`)."""
         for table in self.table_list:
             table.check_first_lookup()
-        self.materialize()
-        first = self.table_list[0]
-        if joint_lookup.takes(self):  # one GPU: every feature in one kernel, when the input is well-formed
-            given = as_feature_dict(features)
-            out = joint_lookup.lookup(self, given) if given is not None else None
-            if out is not None:
-                return out
+        return self.materialize().lookups.lookup(features)
+
+    def read(self, features: Mapping[str, Any] | Any) -> tuple[list[FeatureIds], Problem, Tensor | None]:
+        """This rank's features as a round reads them; a dynamic table's ids turned into rows first (a round per table)."""
         read, problem, bad_offsets = read_features(features, self.feature_names, self.table_of_feature, self.feature_pooling,
-                                                   first.device)  # fmt: skip
-        read = rows_of_features(self.table_list, read)  # dynamic tables: ids to rows first, a round per table
-        return lookup(self, read, problem, bad_offsets)
+                                                   self.table_list[0].device)  # fmt: skip
+        return rows_of_features(self.table_list, read), problem, bad_offsets
 
     def serve(self, route: Route) -> None:
         """Answer a round of this collection's lookups made by other ranks (see ``serve_lookups``)."""
-        serve(self, route)
+        self.materialize().lookups.serve(route)
 
     def extra_repr(self) -> str:
         pooled = {f: m for f, m in zip(self.feature_names, self.feature_pooling) if m != "none"}

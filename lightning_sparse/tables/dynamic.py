@@ -6,8 +6,8 @@ owner of an id hands out its slot. A lookup on 2 or more ranks is one round trip
 
 1. **Keys to owners.** Each rank sorts its ids' keys (:func:`~lightning_sparse.wire.hashing.mix`),
    which groups them by owner (the high bits of the key), and sends the distinct ones with the
-   lookup stage (:func:`~lightning_sparse.wire.exchange.ids_to_owners`, header checks included,
-   ``LookupHeader.stage = 2``).
+   lookup's first stage (:func:`~lightning_sparse.wire.exchange.ids_to_owners`, header checks included,
+   ``LookupHeader.kind = 2``).
 2. **Rows and slots back.** Each owner finds or admits the keys in its
    :class:`~lightning_sparse.tables.admission.SlotTable`, and sends back each key's row followed by its
    slot (``rows_to_requesters``). An id without a row gets the owner's null slot 0, which stays
@@ -16,7 +16,7 @@ owner of an id hands out its slot. A lookup on 2 or more ranks is one round trip
    so gradients of other lookups go to their owners as a ``SparseEmbedding``'s do.
 
 Every sparse optimizer works as for a ``SparseEmbedding``. A collection's dynamic tables turn
-ids into row numbers first (:meth:`DynamicEmbedding.rows_of`, a round per table, stage 1) and
+ids into row numbers first (:meth:`DynamicEmbedding.rows_of`, a round per table, of kind 1) and
 then join the collection's row round. With one rank there is no round: one sort of the keys
 gives the distinct ids, their slots, and the runs the backward adds up.
 
@@ -38,15 +38,15 @@ from torch import Tensor
 
 from lightning_sparse.kernels.rows import put
 from lightning_sparse.lookup.features import FeatureIds
+from lightning_sparse.tables import dynamic_state
 from lightning_sparse.tables import init as row_init
 from lightning_sparse.tables.admission import EVICTION, NULL_SLOT, SlotStats, SlotTable
-from lightning_sparse.tables.dynamic_lookup import DynamicLookupMixin
-from lightning_sparse.tables.dynamic_state import DynamicStateMixin
+from lightning_sparse.tables.dynamic_lookup import KeyedRounds, LocalRounds
 from lightning_sparse.tables.embedding import SparseEmbedding
 from lightning_sparse.wire.hashing import unmix
 
 
-class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
+class DynamicEmbedding(SparseEmbedding):
     """An embedding table for arbitrary int64 (or uint64) ids, sharded by a hash of the id.
 
     Args:
@@ -115,7 +115,6 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
         self.sketch_width = sketch_width
         self.slots: SlotTable | None = None
         self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # they reset the state of re-used slots
-        self.placement: Any = None  # where a checkpoint's rows went (lightning_sparse.checkpoint.dynamic_rows)
 
     # ------------------------------------------------------------------ placement
     def rows_per_rank(self, world_size: int | None = None) -> int:
@@ -129,18 +128,16 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
         if replica_group is not None:
             raise ValueError(f"{self.name}: a DynamicEmbedding is sharded over one group. HINT: use 1-D sharding "
                              f"(no sharding_group_size) for models with dynamic tables.")  # fmt: skip
-        group = process_group or (self._requested_group() if self._requested_group is not None else None)
-        initialized = dist.is_available() and dist.is_initialized()
-        world_size = dist.get_world_size(group or dist.group.WORLD) if initialized else 1
-        if self._materialized and world_size != self._world_size:
-            if self.slots.occupancy or self._world_size != 1:
-                raise RuntimeError(f"{self.name} holds ids on {self._world_size} rank(s) and cannot be re-sharded over "
+        world_size = self.placement.world_size_of(process_group)
+        if self.placement.placed and world_size != self.world_size:
+            if self.slots.occupancy or self.world_size != 1:
+                raise RuntimeError(f"{self.name} holds ids on {self.world_size} rank(s) and cannot be re-sharded over "
                                    f"{world_size}. HINT: save a checkpoint and load it into a new module.")  # fmt: skip
-            self._materialized = False  # an unused local table: start over on the group
+            self.placement.unplace()  # an unused local table: start over on the group
         self.num_embeddings = world_size * self.rows_per_rank(world_size)
         super().materialize(process_group)
         if self.slots is None or len(self.slots.last_used) != len(self._shard):
-            rank = self._rank
+            rank = self.rank
             capacity = self.capacity // world_size + (rank < self.capacity % world_size)
             self.slots = SlotTable(len(self._shard), capacity, admit_after=self.admit_after, eviction=self.eviction,
                                    ttl=self.ttl, sketch_width=self.sketch_width or 4 * capacity, device=self.device)  # fmt: skip
@@ -150,6 +147,13 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
     def _initial_rows(self, global_ids: Tensor) -> Tensor:
         # Rows get their values when an id is admitted; the null row stays zero.
         return torch.zeros(len(global_ids), self.embedding_dim, dtype=self._shard.dtype, device=self._shard.device)
+
+    def _lookup_path(self) -> LocalRounds | KeyedRounds:
+        return LocalRounds(self) if self.world_size == 1 else KeyedRounds(self)
+
+    def rows_of(self, ids: Any) -> Tensor:
+        """The row of each id (flat int64), admitting ids on a training lookup: a collection's first round. Collective."""
+        return self.materialize().lookups.rows_of(ids)
 
     def _apply(self, fn: Any, recurse: bool = True) -> DynamicEmbedding:
         super()._apply(fn, recurse)
@@ -168,7 +172,7 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
 
     # ------------------------------------------------------------------ admission
     @torch.no_grad()
-    def _assign(self, keys: Tensor, requests: Tensor | int, ids_of: Callable[[Tensor], Tensor] | None = None,
+    def assign(self, keys: Tensor, requests: Tensor | int, ids_of: Callable[[Tensor], Tensor] | None = None,
                 distinct: bool = False, valid: Tensor | None = None) -> Tensor:  # fmt: skip
         """Slots of keys on this owner (see ``SlotTable.resolve``); new ids' rows start from ``init``, their optimizer state afresh.
 
@@ -201,6 +205,40 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
         for optimizer in self._optimizers:
             optimizer.reset_rows(self._shard, self._null)
 
+    # ------------------------------------------------------------------ the whole table and state dicts (dynamic_state.py)
+    def export(self) -> tuple[Tensor, Tensor]:
+        """``(ids, rows)`` of every id that holds a row, on every rank (ascending ids). Collective."""
+        self.materialize()
+        return dynamic_state.export(self)
+
+    def slot_state(self) -> dict[str, Tensor]:
+        """This rank's per-slot tensors (``dynamic_state.SLOT_STATE``), one entry per row of the shard."""
+        self.materialize()
+        return self.slots.state()
+
+    def load_ids(self, ids: Tensor, rows: Tensor) -> None:
+        """Hold exactly ``ids`` (distinct) with ``rows``: this rank keeps the ids it owns. Local."""
+        dynamic_state.load_ids(self, ids, rows)
+
+    def sharded_keys(self) -> tuple[str, ...]:
+        return (*super().sharded_keys(), *dynamic_state.SLOT_STATE)
+
+    def full_tensors(self) -> dict[str, Tensor]:
+        """``ids`` and their rows as ``weight`` (:meth:`export`); the clock stays. Collective."""
+        ids, rows = self.export()
+        return {"ids": ids, "weight": rows}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {**super().get_extra_state(), "capacity": self.capacity}
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        dynamic_state.save(self, destination, prefix)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        """Accepts this rank's ``shard`` and slots (same placement), or ``ids`` with their rows as ``weight`` (any placement)."""
+        dynamic_state.load(self, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)
+
     @property
     def slot_stats(self) -> SlotStats:
         """This rank's admissions, evictions, expirations and rejections since the last reset, and its occupancy."""
@@ -214,7 +252,7 @@ class DynamicEmbedding(DynamicLookupMixin, DynamicStateMixin, SparseEmbedding):
 
 
 def rows_of_features(tables: list[SparseEmbedding], read: list[FeatureIds]) -> list[FeatureIds]:
-    """A collection's features with each dynamic table's ids turned into its rows (stage 1 per dynamic table).
+    """A collection's features with each dynamic table's ids turned into its rows (a round of kind 1 per dynamic table).
 
     Collective: every rank of the group must call it; each dynamic table of the collection takes
     one round, in the collection's order, also on a rank whose batch has none of its features.

@@ -1,15 +1,16 @@
 """SparseEmbedding: a row-sharded table whose lookups travel to the rows' owners.
 
-This module holds the table: its arguments, its initial rows and its forward. Where its rows
-live (``materialize``, the shard) is in ``shard_placement.py``, its state dicts in
-``shard_state.py``. A lookup is the engine's (``lookup/engine.py``: the table as a collection of one);
-the gradients it leaves for the optimizer are in ``lookup/pending.py``; the optimizer step in
-``optim/base.py``.
+The table owns three parts, each with one job: its :class:`~lightning_sparse.tables.placement.Placement`
+(which ranks share it, and this rank's place among them), its shard (this rank's rows, made on
+:meth:`SparseEmbedding.materialize`), and its lookup path, chosen when it is placed: with one
+rank a gather at the ids (:class:`~lightning_sparse.lookup.outputs.Gather`), with several the
+engine's rounds (:class:`~lightning_sparse.lookup.engine.Round`). Its whole-table views and state
+dicts are in ``shard_state.py``; the gradients it leaves for the optimizer in ``lookup/pending.py``;
+the optimizer step in ``optim/base.py``.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -17,27 +18,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_sparse.kernels import gpu_path
 from lightning_sparse.kernels.rounding import HALF
 from lightning_sparse.lookup import compiled
-from lightning_sparse.lookup.compiled import CompiledLookups
-from lightning_sparse.lookup.engine import lookup_ids, serve
+from lightning_sparse.lookup.engine import Round
+from lightning_sparse.lookup.outputs import Gather
 from lightning_sparse.lookup.pending import PendingGrads
 from lightning_sparse.lookup.range_check import RangeCheck
 from lightning_sparse.lookup.units import OneTable
 from lightning_sparse.tables import init as row_init
-from lightning_sparse.tables.shard_state import ShardStateMixin
+from lightning_sparse.tables import shard_state
+from lightning_sparse.tables.placement import Move, Placement
 from lightning_sparse.wire.alltoall import ExchangeStats
 from lightning_sparse.wire.exchange import Route
 from lightning_sparse.wire.sharding import SCHEMES
 
-# Elements initialized per chunk. On a CPU the int64/float64 hash temporaries of a chunk stay in
-# cache (10x faster for wide tables than one pass). On the GPU's path a chunk only bounds their
-# memory (16M elements: 128 MiB a temporary), so a batch's new rows are one chunk (one launch).
-_INIT_CHUNK_ELEMENTS, _GPU_INIT_CHUNK_ELEMENTS = 1 << 16, 1 << 24
 
-
-class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
+class SparseEmbedding(nn.Module):
     """An embedding table whose rows are sharded over the ranks of a process group.
 
     Args:
@@ -67,11 +63,8 @@ class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
 
     The shard is **not** an ``nn.Parameter``: ``parameters()`` yields nothing, so dense
     optimizers and DDP never see it. It still follows ``.to(device)``. Construction allocates
-    nothing table-sized; the shard materializes on first use or on :meth:`materialize`.
-
-    Gradient of a row (what a sparse optimizer applies): the sum over its occurrences on each
-    rank, averaged over ranks, as DDP scales dense gradients; see the optimizers'
-    ``duplicate_grads`` for DGL's mean over occurrences.
+    nothing table-sized; the shard materializes on first use or on :meth:`materialize`. A row's
+    gradient: docs/guide/semantics.md.
     """
 
     # Whether its lookups turn ids into rows first (a DynamicEmbedding's slots): the one-GPU round of a
@@ -99,73 +92,91 @@ class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
     ) -> None:
         super().__init__()
         _check_arguments(num_embeddings, embedding_dim, sharding, dtype, stochastic_rounding, output_dtype)
+        self.placement = Placement(name or f"SparseEmbedding({num_embeddings}, {embedding_dim})", process_group, replica_group)
         self.stochastic_rounding = stochastic_rounding  # None: on for half tables (also after .to(torch.bfloat16))
         self.output_dtype = output_dtype
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.sharding_scheme = sharding
         self.seed = seed
-        self.name = name or f"SparseEmbedding({num_embeddings}, {embedding_dim})"
         self.has_given_name = name is not None
         self._init: row_init.RowInit = init or row_init.normal()
-        # Weak references only: destroy_process_group() must really release a group (see ``process_group``).
-        if replica_group is not None and process_group is None:
-            raise ValueError(
-                f"{self.name}: a replica_group needs the sharding group as process_group. "
-                f"HINT: shard_group, replica_group = lightning_sparse.sharding_groups(group_size)."
-            )
-        self._requested_group = weakref.ref(process_group) if process_group is not None else None
-        self._group: weakref.ref[dist.ProcessGroup] | None = None  # None: the default group
-        self._replica_group = weakref.ref(replica_group) if replica_group is not None else None
-        self._rank, self._world_size, self._replicas = 0, 1, 1
-        self._materialized = False
         # Before materialization an empty placeholder records the dtype and device that
         # ``.to()`` asks for; after, it is the shard itself (same tensor object for life).
         self._shard = torch.empty(0, embedding_dim, dtype=dtype, device=device)
         self.pending = PendingGrads()
         self.range_check = RangeCheck()  # of one-process GPU lookups (range_check.py)
-        self.joint_units: list[weakref.ref] = []  # the collections that hold it (their rounds on one GPU: joint_lookup.py)
+        self.joint_units: list[Any] = []  # weak references to the collections that hold it (their rounds on one GPU)
         self.stats = ExchangeStats()
         # Set by a strategy that shards this table: its position among the module's tables,
         # which every rank sends along with each lookup.
         self.table_index = -1
         self._first_lookup_checked = False
         self.lookup_unit = OneTable(self)  # this table as a lookup unit of one (units.py)
-        self.enable_compiled_lookups()
+        self.lookups: Gather | Round | Any = None  # its lookup path: chosen when it is placed
+        self.compile_token = compiled.register(self)
 
     def __getstate__(self) -> dict[str, Any]:  # weak references do not pickle: a collection links itself again
         return {**self.__dict__, "joint_units": []}
 
-    def _initial_rows(self, global_ids: Tensor) -> Tensor:
-        """The rows a new shard starts with (a subclass may start them otherwise)."""
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        compiled.register_copy(self)
+
+    name = property(lambda self: self.placement.name, lambda self, value: setattr(self.placement, "name", value),
+                    doc="Used in error messages and stats (the strategy sets it to the module path).")  # fmt: skip
+
+    # ------------------------------------------------------------------ placement
+    world_size = property(lambda self: self.placement.world_size, doc="Ranks the shard is spread over.")
+    rank = property(lambda self: self.placement.rank, doc="This rank's place among them.")
+    replicas = property(lambda self: self.placement.replicas, doc="Ranks that hold each shard (2-D sharding: > 1).")
+    is_materialized = property(lambda self: self.placement.placed)
+    device = property(lambda self: self._shard.device)
+    dtype = property(lambda self: self._shard.dtype)
+
+    process_group = property(lambda self: self.placement.process_group, doc="The group (``None``: a local table).")
+    peers = property(lambda self: self.placement.peers(self.stats), doc="Its ranks as the wire takes them (:class:`Peers`).")
+    sharding = property(lambda self: self.placement.sharding(self.num_embeddings, self.sharding_scheme))
+
+    @property
+    def shard(self) -> Tensor:
+        """This rank's rows, ``[num_local_rows, embedding_dim]``, in local order (materializes)."""
+        self.materialize()
+        return self._shard
+
+    def materialize(
+        self, process_group: dist.ProcessGroup | None = None, replica_group: dist.ProcessGroup | None = None
+    ) -> SparseEmbedding:
+        """Place the table (:meth:`Placement.place`), make or cut its shard, and choose its lookup path. Local: no collective.
+
+        Idempotent for the same placement. Returns ``self``.
+        """
+        move = self.placement.place(process_group, replica_group, self._shard.device)
+        if move is not Move.NONE:
+            global_ids = self.sharding.global_ids(self.rank, device=self._shard.device)
+            if move is Move.CUT:  # a full local table becomes this rank's shard
+                self._shard.data = self._shard.data.index_select(0, global_ids)
+            else:
+                self._shard.data = self._initial_rows(global_ids)
+        if move is not Move.NONE or self.lookups is None:
+            self.lookups = self._lookup_path()
+        return self
+
+    def _lookup_path(self) -> Any:
+        """The path of this table's lookups on its placement (a subclass may take its own)."""
+        return Gather(self.lookup_unit) if self.world_size == 1 else Round(self.lookup_unit)
+
+    def _initial_rows(self, global_ids: Tensor) -> Tensor:  # the rows a new shard starts with (a subclass may differ)
         return self._init_rows(global_ids)
 
     def _init_rows(self, global_ids: Tensor) -> Tensor:
-        """The rows ``global_ids`` start from, in the shard's dtype and device, a chunk at a time (see the chunks above)."""
-        elements = _GPU_INIT_CHUNK_ELEMENTS if gpu_path(global_ids) else _INIT_CHUNK_ELEMENTS
-        rows_per_chunk = max(1, elements // self.embedding_dim)
-        if len(global_ids) <= rows_per_chunk:  # one chunk: no copy
-            return self._init_chunk(global_ids).to(device=self._shard.device, dtype=self._shard.dtype)
-        shard = torch.empty(len(global_ids), self.embedding_dim, dtype=self._shard.dtype, device=self._shard.device)
-        for start in range(0, len(global_ids), rows_per_chunk):
-            chunk = global_ids[start : start + rows_per_chunk]
-            shard[start : start + len(chunk)] = self._init_chunk(chunk)
-        return shard
-
-    @torch.no_grad()
-    def _init_chunk(self, global_ids: Tensor) -> Tensor:
-        rows = self._init(global_ids, self.embedding_dim, self.seed)
-        if tuple(rows.shape) != (len(global_ids), self.embedding_dim):
-            raise ValueError(
-                f"init for {self.name} returned shape {tuple(rows.shape)} for {len(global_ids)} ids. "
-                f"HINT: init(global_ids, embedding_dim, seed) must return [len(global_ids), embedding_dim]."
-            )
-        return rows
+        """The rows ``global_ids`` start from under ``init`` and ``seed``."""
+        return row_init.init_rows(self._init, global_ids, self.embedding_dim, self.seed, self._shard, self.name)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Re-draw this rank's rows from ``init`` and ``seed``."""
-        self._shard.copy_(self._init_rows(self.sharding.global_ids(self._rank, device=self.device)))
+        self.shard.copy_(self._initial_rows(self.sharding.global_ids(self.rank, device=self.device)))
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> SparseEmbedding:
         # Keep the shard's identity (optimizers hold it) while following .to()/.cuda()/.half().
@@ -178,20 +189,18 @@ class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
 
         Collective: every rank of the group must call it (with possibly empty ``ids``), the same
         number of times and in the same order as the other tables it shares the group with.
-        Differentiable with respect to the looked-up rows when grad mode is on; the gradient
-        waits for a sparse optimizer's ``step()`` and backward communicates nothing. Under
-        ``torch.compile`` the lookup is one opaque op (:mod:`lightning_sparse.lookup.compiled`).
+        Differentiable with respect to the rows; the gradient waits for a sparse optimizer's ``step()``.
+        Under ``torch.compile`` the lookup is one opaque op (:mod:`lightning_sparse.lookup.compiled`).
         """
         if torch.compiler.is_compiling():
-            return compiled.lookup(self, ids)[0]
+            return compiled.run_op(self, ids)[0]
         return self.lookup_rows(ids)
 
     @torch.compiler.disable
     def lookup_rows(self, ids: Tensor) -> Tensor:
         """The eager lookup of :meth:`forward` (never traced by dynamo: see :mod:`lightning_sparse.lookup.compiled`)."""
         self.check_first_lookup()
-        self.materialize()
-        return lookup_ids(self.lookup_unit, ids)
+        return self.materialize().lookups.lookup(ids)[self.name]
 
     def eager_lookup(self, ids: Tensor) -> list[Tensor]:
         """The compiled op's run-time work (:mod:`lightning_sparse.lookup.compiled`): the eager lookup's output, as a list."""
@@ -203,7 +212,7 @@ class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
 
     def serve(self, route: Route) -> None:
         """Answer a lookup round of this table made by other ranks (see :func:`~lightning_sparse.lookup.engine.serve_lookups`)."""
-        serve(self.lookup_unit, route)
+        self.materialize().lookups.serve(route)
 
     def check_first_lookup(self) -> None:
         """Run :attr:`first_lookup_checks` once (a collection calls it for its tables)."""
@@ -212,7 +221,7 @@ class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
                 check(self)
             self._first_lookup_checked = True
 
-    # ------------------------------------------------------------------ pending gradients
+    # ------------------------------------------------------------------ pending gradients and the optimizer
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients received so far. Lookups still awaiting their backward stay."""
         self.pending.zero_grad()
@@ -221,13 +230,8 @@ class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
         """The row gradients received since the last step (for unscaling, clipping, inspection)."""
         return self.pending.grads()
 
-    # ------------------------------------------------------------------ optimizer hooks
     def watch(self, optimizer: Any) -> None:
-        """Called by a sparse optimizer that takes this table. A row's id never changes here: nothing to do.
-
-        (A :class:`~lightning_sparse.tables.dynamic.DynamicEmbedding` keeps the optimizer, to reset
-        the state of slots it gives to new ids.)
-        """
+        """Called by a sparse optimizer that takes this table (a dynamic table keeps it, to reset the state of new slots)."""
 
     def after_step(self) -> None:
         """Called by the sparse optimizer after each step that held this table (a dynamic table expires ids here)."""
@@ -239,9 +243,44 @@ class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
         self.table_index = table_index
         self._first_lookup_checked = True
 
+    # ------------------------------------------------------------------ the whole table and state dicts (shard_state.py)
+    def full_weight(self) -> Tensor:
+        """The logical ``[num_embeddings, embedding_dim]`` table on every rank (for export and tests). Collective."""
+        return shard_state.gather_rows(self, self.shard)
+
+    def gather_rows(self, local: Tensor) -> Tensor:
+        """A per-row tensor of this rank's rows gathered into global row order, on every rank. Collective."""
+        return shard_state.gather_rows(self, local)
+
+    def local_rows(self, full: Tensor) -> Tensor:
+        """This rank's rows of a full per-row tensor (the inverse of :meth:`gather_rows`)."""
+        return shard_state.local_rows(self, full)
+
+    def sharded_keys(self) -> tuple[str, ...]:
+        """The state-dict entries that hold this rank's part of the table (``full_state_dict`` replaces them)."""
+        return ("shard", "_extra_state")
+
+    def full_tensors(self) -> dict[str, Tensor]:
+        """The whole table as state-dict entries, loadable on any placement: ``weight``. Collective."""
+        return {"weight": self.full_weight()}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return shard_state.extra_state(self)
+
+    def set_extra_state(self, state: Any) -> None:
+        pass  # checked in _load_from_state_dict, which sees the tensors too
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        self.materialize()  # first, so that the extra state records the placement
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "shard"] = self.shard if keep_vars else self.shard.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        """Accepts this rank's ``shard`` (same placement) or the full logical ``weight`` table."""
+        shard_state.load(self, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)
+
     def extra_repr(self) -> str:
-        placement = f"rank={self._rank}/{self._world_size}" if self._materialized else "not materialized"
-        return f"{self.num_embeddings}, {self.embedding_dim}, sharding={self.sharding_scheme!r}, {placement}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, sharding={self.sharding_scheme!r}, {self.placement.describe()}"
 
 
 def _check_arguments(num_embeddings: int, embedding_dim: int, sharding: str, dtype: torch.dtype,
@@ -259,21 +298,3 @@ def _check_arguments(num_embeddings: int, embedding_dim: int, sharding: str, dty
                          f"torch.bfloat16 and torch.float16 tables (True or False).")  # fmt: skip
     if output_dtype is not None and not output_dtype.is_floating_point:
         raise ValueError(f"Invalid output_dtype: {output_dtype}. HINT: a floating dtype, e.g. torch.float32, or None.")
-
-
-def full_state_dict(module: nn.Module, state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``module.state_dict()`` with every SparseEmbedding shard replaced by its full table.
-
-    Collective: every rank of each table's group must call it. The result holds each table as
-    ``<prefix>weight`` of shape ``[num_embeddings, embedding_dim]``, loadable on any number of
-    ranks and into ``nn.Embedding`` (a DynamicEmbedding as ``<prefix>ids`` and their rows as
-    ``<prefix>weight``, loadable on any number of ranks).
-    """
-    state_dict = dict(module.state_dict() if state_dict is None else state_dict)
-    for name, sub in module.named_modules():
-        if isinstance(sub, SparseEmbedding):
-            prefix = f"{name}." if name else ""
-            for key in sub.sharded_keys():
-                state_dict.pop(prefix + key, None)
-            state_dict.update({prefix + key: value for key, value in sub.full_tensors().items()})
-    return state_dict

@@ -32,11 +32,13 @@ from lightning_sparse.wire.packing import common_word, pack, unpack
 # ---------------------------------------------------------------------------- stage 3: grads to owners
 @dataclass(frozen=True)
 class RowsByOwner:
-    """Gradient rows that go by the general round: distinct rows grouped by owner."""
+    """Gradient rows that go by the general round: distinct rows grouped by owner (with one rank: any rows, as they came)."""
 
     local_ids: Tensor  # each row's index on its owner
     values: Tensor  # [rows, width]
-    counts: Tensor  # [W] on the rows' device: rows for each owner
+    counts: Tensor | None  # [W] on the rows' device: rows for each owner (with one rank: None, all are its own)
+    distinct: bool = True  # no row repeats (with several ranks: always)
+    per_id: bool = False  # some came from lookups that did not count their distinct ids (a gather's: one per id)
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,12 @@ class IncomingGrads:
     rows: list[Tensor]
     values: list[Tensor]
     touched: bool = False  # whether any rank looked the table up since the last step, or had a gradient for it
-    merged: bool = False  # a piece holds rows from several ranks
+    merged: bool = False  # a piece holds rows from several ranks, or rows that repeat
     nonfinite_ranks: list[int] = field(default_factory=list)  # ranks whose gradient held inf or NaN (when checked)
     # With rows kept on the device only: 1.0 for each row of a rank that had a gradient, 0.0 for a placeholder
     # (a rank that looked the table up, but whose backward never reached the lookup). ``None``: no placeholders.
     present: Tensor | None = None
+    per_id: bool = False  # see RowsByOwner
 
     @property
     def distinct(self) -> bool:
@@ -83,14 +86,17 @@ class IncomingGrads:
 _HAS_ROUTED, _HAS_OTHERS, _NONFINITE, _LOOKED_UP = 1, 2, 4, 8
 
 
-def only_routed(routes: Sequence[Route | None], checks: bool, replicas: int = 1) -> bool:
+def only_routed(routes: Sequence[Route | None], peers: Peers, checks: bool, replicas: int = 1) -> bool:
     """Whether a step of tables whose last lookups took ``routes`` knows, with no word, that only routed rows exist.
 
     So when every table has a route whose round was every rank's sole lookup of it (``LookupHeader.sole``):
     every rank then has the same answer. Not when gradients are checked (``checks``: the flags ride in
-    the control codes) or replicated (2-D sharding sums the rows over replicas: ``replicas > 1``).
+    the control codes) or replicated (2-D sharding sums the rows over replicas: ``replicas > 1``), and not
+    with one rank, which has nobody to ask (and whose lone tables' gathers leave no route).
     """
-    return not checks and replicas == 1 and all(route is not None and route.headers.sole for route in routes)
+    if peers.alone or checks or replicas > 1:
+        return False
+    return all(route is not None and route.headers.sole for route in routes)
 
 
 def grads_to_owners(
@@ -143,6 +149,7 @@ def _keep_local(table: OutgoingGrads) -> IncomingGrads:
     if table.others is not None:
         incoming.rows.append(table.others.local_ids)
         incoming.values.append(table.others.values)
+        incoming.merged, incoming.per_id = not table.others.distinct, table.others.per_id
     incoming.touched = bool(incoming.rows) or table.looked_up
     return incoming
 

@@ -32,7 +32,7 @@ class LookupHeader:
     answer the others (``serve_lookups``) and catch ranks that call tables out of order;
     ``record`` says the rank records the lookup for a gradient (grad mode is on); ``most`` is
     the largest ``count`` the rank sends to anyone, which sizes the next round; ``feature`` names
-    the feature that an error is about (``-1``: none); ``stage`` tells a round
+    the feature that an error is about (``-1``: none); ``kind`` tells a round
     that looks up rows (0) from one that turns a dynamic table's ids into rows (1) and from one
     that sends a dynamic table's ids and gets their rows back (2, :mod:`lightning_sparse.tables.dynamic`),
     so that a rank serving others knows which round it is in; ``sole`` says the round is the rank's sole
@@ -53,7 +53,7 @@ class LookupHeader:
     most: int = 0
     dtype: int = -1
     feature: int = -1
-    stage: int = 0
+    kind: int = 0
     sole: int = 0
 
     WIDTH = 13
@@ -120,6 +120,6 @@ class Headers:
         """The lookup units (tables, collections) that the active ranks called in this round, ascending."""
         return torch.unique(self.column("unit")[self.column("active") != 0]).tolist()
 
-    def active_stages(self) -> list[int]:
-        """The stages (``LookupHeader.stage``) that the active ranks are in, ascending."""
-        return torch.unique(self.column("stage")[self.column("active") != 0]).tolist()
+    def active_kinds(self) -> list[int]:
+        """The kinds of round (``LookupHeader.kind``) that the active ranks are in, ascending."""
+        return torch.unique(self.column("kind")[self.column("active") != 0]).tolist()

@@ -31,7 +31,7 @@ from torch import Tensor
 from lightning_sparse.kernels.hashes import hashes, seed_salt
 
 
-class Placement(Protocol):
+class GlobalRows(Protocol):
     """Where a table's rows live (:class:`~lightning_sparse.wire.sharding.RowSharding` is one): what the draws need of it."""
 
     @property
@@ -98,7 +98,7 @@ class RoundedTable(Protocol):
     @property
     def shard(self) -> Tensor: ...
     @property
-    def sharding(self) -> Placement: ...
+    def sharding(self) -> GlobalRows: ...
     @property
     def rank(self) -> int: ...
 

@@ -12,10 +12,10 @@ feature, named like the table, unpooled).
    owner, then table, then row; for one table, the table's own owner-major key); one sort
    (:class:`~lightning_sparse.wire.grouping.SortedKeys`) deduplicates the ids of all tables
    (features that share a table share its rows) and groups them by owner, then table.
-3. **Ids to owners**, one all-to-all for all tables; every rank checks every rank's header,
-   so bad input raises on every rank alike and the group stays usable. The stage's one host
+3. **Ids to owners** (the wire's stage 1), one all-to-all for all tables; every rank checks every rank's header,
+   so bad input raises on every rank alike and the group stays usable. The step's one host
    read is the headers (and, for several tables, the ids per (rank, table) both ways).
-4. **Rows back**, one all-to-all: each owner gathers the requested rows with ``index_select``
+4. **Rows back** (stage 2), one all-to-all: each owner gathers the requested rows with ``index_select``
    and sends them in one buffer (:mod:`lightning_sparse.lookup.joint_rows`); they arrive as the
    requester's distinct rows in key order.
 5. **Expand or pool** on the requester from the distinct rows: ``index_select`` for
@@ -150,7 +150,7 @@ def _keep_for_backward(tables: list[ShardedTable], round_: _Routed, rows: list[T
 
 
 def _outputs(unit: LookupUnit, read: list[FeatureIds], rows: list[Tensor], round_: _Routed) -> dict[str, Tensor]:
-    """Stage 5: each feature's rows (``index_select`` from its table's distinct rows) or pooled bags.
+    """Step 5: each feature's rows (``index_select`` from its table's distinct rows) or pooled bags.
 
     A round's only feature holds all the ids of the sort: its rows' backward is the sort's
     segment sum (:func:`~lightning_sparse.lookup.outputs.expand_rows`).
@@ -173,7 +173,7 @@ def _outputs(unit: LookupUnit, read: list[FeatureIds], rows: list[Tensor], round
 
 
 def serve(unit: LookupUnit, route: Route) -> None:
-    """Answer the other ranks' lookup round of ``unit`` on a rank with no lookups of its own (stage 2 only)."""
+    """Answer the other ranks' lookup round of ``unit`` on a rank with no lookups of its own (step 4 only)."""
     joint = unit.joint_sharding
     check_round(unit, route.headers)
     route = replace(route, by_table=served_by_table(route.received, route.recv_counts, joint))

@@ -1,4 +1,4 @@
-"""Stage 5: the rows a lookup returns, and where their gradient stops.
+"""Step 5 of a round: the rows a lookup returns, and where their gradient stops.
 
 A lookup's rows leave the graph at :class:`_RecordedRows`: its backward hands the rows'
 gradient to the table's :class:`~lightning_sparse.lookup.pending.LookupRecord` and communicates
@@ -83,7 +83,7 @@ def expand_rows(rows: Tensor, inverse: Tensor, runs: SortedKeys) -> Tensor:
 
 
 def expand(table: ShardedTable, rows: Tensor, record: LookupRecord | None, runs: SortedKeys, shape: torch.Size) -> Tensor:
-    """Stage 5 of one table's lookup: its distinct rows, one per id of the sort ``runs``, shaped like the ids (``shape``)."""
+    """Step 5 of one table's lookup: its distinct rows, one per id of the sort ``runs``, shaped like the ids (``shape``)."""
     return expand_rows(distinct_rows(table, rows, record), runs.inverse(), runs).view(*shape, table.embedding_dim)
 
 

@@ -100,7 +100,7 @@ def only_routed(routes: Sequence[Route | None], peers: Peers, checks: bool, repl
 
 
 def grads_to_owners(
-    tables: Sequence[OutgoingGrads], peers: Peers, wire_dtype: torch.dtype, device: torch.device, sole: bool = False
+    outgoing: Sequence[OutgoingGrads], peers: Peers, wire_dtype: torch.dtype, device: torch.device, sole: bool = False
 ) -> list[IncomingGrads]:
     """Stage 3: send every table's row gradients to the rows' owners.
 
@@ -123,12 +123,12 @@ def grads_to_owners(
     Collective: every rank of the group must call it with the same tables in the same order.
     """
     if peers.alone:
-        return [_keep_local(t) for t in tables]
+        return [_keep_local(t) for t in outgoing]
     start = time.perf_counter()
     with record_function("lightning_sparse.grads_to_owners"):
-        incoming, codes = _routed_round(tables, peers, wire_dtype, device, sole)
+        incoming, codes = _routed_round(outgoing, peers, wire_dtype, device, sole)
         if codes is not None and bool((codes & _HAS_OTHERS).any()):
-            general = _general_round(tables, peers, wire_dtype, device)
+            general = _general_round(outgoing, peers, wire_dtype, device)
             for table, (rows, values) in zip(incoming, general):
                 if len(rows):
                     table.rows.append(rows)
@@ -139,38 +139,38 @@ def grads_to_owners(
     return incoming
 
 
-def _keep_local(table: OutgoingGrads) -> IncomingGrads:
+def _keep_local(grads: OutgoingGrads) -> IncomingGrads:
     incoming = IncomingGrads([], [])
-    if table.nonfinite is not None and bool(table.nonfinite):  # a host read, only when checking
+    if grads.nonfinite is not None and bool(grads.nonfinite):  # a host read, only when checking
         incoming.nonfinite_ranks = [0]
-    if table.routed is not None:
-        incoming.rows.append(table.route.received)
-        incoming.values.append(table.routed)
-    if table.others is not None:
-        incoming.rows.append(table.others.local_ids)
-        incoming.values.append(table.others.values)
-        incoming.merged, incoming.per_id = not table.others.distinct, table.others.per_id
-    incoming.touched = bool(incoming.rows) or table.looked_up
+    if grads.routed is not None:
+        incoming.rows.append(grads.route.received)
+        incoming.values.append(grads.routed)
+    if grads.others is not None:
+        incoming.rows.append(grads.others.local_ids)
+        incoming.values.append(grads.others.values)
+        incoming.merged, incoming.per_id = not grads.others.distinct, grads.others.per_id
+    incoming.touched = bool(incoming.rows) or grads.looked_up
     return incoming
 
 
-def _routed_round(tables, peers, wire_dtype, device, sole) -> tuple[list[IncomingGrads], Tensor | None]:
+def _routed_round(outgoing, peers, wire_dtype, device, sole) -> tuple[list[IncomingGrads], Tensor | None]:
     """Every table's routed rows and the control codes, one message per destination (:func:`pack`).
 
     Returns the tables' rows and every rank's codes on the host (``[W, T]``), or ``None`` for the codes
     where ``sole`` keeps them on the device.
     """
     codes = [_HAS_ROUTED * (t.routed is not None) + _HAS_OTHERS * (t.others is not None) + _LOOKED_UP * t.looked_up
-             for t in tables]  # fmt: skip
+             for t in outgoing]  # fmt: skip
     code_values = host_tensor(codes, wire_dtype, device)
-    for index, table in enumerate(tables):
-        if table.nonfinite is not None:  # device flag: no host read here
-            code_values[index] += _NONFINITE * table.nonfinite.to(wire_dtype)
-    routed = [t for t in tables if t.route is not None]
+    for index, grads in enumerate(outgoing):
+        if grads.nonfinite is not None:  # device flag: no host read here
+            code_values[index] += _NONFINITE * grads.nonfinite.to(wire_dtype)
+    routed = [t for t in outgoing if t.route is not None]
     word = common_word([t.width for t in routed])
-    code_width = -(-len(tables) // word) * word  # the codes ride as one row per destination
+    code_width = -(-len(outgoing) // word) * word  # the codes ride as one row per destination
     code_row = torch.zeros(code_width, dtype=wire_dtype, device=device)
-    code_row[: len(tables)] = code_values
+    code_row[: len(outgoing)] = code_values
     rows = [t.routed.to(wire_dtype) if t.routed is not None  # else placeholders, marked unused by the code
             else torch.zeros(sum(t.route.send_splits), t.width, dtype=wire_dtype, device=device) for t in routed]  # fmt: skip
     rows.append(code_row.expand(peers.world_size, code_width))
@@ -183,26 +183,26 @@ def _routed_round(tables, peers, wire_dtype, device, sole) -> tuple[list[Incomin
     recv = exchange_values(flat, send_sizes, recv_sizes, peers)
     *pieces, sources_codes = unpack(recv, recv_counts, to_device(recv_counts, device), widths, word)
     if sole and gpu_path(recv):
-        return _marked_pieces(tables, pieces, sources_codes, recv_counts[:-1], device), None
+        return _marked_pieces(outgoing, pieces, sources_codes, recv_counts[:-1], device), None
     with collective("all-to-all of gradients"):
-        all_codes = sources_codes[:, : len(tables)].to(torch.int64).cpu()  # [W, T], the round's one host read
+        all_codes = sources_codes[:, : len(outgoing)].to(torch.int64).cpu()  # [W, T], the round's one host read
     touched = ((all_codes & (_HAS_ROUTED | _HAS_OTHERS | _LOOKED_UP)) != 0).any(0).tolist()
     nonfinite = (all_codes & _NONFINITE) != 0
     any_nonfinite = nonfinite.any(0).tolist()
     incoming = [IncomingGrads([], [], touched=touched[i],
                               nonfinite_ranks=nonfinite[:, i].nonzero().view(-1).tolist() if any_nonfinite[i] else [])
-                for i in range(len(tables))]  # fmt: skip
+                for i in range(len(outgoing))]  # fmt: skip
     if not routed:
         return incoming, all_codes
     # Sources that sent this rank rows of each routed table, and those that marked them as placeholders.
     with_rows = recv_counts[:-1] > 0  # [routed, W]
-    routed_index = torch.tensor([i for i, t in enumerate(tables) if t.route is not None])
+    routed_index = torch.tensor([i for i, t in enumerate(outgoing) if t.route is not None])
     sent = ((all_codes.index_select(1, routed_index) & _HAS_ROUTED) != 0).t() & with_rows
     senders, complete = sent.sum(1).tolist(), (sent == with_rows).all(1).tolist()
     for k, (index, values) in enumerate(zip(routed_index.tolist(), pieces)):
         if not senders[k]:
             continue
-        received = tables[index].route.received
+        received = outgoing[index].route.received
         if not complete[k]:  # drop the placeholders of sources without a gradient (a host-side index)
             keep = to_device(torch.repeat_interleave(sent[k], recv_counts[k]).nonzero().view(-1), device)
             received, values = received.index_select(0, keep), values.index_select(0, keep)
@@ -212,17 +212,17 @@ def _routed_round(tables, peers, wire_dtype, device, sole) -> tuple[list[Incomin
     return incoming, all_codes
 
 
-def _marked_pieces(tables, pieces, sources_codes, recv_counts, device) -> list[IncomingGrads]:
+def _marked_pieces(outgoing, pieces, sources_codes, recv_counts, device) -> list[IncomingGrads]:
     """The routed rows as they came, placeholders marked on the device (see ``IncomingGrads.present``). No host read.
 
     Every table counts as touched: each rank that recorded its last round read it (``LookupHeader.sole``).
     """
-    incoming = [IncomingGrads([], [], touched=True) for _ in tables]
-    routed = [i for i, t in enumerate(tables) if t.route is not None]
+    incoming = [IncomingGrads([], [], touched=True) for _ in outgoing]
+    routed = [i for i, t in enumerate(outgoing) if t.route is not None]
     for index, values, counts in zip(routed, pieces, recv_counts):
         if not len(values):
             continue
-        incoming[index].rows.append(tables[index].route.received)
+        incoming[index].rows.append(outgoing[index].route.received)
         incoming[index].values.append(values)
         incoming[index].merged = int((counts > 0).sum()) > 1  # rows of several sources: a row may repeat
         had_grad = (sources_codes[:, index].to(torch.int64) & _HAS_ROUTED) != 0  # [W] on the device
@@ -232,17 +232,17 @@ def _marked_pieces(tables, pieces, sources_codes, recv_counts, device) -> list[I
     return incoming
 
 
-def _general_round(tables, peers, wire_dtype, device) -> list[tuple[Tensor, Tensor]]:
+def _general_round(outgoing, peers, wire_dtype, device) -> list[tuple[Tensor, Tensor]]:
     """A header of counts per (owner, table), then rows of (local id, values) of every table in one buffer."""
     empty_counts = torch.zeros(peers.world_size, dtype=torch.int64, device=device)
-    counts = torch.stack([t.others.counts if t.others is not None else empty_counts for t in tables])  # [T, W]
+    counts = torch.stack([t.others.counts if t.others is not None else empty_counts for t in outgoing])  # [T, W]
     recv_counts = exchange_counts(counts.t().contiguous(), peers).t()  # [T, W]: from each source
     with collective("all-to-all of gradient counts"):
         host = torch.stack([counts, recv_counts]).cpu()  # the round's one host read
     id_width = 8 // torch.empty(0, dtype=wire_dtype).element_size()
-    widths = [id_width + t.width for t in tables]
+    widths = [id_width + t.width for t in outgoing]
     wire = []
-    for t, width in zip(tables, widths):
+    for t, width in zip(outgoing, widths):
         if t.others is None:
             wire.append(torch.empty(0, width, dtype=wire_dtype, device=device))
             continue

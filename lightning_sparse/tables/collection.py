@@ -132,7 +132,7 @@ class SparseEmbeddingCollection(CompiledLookups, nn.Module):
         # Set by a strategy: this collection's position among the lookup units (tables, then collections).
         self.unit_index = -1
         self._joint: JointSharding | None = None
-        self.pending = PendingGrads()  # a round's gradient over all tables, on one GPU (joint_lookup.py)
+        self.pending = PendingGrads()  # a round's gradient over all tables, on one GPU (lookup/joint.py)
         self.range_check = RangeCheck()
         self._link_tables()
         self.enable_compiled_lookups()

@@ -124,7 +124,7 @@ class SparseEmbedding(ShardStateMixin, CompiledLookups, nn.Module):
         self._shard = torch.empty(0, embedding_dim, dtype=dtype, device=device)
         self.pending = PendingGrads()
         self.range_check = RangeCheck()  # of one-process GPU lookups (range_check.py)
-        self.joint_units: list[weakref.ref] = []  # the collections that hold it (their rounds on one GPU: joint_lookup.py)
+        self.joint_units: list[weakref.ref] = []  # the collections that hold it (their rounds on one GPU: lookup/joint.py)
         self.stats = ExchangeStats()
         # Set by a strategy that shards this table: its position among the module's tables,
         # which every rank sends along with each lookup.

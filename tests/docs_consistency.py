@@ -34,8 +34,15 @@ The rules, each a function that returns the problems it finds (empty: none):
   A mark that names a figure its paragraph does not hold is a problem too, so marks do not outlive
   their figures.
 - :func:`status_problems`: what has run on a GPU is said in one place, the status table of the
-  README (marked ``status``); a page says it by including that table. A sentence elsewhere that
-  says CUDA tests passed or failed, or that the code has or has not run on a GPU, is a problem.
+  README (marked ``status``); a page shows it through a copy of that table (:func:`copy_problems`).
+  A sentence elsewhere that says CUDA tests passed or failed, or that the code has or has not run
+  on a GPU, is a problem.
+- :func:`copy_problems`: a page that shows a marked block of the README (``<!-- --8<-- [start:name] -->``
+  ... ``[end:name]``: the quickstart, the status table; :data:`COPIES`) holds a copy of it between
+  ``<!-- copy of README.md:name ... -->`` and ``<!-- end of the copy of README.md:name -->``, equal to
+  the README's, so that the page reads whole as a file, on the code host too (an include line,
+  ``--8<-- "README.md:name"``, shows there raw). ``python tests/docs_consistency.py`` writes the
+  copies (:func:`write_copies`).
 - :func:`launch_problems`: a line that launches on several GPUs (``devices=8`` with a GPU
   accelerator or ``num_nodes``) carries the caveat ``NCCL: not yet run`` while the status table's
   NCCL row says so, and no line carries it once that row says otherwise.
@@ -59,7 +66,6 @@ import lightning_sparse
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = re.compile(r"<!-- results:begin -->(.*?)<!-- results:end -->", re.S)
 STATUS = re.compile(r"<!-- --8<-- \[start:status\] -->(.*?)<!-- --8<-- \[end:status\] -->", re.S)
-STATUS_INCLUDE = '--8<-- "README.md:status"'
 CODE = re.compile(r"```.*?```", re.S)
 
 
@@ -203,12 +209,83 @@ def status_problems(pages: dict[str, str]) -> list[str]:
     problems = []
     for name, text in pages.items():
         text = STATUS.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+        text = _copies_blanked(text, "status")
         text = RESULTS.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # measured, with commit and machine
         text = CODE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
         for number, paragraph in _paragraphs(text):
             if _CLAIM.search(paragraph):
                 problems.append(f"{name}:{number}: a GPU status claim outside the status table: {paragraph[:120]!r}...")
     return problems
+
+
+# ---------------------------------------------------------------------------------------- copies
+# The README's marked blocks (``<!-- --8<-- [start:name] -->`` ... ``[end:name]``), and the pages that show a copy of each.
+README_BLOCK = re.compile(r"<!-- --8<-- \[start:(\w+)\] -->\n(.*?)<!-- --8<-- \[end:\1\] -->", re.S)
+# A copy stands between blank lines, so that Markdown reads it as the README's text, not as part of the comments.
+COPY = re.compile(r"<!-- copy of README\.md:(\w+)[^>]*-->\n\n?(.*?)\n?<!-- end of the copy of README\.md:\1 -->", re.S)
+COPY_BEGIN = "<!-- copy of README.md:{name} (written by `python tests/docs_consistency.py`: edit the README, then run it) -->\n\n"
+COPY_END = "\n<!-- end of the copy of README.md:{name} -->"
+COPIES = {
+    "docs/index.md": ("status",),
+    "docs/guide/quickstart.md": ("quickstart", "status"),
+    "docs/guide/launching.md": ("status",),
+    "docs/benchmarks.md": ("status",),
+}
+_INCLUDE = re.compile(r'^\s*-{1,}8<-{1,}\s+["\']', re.M)  # pymdownx.snippets' include line: raw text on the code host
+
+
+def readme_blocks(readme: str) -> dict[str, str]:
+    return {name: body for name, body in README_BLOCK.findall(readme)}
+
+
+def copy_blocks(pages: dict[str, str], readme: str) -> dict[str, str]:
+    """``pages`` with each copy of a README block replaced by the block as the README has it now."""
+    blocks = readme_blocks(readme)
+    return {name: COPY.sub(lambda m: _copy(m.group(1), blocks.get(m.group(1), m.group(2))), text) for name, text in pages.items()}
+
+
+def _copy(name: str, body: str) -> str:
+    return COPY_BEGIN.format(name=name) + body + COPY_END.format(name=name)
+
+
+def copy_problems(pages: dict[str, str], readme: str) -> list[str]:
+    """A page of :data:`COPIES` without one of its copies, a copy that differs from the README's block, a copy of a
+    block the README does not have, and an include line (``--8<-- "..."``) anywhere outside code."""
+    blocks = readme_blocks(readme)
+    problems = [f"README.md has no marked block {name!r}" for names in COPIES.values() for name in names if name not in blocks]
+    for page, text in pages.items():
+        copies = COPY.findall(text)
+        for name in COPIES.get(page, ()):
+            if name not in [copied for copied, _ in copies]:
+                problems.append(
+                    f"{page}: no copy of README.md:{name} (add its markers, then run python tests/docs_consistency.py)"
+                )
+        for name, body in copies:
+            if name not in blocks:
+                problems.append(f"{page}: a copy of README.md:{name}, which the README does not mark")
+            elif body != blocks[name]:
+                problems.append(
+                    f"{page}: the copy of README.md:{name} differs from the README's (run python tests/docs_consistency.py)"
+                )
+        if _INCLUDE.search(CODE.sub("", text)):
+            problems.append(f"{page}: an include line ('--8<--'), which the code host shows raw: copy the block instead")
+    return problems
+
+
+def _copies_blanked(text: str, name: str) -> str:
+    """``text`` with its copies of README block ``name`` blanked (line numbers kept): they are the README's."""
+    return COPY.sub(lambda m: "\n" * m.group(0).count("\n") if m.group(1) == name else m.group(0), text)
+
+
+def write_copies() -> list[str]:
+    """Write the README's marked blocks into every copy of them in docs/; return the pages changed."""
+    readme = (ROOT / "README.md").read_text()
+    changed = []
+    for name, text in copy_blocks(all_pages(), readme).items():
+        if text != (ROOT / name).read_text():
+            (ROOT / name).write_text(text)
+            changed.append(name)
+    return changed
 
 
 # A launch on several GPUs: devices=2 or more, with a GPU accelerator or several nodes, in either order on one line.
@@ -231,7 +308,7 @@ def launch_problems(pages: dict[str, str], readme: str) -> list[str]:
     problems = []
     for name, text in pages.items():
         code_lines = [line for block in CODE.findall(text) for line in block.splitlines()]
-        prose = [paragraph for _, paragraph in _paragraphs(CODE.sub("", STATUS.sub("", text)))]
+        prose = [paragraph for _, paragraph in _paragraphs(CODE.sub("", _copies_blanked(STATUS.sub("", text), "status")))]
         for unit in code_lines + prose:
             if _LAUNCH.search(unit) and not_run and NCCL_CAVEAT not in unit:
                 problems.append(f"{name}: a launch on several GPUs without '{NCCL_CAVEAT}': {unit.strip()[:100]!r}")
@@ -340,3 +417,7 @@ def see_problems(pages: dict[str, str]) -> list[str]:
                 if not line[match.end() :].startswith("]("):
                     problems.append(f"{name}:{number}: {match.group(0)!r} is not a link")
     return problems
+
+
+if __name__ == "__main__":
+    print("\n".join(f"wrote {name}" for name in write_copies()) or "every copy of a README block is up to date")

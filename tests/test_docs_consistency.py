@@ -51,7 +51,29 @@ def test_the_gpu_status_is_said_in_one_place():
     assert docs.status_problems(docs.all_pages()) == []
     assert docs.STATUS.search(README), "the README's status table is marked"
     for page in ("docs/index.md", "docs/guide/quickstart.md", "docs/guide/launching.md", "docs/benchmarks.md"):
-        assert docs.STATUS_INCLUDE in (docs.ROOT / page).read_text(), f"{page} includes the status table"
+        assert "status" in docs.COPIES[page], f"{page} shows a copy of the status table"
+
+
+def test_each_page_reads_whole_with_the_readme_blocks_it_shows_as_the_readme_has_them():
+    assert docs.copy_problems(docs.all_pages(), README) == []
+
+
+def test_a_copy_that_drifted_a_missing_copy_or_an_include_line_is_caught_and_the_writer_mends_copies():
+    pages = docs.all_pages()
+    drifted = {
+        "docs/index.md": pages["docs/index.md"].replace(
+            "| several GPUs (NCCL) | **not yet run** |", "| several GPUs (NCCL) | ran |"
+        ),
+        "docs/guide/launching.md": docs.COPY.sub("", pages["docs/guide/launching.md"]),
+        "docs/guide/fabric.md": pages["docs/guide/fabric.md"] + '\n--8<-- "README.md:status"\n',
+    }
+    assert drifted["docs/index.md"] != pages["docs/index.md"]
+    assert sorted(problem.split(":")[0] for problem in docs.copy_problems(drifted, README)) == [
+        "docs/guide/fabric.md",
+        "docs/guide/launching.md",
+        "docs/index.md",
+    ]
+    assert docs.copy_blocks(drifted, README)["docs/index.md"] == pages["docs/index.md"]
 
 
 def test_a_second_gpu_status_is_caught():

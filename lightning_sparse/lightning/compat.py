@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sparse.tables.embedding import full_state_dict
+from lightning_sparse.tables import full_state_dict
 
 LIGHTNING_CHECKED = "2.6.6"  # the Lightning version every shim here was checked against (test_compat's failures name it)
 

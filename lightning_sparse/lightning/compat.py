@@ -84,7 +84,7 @@ class SparseMultiProcessingLauncher(_MultiProcessingLauncher):
     The ranks run in child processes; rank 0 writes ``module.state_dict()`` to a file that the main
     process loads into its own (unsharded) module. That state dict holds only rank 0's shard of each
     table; after Lightning wrote it (``_collect_rank_zero_results``, no public hook), rank 0 writes the
-    full tables over it (:func:`~lightning_sparse.tables.embedding.full_state_dict`, a collective every
+    full tables over it (:func:`~lightning_sparse.full_state_dict`, a collective every
     rank runs), which load on one process.
     """
 

@@ -143,6 +143,33 @@ def test_the_repository_tracks_sources_only():
     assert not binary, f"binary or build outputs tracked: {binary}"
 
 
+# ---------------------------------------------------------------- composition, not mixins
+# Classes that mix in, being recomposed by the lead (issue 44, item 3): remove an entry with its mixin.
+KNOWN_MIXINS = {
+    "lightning_sparse/tables/collection.py:SparseEmbeddingCollection",
+    "lightning_sparse/tables/dynamic.py:DynamicEmbedding",
+    "lightning_sparse/tables/embedding.py:SparseEmbedding",
+    "lightning_sparse/tables/dynamic_lookup.py:DynamicLookupMixin",
+    "lightning_sparse/tables/dynamic_state.py:DynamicStateMixin",
+    "lightning_sparse/tables/shard_placement.py:ShardPlacementMixin",
+    "lightning_sparse/tables/shard_state.py:ShardStateMixin",
+}
+
+
+def test_classes_compose_instead_of_mixing_in():
+    """A class has one base and holds its helpers (as Lightning's DDPStrategy does); none is a mixin (``...Mixin``)."""
+    found = {
+        f"{path.relative_to(PACKAGE.parent).as_posix()}:{node.name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and (len(node.bases) > 1 or node.name.endswith("Mixin"))
+    }
+    assert not found - KNOWN_MIXINS, f"classes that mix in (hold a helper object instead): {sorted(found - KNOWN_MIXINS)}"
+    assert not KNOWN_MIXINS - found, (
+        f"KNOWN_MIXINS entries that match nothing any more (remove them): {sorted(KNOWN_MIXINS - found)}"
+    )
+
+
 # ---------------------------------------------------------------- no patch outside the compat modules
 # Where Lightning or torch must be bent, these modules do it, with the versions they were checked against.
 COMPAT_MODULES = ("lightning_sparse/lightning/compat.py", "lightning_sparse/lookup/torch_compat.py")

@@ -1,9 +1,14 @@
-"""One test per shim of lightning_sparse/lightning/compat.py and torch_compat.py: what each private reach assumes still holds."""
+"""One test per shim of lightning_sparse/lightning/compat.py and torch_compat.py: what each private reach assumes still holds.
+
+A failing test names the versions the shims were checked against and the ones installed (``@checked``).
+"""
 
 from __future__ import annotations
 
+import functools
 import inspect
 
+import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -15,7 +20,38 @@ from torch import nn
 from lightning_sparse.lightning import compat
 from lightning_sparse.lookup import torch_compat
 
+CHECKED = (
+    f"The shims were checked against lightning {compat.LIGHTNING_CHECKED} (installed: {lightning.__version__}) and torch "
+    f"{torch_compat.TORCH_CHECKED} (installed: {torch.__version__}). HINT: if the installed versions differ, the shim "
+    f"named above needs a look at what that version changed."
+)
 
+
+def checked(test):
+    """The test, with a note on any failure naming the versions each compat module was checked against and the installed ones."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        try:
+            return test(*args, **kwargs)
+        except Exception as err:
+            err.add_note(CHECKED)
+            raise
+
+    return run
+
+
+def test_a_failing_shim_test_names_the_checked_versions():
+    @checked
+    def failing():
+        raise AssertionError("a shim broke")
+
+    with pytest.raises(AssertionError) as caught:
+        failing()
+    assert caught.value.__notes__ == [CHECKED] and compat.LIGHTNING_CHECKED in CHECKED and torch_compat.TORCH_CHECKED in CHECKED
+
+
+@checked
 def test_configure_optimizers_parses_what_the_hook_returns():
     optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
@@ -27,6 +63,7 @@ def test_configure_optimizers_parses_what_the_hook_returns():
     assert list(inspect.signature(compat.validate_scheduler_api).parameters) == ["lr_scheduler_configs", "model"]
 
 
+@checked
 def test_type_names_are_what_the_strategies_take_them_for():
     assert issubclass(compat.MockOptimizer, torch.optim.Optimizer)
     assert isinstance(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), compat.Stateful)
@@ -34,13 +71,22 @@ def test_type_names_are_what_the_strategies_take_them_for():
     assert list(inspect.signature(compat.DDPBackwardSyncControl.no_backward_sync).parameters) == ["self", "module", "enabled"]
 
 
-def test_multiprocessing_launcher_collects_rank_zero_results_from_the_trainer():
-    hook = compat.MultiProcessingLauncher._collect_rank_zero_results
+@checked
+def test_multiprocessing_launcher_hands_the_weights_rank_zero_writes_to_the_main_process():
+    from lightning.pytorch.strategies.launchers import multiprocessing
+
+    hook = multiprocessing._MultiProcessingLauncher._collect_rank_zero_results
+    assert issubclass(compat.SparseMultiProcessingLauncher, multiprocessing._MultiProcessingLauncher)
     assert list(inspect.signature(hook).parameters) == ["self", "trainer", "results"]
-    # The launcher reads the module's state_dict() in it; SparseMultiProcessingLauncher hands full tables there.
-    assert "state_dict()" in inspect.getsource(hook)
+    # Rank 0 writes the weights with the strategy's checkpoint_io to the path its output names (SparseMultiProcessingLauncher
+    # writes the full tables there after it), and the main process loads that file.
+    assert "self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)" in inspect.getsource(hook)
+    assert "weights_path" in multiprocessing._WorkerOutput._fields
+    recover = inspect.getsource(multiprocessing._MultiProcessingLauncher._recover_results_in_main_process)
+    assert "checkpoint_io.load_checkpoint(worker_output.weights_path)" in recover
 
 
+@checked
 def test_evaluation_loop_and_the_loops_attributes_the_strategy_reads():
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     trainer.state.fn = TrainerFn.TESTING
@@ -48,13 +94,50 @@ def test_evaluation_loop_and_the_loops_attributes_the_strategy_reads():
     trainer.state.fn = TrainerFn.VALIDATING
     assert compat.evaluation_loop(trainer) is trainer.validate_loop
     for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
-        assert callable(loop.run) and hasattr(loop, "skip")  # strategy._serve_when_skipped wraps run, reads skip
+        assert callable(loop.run) and hasattr(loop, "skip")  # compat.after_skipped_run wraps run, reads skip
+        # Lightning calls no hook when it skips the loop: run returns first (so after_skipped_run wraps it).
+        module = inspect.getsource(inspect.getmodule(type(loop)))  # run is wrapped (no grad): read it in its module
+        run = module[module.index("    def run(self)") :]
+        assert run.index("if self.skip:") < run.index("self.on_run_start()")
     for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
-        assert hasattr(loop.batch_progress, "is_last_batch")  # read after each step (_serve_after_last_batch)
+        assert hasattr(loop.batch_progress, "is_last_batch")  # read after each step (serve_after_last_batch)
     # The prediction loop sets it on its progress while it runs.
     assert "self.batch_progress.is_last_batch = " in inspect.getsource(inspect.getmodule(type(trainer.predict_loop)))
 
 
+@checked
+def test_after_skipped_run_serves_after_skipped_runs_only_and_wraps_once():
+    class Loop:
+        skip = True
+
+        def run(self, value):
+            return [value]
+
+    loop, served = Loop(), []
+    compat.after_skipped_run(loop, lambda: served.append("first"))
+    compat.after_skipped_run(loop, lambda: served.append("second"))  # a second setup: nothing changes
+    assert loop.run(1) == [1] and served == ["first"]
+    loop.skip = False
+    assert loop.run(2) == [2] and served == ["first"]
+
+
+@checked
+def test_take_launched_processes_empties_the_list_lightnings_observer_polls():
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    assert "_launch_process_observer(self.procs)" in inspect.getsource(_SubprocessScriptLauncher.launch)
+
+    class Launcher:
+        def __init__(self):
+            self.procs = ["rank 1", "rank 2"]  # Popen objects in a run
+
+    launcher = Launcher()
+    observed = launcher.procs  # the list the observer holds
+    assert compat.take_launched_processes(launcher) == ["rank 1", "rank 2"] and observed == [] and launcher.procs is observed
+    assert compat.take_launched_processes(launcher) == [] and compat.take_launched_processes(object()) == []
+
+
+@checked
 def test_fabric_strategy_of_a_set_up_module():
     from lightning.fabric.wrappers import _FabricModule
 
@@ -64,6 +147,7 @@ def test_fabric_strategy_of_a_set_up_module():
     assert compat.fabric_strategy(nn.Linear(1, 1)) is None
 
 
+@checked
 def test_after_closure_is_a_precision_hook():
     assert list(inspect.signature(Precision._after_closure).parameters) == ["self", "model", "optimizer"]
     calls = []
@@ -76,6 +160,7 @@ def test_after_closure_is_a_precision_hook():
     assert calls == [("model", "optimizer")]
 
 
+@checked
 def test_caller_objects_walk_the_stack():
     class Outer:
         def call(self):
@@ -86,6 +171,7 @@ def test_caller_objects_walk_the_stack():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@checked
 def test_grad_scaler_internals_the_sparse_skip_decision_uses():
     parameter = nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([parameter], lr=0.1)
@@ -113,6 +199,7 @@ def _doubled_with_graph(x: torch.Tensor) -> torch.Tensor:
     return torch.tensor(recorded)
 
 
+@checked
 def test_autograd_records_inside_a_custom_op_only_with_the_shim():
     """compiled.py runs the eager lookup and its backward inside custom ops: torch excludes autograd there."""
     without, with_shim = torch.ops.lightning_sparse_test.doubled_with_graph(torch.ones(3, requires_grad=True)).tolist()

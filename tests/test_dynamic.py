@@ -164,6 +164,24 @@ def test_a_reused_slot_starts_from_init_with_fresh_optimizer_state():
     assert emb.slot_stats.evictions == 2
 
 
+def test_every_public_field_of_slot_stats_reads():
+    """Every public field (found by ``dir``, so a new one is covered too) reads as an int; the known ones as counted."""
+    emb = ls.DynamicEmbedding(1, 2, seed=3)
+    opt = ls.SparseSGD([emb], lr=0.1)
+    for ids in ([5], [6], [5]):  # three steps; 6 evicts 5, then 5 evicts 6
+        emb(torch.tensor(ids)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stats = emb.slot_stats
+    fields = {name: getattr(stats, name) for name in dir(stats) if not name.startswith("_")}
+    values = {name: value for name, value in fields.items() if not callable(value)}
+    assert set(fields) - set(values) == {"reset"}  # the one method; everything else is a field
+    assert all(type(value) is int for value in values.values()), values
+    expected = {"clock": 3, "occupancy": 1, "admissions": 3, "evictions": 2, "expirations": 0, "rejections": 0}
+    assert {name: values[name] for name in expected} == expected
+    assert stats.clock == emb.slots.clock and stats.occupancy == emb.slots.occupancy
+
+
 def test_bad_ids_raise_with_a_hint():
     emb = ls.DynamicEmbedding(4, 3)
     with pytest.raises(TypeError, match="HINT"):

@@ -1,14 +1,18 @@
-"""Every reach into Lightning's (and GradScaler's) private API, in one place.
+"""Every reach into Lightning's (and GradScaler's) private API, in one place, patches included.
 
-The strategies need a few things Lightning and torch do not export. Each is named here once,
-with what it is for; ``tests/test_compat.py`` checks each assumption (one test per shim), so an
-upgrade that breaks one fails there, by name, instead of deep inside a fit. Checked against
-lightning 2.6.6 (and 2.6.0) and torch 2.13.0.
+The strategies need a few things Lightning and torch do not export, and two places where
+Lightning offers no hook: a skipped evaluation loop (:func:`after_skipped_run` wraps its ``run``)
+and the weights a spawned rank 0 hands back (:class:`SparseMultiProcessingLauncher`). Each is
+named here once, with what it is for; ``tests/test_compat.py`` checks each assumption (one test
+per shim), so an upgrade that breaks one fails there, by name, instead of deep inside a fit, and
+names the versions below. ``tests/test_layout.py`` fails on a patch anywhere else. Checked
+against lightning 2.6.6 (and 2.6.0) and torch 2.13.0.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,15 +31,17 @@ from lightning.pytorch.strategies import Strategy as TrainerStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
-LIGHTNING_CHECKED = "2.6.6"
+from lightning_sparse.tables import full_state_dict
+
+LIGHTNING_CHECKED = "2.6.6"  # the Lightning version every shim here was checked against (test_compat's failures name it)
 
 # Type names (used in annotations and isinstance checks).
 PATH = _PATH  # str | Path, what Lightning accepts as a checkpoint path
 Stateful = _Stateful  # runtime-checkable: has state_dict() and load_state_dict()
 StrategyRegistry = _StrategyRegistry  # the registry ``register_strategies`` receives
 DDPBackwardSyncControl = _DDPBackwardSyncControl  # Fabric DDP's no_backward_sync, subclassed for modules of tables only
-MultiProcessingLauncher = _MultiProcessingLauncher  # subclassed to hand full tables back from spawned ranks
 MockOptimizer = _MockOptimizer  # Lightning's stand-in when configure_optimizers returns None
 
 # Lightning's parsing of what configure_optimizers returns, reused for configure_sparse_optimizers
@@ -49,6 +55,61 @@ validate_scheduler_api = _validate_scheduler_api
 def evaluation_loop(trainer: Any) -> Any:
     """The loop running validation or test now (``trainer._evaluation_loop``)."""
     return trainer._evaluation_loop
+
+
+def after_skipped_run(loop: Any, serve: Callable[[], None]) -> None:
+    """Call ``serve()`` after each ``loop.run()`` that this rank skipped for want of batches (``loop.skip``).
+
+    Lightning has no hook for a skipped evaluation or prediction loop: its ``run`` returns before
+    calling any when ``skip`` is true. So the loop object's ``run`` is wrapped (that loop only, once;
+    a second call changes nothing).
+    """
+    if getattr(loop, "_serves_lookups_when_skipped", False):
+        return
+    run = loop.run
+
+    def run_then_serve(*args: Any, **kwargs: Any) -> Any:
+        output = run(*args, **kwargs)
+        if loop.skip:
+            serve()
+        return output
+
+    loop.run = run_then_serve
+    loop._serves_lookups_when_skipped = True
+
+
+class SparseMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher for ``start_method="spawn" | "fork" | "forkserver"``, handing full tables back.
+
+    The ranks run in child processes; rank 0 writes ``module.state_dict()`` to a file that the main
+    process loads into its own (unsharded) module. That state dict holds only rank 0's shard of each
+    table; after Lightning wrote it (``_collect_rank_zero_results``, no public hook), rank 0 writes the
+    full tables over it (:func:`~lightning_sparse.full_state_dict`, a collective every
+    rank runs), which load on one process.
+    """
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        full = full_state_dict(trainer.lightning_module)  # collective: every rank gathers the tables
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is not None and output.weights_path is not None:  # rank 0, fitting
+            self._strategy.checkpoint_io.save_checkpoint(full, output.weights_path)
+        return output
+
+
+def take_launched_processes(launcher: Any) -> list[Any]:
+    """The rank processes this process launched (``launcher.procs``; none for other launchers), taken off that list.
+
+    Lightning's child-process observer polls this very list (``_launch_process_observer(self.procs)``)
+    every 5 s and answers a child's non-zero exit by SIGKILLing this process too: a rank taken off it
+    can be killed without taking this process with it.
+    """
+    procs = getattr(launcher, "procs", None)
+    if not procs:
+        return []
+    taken = list(procs)
+    procs.clear()
+    return taken
 
 
 def fabric_strategy(module: Any) -> Any | None:

@@ -1,17 +1,26 @@
-"""What the Trainer's and Fabric's ``"sparse_ddp"`` strategies share: placing a module's tables when they
-set it up, their registration, the check that refuses any other strategy, and the one that finds a
-table's shard in a dense optimizer.
+"""Placing tables: what the Trainer's and Fabric's ``"sparse_ddp"`` strategies share, and the Trainer's 2-D groups.
+
+Placing a module's tables when a strategy sets it up, the strategies' registration, the check
+that refuses any other strategy, the one that finds a table's shard in a dense optimizer, and the
+process groups of 2-D sharding (:class:`ShardingGroups`, held by the Trainer's strategy).
 """
 
 from __future__ import annotations
 
+import logging
+from datetime import timedelta
+
 import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sparse.lightning import compat
 from lightning_sparse.tables.collection import SparseEmbeddingCollection
 from lightning_sparse.tables.embedding import SparseEmbedding
+from lightning_sparse.wire.replicas import sharding_groups
+
+log = logging.getLogger("lightning_sparse.lightning.strategy")
 
 STRATEGY_NAME = "sparse_ddp"
 _REGISTERED: list[type] = []  # the strategy classes registered as "sparse_ddp": they shard and step tables
@@ -41,6 +50,33 @@ def place_tables(
         collection.adopt(name, index)
         collection.materialize()
     return [t for _, t in tables], [c for _, c in collections]
+
+
+class ShardingGroups:
+    """The groups a strategy places its tables over: groups of ``size`` consecutive ranks (2-D sharding), or all ranks.
+
+    ``size=G`` shards every table over groups of ``G`` ranks and replicates it across the ``W / G``
+    groups (:mod:`lightning_sparse.wire.replicas`); ``None``: over all ranks.
+    """
+
+    def __init__(self, size: int | None) -> None:
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"Invalid sharding_group_size: {size!r}. HINT: pass a positive divisor of the world size.")
+        self.size = size
+        self._groups: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None
+
+    def of_rank(self, world_size: int, timeout: timedelta | None) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        """(sharding group, replica group) of this rank, made at the first call (every rank must make it), or
+        ``(None, None)``: the default group."""
+        if self.size is None or self.size == world_size or not dist.is_initialized():
+            return None, None
+        if self._groups is None:
+            try:
+                self._groups = sharding_groups(self.size, timeout=timeout)
+            except ValueError as err:
+                raise MisconfigurationException(str(err)) from None
+            log.debug("SparseDDPStrategy: 2-D sharding, groups of %d ranks, %d replicas", self.size, world_size // self.size)
+        return self._groups
 
 
 def register(cls: type, registry: compat.StrategyRegistry) -> None:

@@ -7,8 +7,8 @@ it has nothing to check. This plugin, which ``SparseDDPStrategy`` puts in place 
 loss scale of their backward and all-reduces whether any rank found an inf or NaN in them.
 That flag joins GradScaler's own record for the dense optimizer, so the scaler skips the step
 and backs off exactly as for a dense overflow; with no dense gradient the scale is updated as
-GradScaler would (``lightning_compat.update_scale``). The strategy then steps the sparse optimizers,
-or drops their gradients if the step was skipped (``skipped``).
+GradScaler would (``compat.update_scale``). The strategy then steps the sparse optimizers, or drops
+their gradients if the step was skipped (:func:`step_after_dense`, :func:`step_alone`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_sparse.faults.peers import collective
 from lightning_sparse.lightning import compat
+from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.optim.joint import units_with_rounds
 from lightning_sparse.tables.embedding import SparseEmbedding
 
@@ -34,7 +35,7 @@ class SparseMixedPrecision(MixedPrecision):
 
     def __init__(self, precision: str, device: str, scaler: torch.amp.GradScaler | None = None) -> None:
         super().__init__(precision, device, scaler)
-        self.tables: list[SparseEmbedding] = []  # set by the strategy
+        self._tables: list[SparseEmbedding] = []  # whose gradients the skip decision covers (cover)
         self.skipped = False  # whether the last automatic optimizer step was skipped on every rank
         self._inv_scale: Tensor | None = None  # 1 / the loss scale of the pending sparse gradients
 
@@ -42,6 +43,10 @@ class SparseMixedPrecision(MixedPrecision):
     def replacing(cls, plugin: MixedPrecision) -> SparseMixedPrecision:
         """This plugin with the settings (and the GradScaler) of Lightning's ``plugin``."""
         return cls(plugin.precision, plugin.device, plugin.scaler)
+
+    def cover(self, tables: list[SparseEmbedding]) -> None:
+        """Make the skip decision cover the sparse gradients of ``tables`` (the strategy's, once it placed them)."""
+        self._tables = list(tables)
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
@@ -68,12 +73,12 @@ class SparseMixedPrecision(MixedPrecision):
     @override
     def optimizer_step(self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:  # type: ignore[override]
         self.skipped = False
-        if self.scaler is None or not self.tables or not model.automatic_optimization:
+        if self.scaler is None or not self._tables or not model.automatic_optimization:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
         if closure_result is None:  # backward was skipped: nothing to step
             return closure_result
-        found_sparse = self.unscale_sparse(self.tables)
+        found_sparse = self.unscale_sparse(self._tables)
         has_dense = any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
         if not has_dense:  # only tables: update the scale as GradScaler would
             compat.after_closure(self, model, optimizer)
@@ -89,3 +94,20 @@ class SparseMixedPrecision(MixedPrecision):
         step_output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return step_output
+
+
+def step_after_dense(plugin: Any, optimizers: list[SparseOptimizer]) -> None:
+    """The automatic step's sparse part: step ``optimizers``, or drop their gradients where the dense step was skipped."""
+    skipped = isinstance(plugin, SparseMixedPrecision) and plugin.skipped
+    for sparse in optimizers:
+        sparse.zero_grad() if skipped else sparse.step()
+
+
+def step_alone(plugin: Any, optimizer: SparseOptimizer) -> Any:
+    """A sparse optimizer stepped on its own (manual optimization); under a loss scale, its pending gradients are
+    unscaled and checked, and dropped if any rank found an overflow (a collective). What ``step()`` returned, or None."""
+    if isinstance(plugin, SparseMixedPrecision) and plugin.scaler is not None:
+        if plugin.unscale_sparse(optimizer.tables).item():
+            optimizer.zero_grad()  # every rank agreed: skip, as GradScaler skips a dense step
+            return None
+    return optimizer.step()

@@ -9,22 +9,23 @@ Narrow overrides, each calling ``super()``:
   schedulers) after the dense ones, so checkpoints, schedulers and LearningRateMonitor see them;
 - ``backward`` / ``optimizer_step``: after the last backward of a step, exchange and apply
   the sparse gradients, with one skip decision for dense and sparse under ``16-mixed``;
-- ``*_step`` of validation, test and predict (the ``UnevenEvaluationHooks`` mixin,
-  ``lightning_sparse/lightning/uneven_evaluation.py``): a rank that has run out of batches keeps serving
-  lookups (``serve_lookups``) until all ranks are done, so uneven loaders never hang;
-- checkpoint hooks (the ``SparseCheckpointHooks`` mixin, ``lightning_sparse/lightning/checkpoint_hooks.py``):
-  sharded checkpoints through torch.distributed.checkpoint; each rank writes and reads only its
-  rows, and a checkpoint loads on any number of ranks;
-- lost-peer hooks (the ``LostPeerHooks`` mixin, ``lightning_sparse/lightning/lost_peers.py``): ranks that
-  cannot meet, and lost peers in DDP's and Lightning's collectives, raise ``PeerFailure``; the
-  ranks this process launched are killed after one.
+- ``*_step`` of validation, test and predict, and ``setup``: a rank that has run out of batches keeps
+  serving lookups (``serve_lookups``) until all ranks are done, so uneven loaders never hang
+  (:mod:`~lightning_sparse.lightning.uneven_evaluation`);
+- checkpoint hooks: sharded checkpoints through torch.distributed.checkpoint; each rank writes and reads
+  only its rows, and a checkpoint loads on any number of ranks (the helper object
+  :class:`~lightning_sparse.lightning.checkpoint_hooks.TrainerCheckpoints`);
+- ``setup_distributed``, ``backward``, ``barrier``, ``broadcast``, ``reduce``, ``on_exception``: ranks that
+  cannot meet, and lost peers in DDP's and Lightning's collectives, raise ``PeerFailure``; the ranks this
+  process launched are killed after one (:mod:`~lightning_sparse.lightning.lost_peers`).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,29 +35,27 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sparse.lightning import compat
-from lightning_sparse.lightning.checkpoint_hooks import SparseCheckpointHooks
-from lightning_sparse.lightning.launcher import SparseMultiProcessingLauncher
-from lightning_sparse.lightning.lost_peers import LostPeerHooks
-from lightning_sparse.lightning.placement import STRATEGY_NAME, place_tables, register, shard_in_dense_optimizer
-from lightning_sparse.lightning.precision import SparseMixedPrecision
+from lightning_sparse import checkpoint
+from lightning_sparse.faults.peers import collective, rendezvous_failure
+from lightning_sparse.lightning import checkpoint_format, compat, lost_peers, uneven_evaluation
+from lightning_sparse.lightning.checkpoint_hooks import TrainerCheckpoints, optimizer_state
+from lightning_sparse.lightning.placement import STRATEGY_NAME, ShardingGroups, place_tables, register
+from lightning_sparse.lightning.precision import SparseMixedPrecision, step_after_dense, step_alone
+from lightning_sparse.lightning.sparse_optimizers import check_dense_optimizers, configure_sparse_optimizers
 from lightning_sparse.lightning.table_summary import summarize
-from lightning_sparse.lightning.uneven_evaluation import UnevenEvaluationHooks
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.tables.collection import SparseEmbeddingCollection
 from lightning_sparse.tables.embedding import SparseEmbedding
 from lightning_sparse.wire.alltoall import ExchangeStats
-from lightning_sparse.wire.replicas import sharding_groups
 
 log = logging.getLogger(__name__)
 
 
-class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHooks, DDPStrategy):
+class SparseDDPStrategy(DDPStrategy):
     """DDP for dense parameters; row-sharded SparseEmbedding tables updated by sparse optimizers.
 
     ``sharding_group_size=G`` shards every table over groups of ``G`` consecutive ranks (e.g. the
@@ -68,17 +67,11 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHo
 
     def __init__(self, *args: Any, sharding_group_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if sharding_group_size is not None and (not isinstance(sharding_group_size, int) or sharding_group_size < 1):
-            raise ValueError(
-                f"Invalid sharding_group_size: {sharding_group_size!r}. HINT: pass a positive divisor of the world size."
-            )
-        self._sharding_group_size = sharding_group_size
-        self._sharding_groups: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None
+        self._sharding = ShardingGroups(sharding_group_size)
         self._tables: list[SparseEmbedding] = []
         self._collections: list[SparseEmbeddingCollection] = []
         self._sparse_optimizers: list[SparseOptimizer] = []
-        self._restored_sharded = False
-        self._restored_weights_only = False
+        self._checkpoints = TrainerCheckpoints()
 
     @property
     def sparse_tables(self) -> list[SparseEmbedding]:
@@ -99,7 +92,7 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHo
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if self._start_method != "popen":  # ranks in child processes: rank 0 hands back full tables
-            self._launcher = SparseMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = compat.SparseMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def teardown(self) -> None:
@@ -108,30 +101,37 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHo
         # holds the process group); free them now, not at interpreter shutdown (see exits.py).
         gc.collect()
 
+    @override
+    def setup_distributed(self) -> None:
+        try:
+            super().setup_distributed()
+        except (dist.DistNetworkError, dist.DistStoreError) as err:  # the ranks never met: name the settings to fix
+            raise rendezvous_failure(err, self.cluster_environment, self.node_rank, self._timeout) from err
+        lost_peers.after_meeting(self.num_processes, self.global_rank)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        uneven_evaluation.serve_when_skipped(trainer, self)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        lost_peers.kill_launched(self.launcher, exception)
+
     @property
     def sharding_group_size(self) -> int | None:
         """Ranks a table is sharded over under 2-D sharding (``None``: all ranks)."""
-        return self._sharding_group_size
-
-    def _table_groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-        """(sharding group, replica group) of this rank: the 2-D groups, made once, or (None, None) for the default group."""
-        size = self._sharding_group_size
-        if size is None or size == self.world_size or not dist.is_initialized():
-            return None, None
-        if self._sharding_groups is None:
-            try:
-                self._sharding_groups = sharding_groups(size, timeout=self._timeout)
-            except ValueError as err:
-                raise MisconfigurationException(str(err)) from None
-            log.debug("%s: 2-D sharding, groups of %d ranks, %d replicas", type(self).__name__, size, self.world_size // size)
-        return self._sharding_groups
+        return self._sharding.size
 
     @override
     def model_to_device(self) -> None:
         super().model_to_device()
-        self._tables, self._collections = place_tables(self.lightning_module, *self._table_groups())
+        self._tables, self._collections = place_tables(
+            self.lightning_module, *self._sharding.of_rank(self.world_size, self._timeout)
+        )
         if isinstance(self.precision_plugin, SparseMixedPrecision):
-            self.precision_plugin.tables = self._tables
+            self.precision_plugin.cover(self._tables)
         log.debug("%s: sharded %d tables over %d ranks: %s", type(self).__name__, len(self._tables), self.world_size,
                   ", ".join(f"{t.name} {t.num_embeddings}x{t.embedding_dim} ({t.sharding_scheme})" for t in self._tables))  # fmt: skip
 
@@ -145,37 +145,11 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHo
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
-        module = self.lightning_module
-        self._check_dense_optimizers()
-        hook = getattr(module, "configure_sparse_optimizers", None)
-        conf = hook() if callable(hook) else None
-        if conf is None:
-            if self._tables:
-                raise MisconfigurationException(
-                    f"{type(module).__name__} has SparseEmbeddings ({', '.join(t.name for t in self._tables)}) but no "
-                    f"sparse optimizer. HINT: define `configure_sparse_optimizers(self)` returning e.g. "
-                    f"`lightning_sparse.SparseAdagrad([{', '.join('self.' + t.name for t in self._tables)}], lr=0.1)`."
-                )
+        check_dense_optimizers(self.optimizers, self._tables)
+        configured = configure_sparse_optimizers(self.lightning_module, self._tables)
+        if configured is None:
             return
-        optimizers, schedulers, monitor = compat.configure_optimizers(conf)
-        for optimizer in optimizers:
-            if not isinstance(optimizer, SparseOptimizer):
-                raise MisconfigurationException(
-                    f"configure_sparse_optimizers returned {type(optimizer).__name__}. HINT: return a "
-                    f"lightning_sparse optimizer (SparseSGD, SparseAdagrad, ...); dense optimizers go in configure_optimizers."
-                )
-        covered = {id(t) for optimizer in optimizers for t in optimizer.tables}
-        missing = [t.name for t in self._tables if id(t) not in covered]
-        if missing:
-            raise MisconfigurationException(
-                f"No sparse optimizer updates {', '.join(missing)}. HINT: add them to an optimizer in "
-                f"configure_sparse_optimizers; to freeze a table, look it up under torch.no_grad()."
-            )
-        if module.automatic_optimization:
-            configs = compat.configure_schedulers_automatic_opt(schedulers, monitor)
-        else:
-            configs = compat.configure_schedulers_manual_opt(schedulers)
-        compat.validate_scheduler_api(configs, module)
+        optimizers, configs = configured
         self._sparse_optimizers = optimizers
         self.optimizers = [*self.optimizers, *optimizers]
         self.lr_scheduler_configs = [*self.lr_scheduler_configs, *configs]
@@ -184,21 +158,6 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHo
                   len(self.optimizers) - len(optimizers), len(configs))  # fmt: skip
         if any(isinstance(callback, ModelSummary) for callback in trainer.callbacks):  # beside Lightning's summary
             rank_zero_info("\n" + summarize(self._tables, optimizers))
-
-    def _check_dense_optimizers(self) -> None:
-        for optimizer in self.optimizers:
-            if isinstance(optimizer, SparseOptimizer):
-                raise MisconfigurationException(
-                    f"configure_optimizers returned {type(optimizer).__name__}. HINT: return sparse optimizers from "
-                    f"`configure_sparse_optimizers(self)` instead."
-                )
-            name = shard_in_dense_optimizer(optimizer, self._tables)
-            if name is not None:
-                raise MisconfigurationException(
-                    f"The shard of SparseEmbedding {name} was given to the dense optimizer {type(optimizer).__name__}. "
-                    f"HINT: give the table to a sparse optimizer in configure_sparse_optimizers; dense optimizers take "
-                    f"self.parameters(), which excludes it."
-                )
 
     # ------------------------------------------------------------------ training step
     @property
@@ -212,6 +171,11 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHo
         if type(plugin) is MixedPrecision:  # 16-mixed / bf16-mixed: one skip decision covering the tables
             plugin = SparseMixedPrecision.replacing(plugin)
         self._precision_plugin = plugin
+
+    @override
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        with collective("backward (with DDP's all-reduce of the dense gradients)", note_other_errors=False):
+            return super().backward(*args, **kwargs)
 
     @override
     def optimizer_step(
@@ -228,22 +192,89 @@ class SparseDDPStrategy(LostPeerHooks, SparseCheckpointHooks, UnevenEvaluationHo
         inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if isinstance(inner, SparseOptimizer):
             closure()
-            return self._sparse_step(inner)
+            return step_alone(self.precision_plugin, inner)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._sparse_optimizers and self.lightning_module.automatic_optimization:
-            plugin = self.precision_plugin
-            skipped = isinstance(plugin, SparseMixedPrecision) and plugin.skipped
-            for sparse in self._sparse_optimizers:
-                sparse.zero_grad() if skipped else sparse.step()
+            step_after_dense(self.precision_plugin, self._sparse_optimizers)
         return output
 
-    def _sparse_step(self, optimizer: SparseOptimizer) -> Any:
-        plugin = self.precision_plugin
-        if isinstance(plugin, SparseMixedPrecision) and plugin.scaler is not None:
-            if plugin.unscale_sparse(optimizer.tables).item():
-                optimizer.zero_grad()  # every rank agreed: skip, as GradScaler skips a dense step
-                return None
-        return optimizer.step()
+    # ------------------------------------------------------------------ evaluation with uneven loaders
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().validation_step(*args, **kwargs)
+        uneven_evaluation.serve_after_last_batch(compat.evaluation_loop(self.lightning_module.trainer), self)
+        return output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().test_step(*args, **kwargs)
+        uneven_evaluation.serve_after_last_batch(compat.evaluation_loop(self.lightning_module.trainer), self)
+        return output
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().predict_step(*args, **kwargs)
+        uneven_evaluation.serve_after_last_batch(self.lightning_module.trainer.predict_loop, self)
+        return output
+
+    # ------------------------------------------------------------------ collectives: a lost peer raises PeerFailure
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with collective("barrier"):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with collective("broadcast"):
+            return super().broadcast(obj, src)
+
+    @override
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        with collective("reduce (self.log(..., sync_dist=True))"):
+            return super().reduce(*args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # tables are sharded and optimizers exist: each rank loads straight into its rows
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return self._checkpoints.restores_optimizers
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's dense state; the tables are written by ``save_checkpoint`` from the module itself."""
+        return checkpoint.dense_module_state(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return optimizer_state(self.lightning_module, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: compat.PATH, storage_options: Any | None = None) -> None:
+        """Write a sharded checkpoint (see ``lightning_sparse/checkpoint``). Collective."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options: it writes with DCP.")
+        checkpoint_format.write(Path(self.broadcast(filepath)), self.lightning_module, self.optimizers, checkpoint_dict)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: compat.PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint or a single file (:meth:`TrainerCheckpoints.load`). Collective."""
+        path = Path(self.broadcast(checkpoint_path))
+        return self._checkpoints.load(path, self.lightning_module, self.optimizers, self.lr_scheduler_configs, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:
+        if self._checkpoints.holds_weights(checkpoint_dict):  # a single file; each table keeps the rows it owns
+            super().load_model_state_dict(checkpoint_dict, strict=strict)
+
+    @override
+    def remove_checkpoint(self, filepath: compat.PATH) -> None:
+        if self.is_global_zero:
+            checkpoint.remove(filepath)
 
     # ------------------------------------------------------------------ stats
     def pop_sparse_stats(self) -> ExchangeStats:

@@ -141,7 +141,7 @@ def _keep_for_backward(tables: list[ShardedTable], round_: _Routed, rows: list[T
     for t, (table, table_keys, route) in enumerate(zip(tables, round_.distinct, round_.routes)):
         table.stats.unique_ids += len(table_keys)
         if keeps_route:
-            table.pending.route = route
+            table.pending.keep_route(route)
         if not (recording and t in used):
             rows[t] = distinct_rows(table, rows[t], None)
             continue
@@ -182,7 +182,7 @@ def serve(unit: LookupUnit, route: Route) -> None:
     rows_from_owners(unit.table_list, route, mine, theirs, routes, unit.table_list[0].peers.counting(unit.stats))
     if route.records:
         for table, table_route in zip(unit.table_list, routes):
-            table.pending.route = table_route
+            table.pending.keep_route(table_route)
 
 
 def serve_lookups(units: list[Serving]) -> int:

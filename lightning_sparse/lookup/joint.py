@@ -18,6 +18,7 @@ for one table (:mod:`lightning_sparse.lookup.range_check`): at the next step or 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -56,6 +57,21 @@ class SparseEmbeddingCollection(Protocol):
     @property
     def rank(self) -> int: ...
     def describe_feature(self, index: int) -> str: ...
+
+
+# The collections that hold each table, weakly both ways: a step finds a table's collections' rounds on one GPU here.
+_HOLDERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet] = weakref.WeakKeyDictionary()
+
+
+def hold(collection: SparseEmbeddingCollection) -> None:
+    """Note that ``collection`` holds its tables (it calls this when made, or copied)."""
+    for table in collection.table_list:
+        _HOLDERS.setdefault(table, weakref.WeakSet()).add(collection)
+
+
+def holders(table: ShardedTable) -> list[SparseEmbeddingCollection]:
+    """The collections that hold ``table`` now."""
+    return [unit for unit in _HOLDERS.get(table, ()) if any(t is table for t in unit.table_list)]
 
 
 def fits(collection: SparseEmbeddingCollection) -> bool:
@@ -161,8 +177,7 @@ def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str
     recording = torch.is_grad_enabled()
     out, keys, sources, scales = gather_bags([f for _, f, _, _ in read_in], _gather_entries(collection), first.shard,
                                              first.output_dtype or first.dtype, shift, verdict, store=recording)  # fmt: skip
-    check.sent()
-    check.dtype_code = {f.report_as: code for _, f, _, code in read_in}
+    check.sent({f.report_as: code for _, f, _, code in read_in})
     for _, f, _, _ in read_in:
         tables[f.table].stats.ids_looked_up += len(f.ids)
     splits, shapes = [f.num_bags for _, f, _, _ in read_in], [shape for _, _, shape, _ in read_in]

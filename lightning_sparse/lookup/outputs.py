@@ -87,12 +87,13 @@ def expand(table: ShardedTable, rows: Tensor, record: LookupRecord | None, runs:
     return expand_rows(distinct_rows(table, rows, record), runs.inverse(), runs).view(*shape, table.embedding_dim)
 
 
-def gather(table: ShardedTable, ids: Tensor) -> Tensor:
+def gather(table: ShardedTable, ids: Tensor, dtype_code: int = -1) -> Tensor:
     """One rank, one table: the shard's rows at ``ids`` in the output dtype, recorded for their gradient in grad mode.
 
     The record keeps its own copy of the ids (int32 where they fit): a caller may reuse its ids
     buffer before backward. On a GPU this is one Triton kernel that also checks the ids
-    (:mod:`lightning_sparse.lookup.range_check`): no host read.
+    (:mod:`lightning_sparse.lookup.range_check`; ``dtype_code``: the given ids' dtype, for its
+    message): no host read.
     """
     dtype = table.output_dtype or table.shard.dtype
     recording = torch.is_grad_enabled()
@@ -100,7 +101,7 @@ def gather(table: ShardedTable, ids: Tensor) -> Tensor:
         if uses_triton(table.shard):
             check = table.range_check
             rows, keys = kernel_rows.gather(table.shard, ids, dtype, check.verdict(table.shard.device), keys=recording)
-            check.sent()
+            check.sent(dtype_code)
         else:  # the ids were checked on the host
             rows = table.shard.index_select(0, ids).to(dtype)
             keys = ids.to(kernel_rows.key_dtype(table.shard.shape[0]), copy=True) if recording else None
@@ -126,12 +127,10 @@ class Gather:
         read, problem = read_ids(ids, table.name, table.device)
         feature = check_gather(self.unit, read, problem)  # raises for bad input, or a range check that failed
         table.stats.ids_looked_up += len(feature.ids)
-        rows = gather(table, feature.ids)
-        if uses_triton(table.shard):  # the range check of these ids: read at the next lookup or step, or now without grad
-            table.range_check.dtype_code = feature.dtype
-            if not torch.is_grad_enabled():
-                raise_if_out_of_range(self.unit, *(table.range_check.failed(table.num_embeddings, wait=True) or (0, 0))[:2],
-                                      feature.dtype)  # fmt: skip
+        rows = gather(table, feature.ids, feature.dtype)
+        if uses_triton(table.shard) and not torch.is_grad_enabled():  # the range check of these ids, read now: no step waits
+            raise_if_out_of_range(self.unit, *(table.range_check.failed(table.num_embeddings, wait=True) or (0, 0))[:2],
+                                  feature.dtype)  # fmt: skip
         return {feature.name: rows.view(*feature.shape, table.embedding_dim)}
 
     def serve(self, route: Route) -> None:

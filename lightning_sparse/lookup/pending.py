@@ -77,6 +77,18 @@ class LookupRecord:
             self.grad, self._listed = grad_output.contiguous(), True
             self._pending.received.append(self)
 
+    def scale(self, factor: float) -> None:
+        """Multiply the received gradient by ``factor`` (out of place, as in :meth:`add_grad`)."""
+        self.grad = self.grad * factor
+
+    def hand_over(self) -> None:
+        """Taken by a step, which reads the gradient; a later backward lists the record again, with a fresh one."""
+        self._listed = False
+
+    def drop(self) -> None:
+        """Forget the received gradient: taken by a step, or zeroed. A later backward lists the record again."""
+        self.grad, self._listed = None, False
+
     def counts(self) -> Tensor | None:
         """How often the lookup read each distinct row; ``None`` for a record per id (each gradient row counts once)."""
         if callable(self.occurrences):
@@ -130,6 +142,10 @@ class PendingGrads:
         """
         return self.recorded == 0 and not self.received
 
+    def keep_route(self, route: Route) -> None:
+        """Keep ``route``, the table's latest round that some rank records, for its gradients to go back along."""
+        self.route = route
+
     def grads(self) -> list[Tensor]:
         """The gradient rows received so far, one tensor per lookup (for inspection; see :meth:`scale`).
 
@@ -139,13 +155,13 @@ class PendingGrads:
 
     def scale(self, factor: float) -> None:
         """Multiply every received gradient by ``factor`` (e.g. to unscale a mixed-precision loss scale)."""
-        for record in self.received:  # out of place, as in add_grad
-            record.grad = record.grad * factor
+        for record in self.received:
+            record.scale(factor)
 
     def zero_grad(self) -> None:
         """Drop the gradients received so far. Lookups still awaiting their backward are unaffected."""
         for record in self.received:
-            record.grad, record._listed = None, False
+            record.drop()
         self.received = []
 
     def take(self, leave_others: bool = False) -> TakenGrads:
@@ -164,7 +180,8 @@ class PendingGrads:
                 others.append(record)
         kept = others if leave_others else []
         for record in received:
-            record._listed = record in kept
+            if not any(record is k for k in kept):
+                record.hand_over()
         looked_up = self.recorded > 0
         self.received, self.route, self.recorded = kept, None, 0
         return TakenGrads(route, routed, [] if leave_others else others, received, looked_up)

@@ -58,8 +58,12 @@ class RangeCheck:
         """The device verdict, if a GPU lookup has made one (the update kernel skips its rows while it shows a bad id)."""
         return self._verdict
 
-    def sent(self) -> None:
-        """After a lookup's gather: start copying the verdict to the host, without waiting."""
+    def sent(self, dtype_code: int | dict[int, int] = -1) -> None:
+        """After a lookup's gather: start copying the verdict to the host, without waiting.
+
+        ``dtype_code``: the dtype of the ids looked up (a collection's: per feature), for the message of a bad id.
+        """
+        self.dtype_code = dtype_code
         if self._capturing():
             return
         self._host.copy_(self._verdict, non_blocking=True)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.kernels import Runs, TableSet, sort_runs, table_entries, update_rows
+from lightning_sparse.lookup.joint import holders
 
 if TYPE_CHECKING:
     from lightning_sparse.lookup.pending import LookupRecord
@@ -29,9 +30,8 @@ def units_with_rounds(tables: list[SparseEmbedding]) -> list[SparseEmbeddingColl
     """The collections of ``tables`` that recorded rounds on one GPU since the last step, each once."""
     found: dict[int, SparseEmbeddingCollection] = {}
     for table in tables:
-        for ref in table.joint_units:
-            unit = ref()
-            if unit is not None and unit.pending.received:
+        for unit in holders(table):
+            if unit.pending.received:
                 found.setdefault(id(unit), unit)
     return list(found.values())
 

@@ -61,15 +61,12 @@ class SlotStats:
 
     @property
     def clock(self) -> int:
-        """Sparse optimizer steps taken (a host read; the step path uses :attr:`now`, the device's copy)."""
-        return int(self.now)
-
-    @clock.setter
-    def clock(self, value: int) -> None:
-        self.now.fill_(value)
+        """The table's :attr:`SlotTable.clock`: sparse optimizer steps taken (a host read)."""
+        return self._table.clock
 
     @property
     def occupancy(self) -> int:
+        """The table's :attr:`SlotTable.occupancy`: how many ids this owner holds (a host read)."""
         return self._table.occupancy
 
     def reset(self) -> None:

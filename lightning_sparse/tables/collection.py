@@ -9,7 +9,6 @@ turned their ids into rows.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,19 +138,13 @@ class SparseEmbeddingCollection(nn.Module):
         self.range_check = RangeCheck()
         self.lookups: joint_lookup.Joint | Round | None = None  # its lookup path: chosen when its tables are placed
         self._placed_as: tuple | None = None  # what the path was chosen for
-        self._link_tables()
+        joint_lookup.hold(self)  # the optimizer finds the collection's rounds on one GPU through its tables
         self.compile_token = compiled.register(self)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy links its own tables (weak references do not pickle)
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy holds its own tables (weak references do not pickle)
         super().__setstate__(state)
-        self._link_tables()
+        joint_lookup.hold(self)
         compiled.register_copy(self)
-
-    def _link_tables(self) -> None:
-        """Tell each table that this collection holds it: the optimizer finds the collection's rounds through them."""
-        for table in self.table_list:
-            table.joint_units = [r for r in table.joint_units if r() is not None and any(t is table for t in r().table_list)]
-            table.joint_units.append(weakref.ref(self))
 
     # ------------------------------------------------------------------ placement
     @property

@@ -134,7 +134,7 @@ class KeyedRounds:
             rows = torch.cat([table.shard.index_select(0, route.received), slot_columns], dim=1)
         back = rows_to_requesters(rows, route, table.peers)
         if route.records:
-            table.pending.route = route
+            table.pending.keep_route(route)
         return back, route
 
     def rows_of(self, ids: Any) -> Tensor:

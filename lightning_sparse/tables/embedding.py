@@ -106,7 +106,6 @@ class SparseEmbedding(nn.Module):
         self._shard = torch.empty(0, embedding_dim, dtype=dtype, device=device)
         self.pending = PendingGrads()
         self.range_check = RangeCheck()  # of one-process GPU lookups (range_check.py)
-        self.joint_units: list[Any] = []  # weak references to the collections that hold it (their rounds on one GPU)
         self.stats = ExchangeStats()
         # Set by a strategy that shards this table: its position among the module's tables,
         # which every rank sends along with each lookup.
@@ -115,9 +114,6 @@ class SparseEmbedding(nn.Module):
         self.lookup_unit = OneTable(self)  # this table as a lookup unit of one (units.py)
         self.lookups: Gather | Round | Any = None  # its lookup path: chosen when it is placed
         self.compile_token = compiled.register(self)
-
-    def __getstate__(self) -> dict[str, Any]:  # weak references do not pickle: a collection links itself again
-        return {**self.__dict__, "joint_units": []}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

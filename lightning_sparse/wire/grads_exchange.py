@@ -81,6 +81,13 @@ class IncomingGrads:
         """Whether the rows are distinct as they are (one piece, from one source)."""
         return len(self.rows) == 1 and not self.merged
 
+    def add(self, rows: Tensor, values: Tensor, merged: bool, present: Tensor | None = None) -> None:
+        """One more piece: ``merged`` if its rows may repeat (several sources), ``present`` to mark its placeholders."""
+        self.rows.append(rows)
+        self.values.append(values)
+        self.merged = self.merged or merged
+        self.present = present
+
 
 # Control code per table that rides with the routed rows to every destination.
 _HAS_ROUTED, _HAS_OTHERS, _NONFINITE, _LOOKED_UP = 1, 2, 4, 8
@@ -131,26 +138,21 @@ def grads_to_owners(
             general = _general_round(outgoing, peers, wire_dtype, device)
             for table, (rows, values) in zip(incoming, general):
                 if len(rows):
-                    table.rows.append(rows)
-                    table.values.append(values)
-                    table.merged = True
+                    table.add(rows, values, merged=True)
     if peers.stats is not None:
         peers.stats.exchange_seconds += time.perf_counter() - start
     return incoming
 
 
 def _keep_local(grads: OutgoingGrads) -> IncomingGrads:
-    incoming = IncomingGrads([], [])
-    if grads.nonfinite is not None and bool(grads.nonfinite):  # a host read, only when checking
-        incoming.nonfinite_ranks = [0]
+    bad = [0] if grads.nonfinite is not None and bool(grads.nonfinite) else []  # a host read, only when checking
+    others = grads.others
+    incoming = IncomingGrads([], [], touched=grads.routed is not None or others is not None or grads.looked_up,
+                             nonfinite_ranks=bad, per_id=others is not None and others.per_id)  # fmt: skip
     if grads.routed is not None:
-        incoming.rows.append(grads.route.received)
-        incoming.values.append(grads.routed)
-    if grads.others is not None:
-        incoming.rows.append(grads.others.local_ids)
-        incoming.values.append(grads.others.values)
-        incoming.merged, incoming.per_id = not grads.others.distinct, grads.others.per_id
-    incoming.touched = bool(incoming.rows) or grads.looked_up
+        incoming.add(grads.route.received, grads.routed, merged=False)
+    if others is not None:
+        incoming.add(others.local_ids, others.values, merged=not others.distinct)
     return incoming
 
 
@@ -206,9 +208,7 @@ def _routed_round(outgoing, peers, wire_dtype, device, sole) -> tuple[list[Incom
         if not complete[k]:  # drop the placeholders of sources without a gradient (a host-side index)
             keep = to_device(torch.repeat_interleave(sent[k], recv_counts[k]).nonzero().view(-1), device)
             received, values = received.index_select(0, keep), values.index_select(0, keep)
-        incoming[index].rows.append(received)
-        incoming[index].values.append(values)
-        incoming[index].merged = senders[k] > 1  # rows of several sources: a row may repeat
+        incoming[index].add(received, values, merged=senders[k] > 1)  # rows of several sources: a row may repeat
     return incoming, all_codes
 
 
@@ -222,13 +222,10 @@ def _marked_pieces(outgoing, pieces, sources_codes, recv_counts, device) -> list
     for index, values, counts in zip(routed, pieces, recv_counts):
         if not len(values):
             continue
-        incoming[index].rows.append(outgoing[index].route.received)
-        incoming[index].values.append(values)
-        incoming[index].merged = int((counts > 0).sum()) > 1  # rows of several sources: a row may repeat
         had_grad = (sources_codes[:, index].to(torch.int64) & _HAS_ROUTED) != 0  # [W] on the device
-        incoming[index].present = torch.repeat_interleave(
-            had_grad.to(values.dtype), to_device(counts, device), output_size=len(values)
-        )
+        present = torch.repeat_interleave(had_grad.to(values.dtype), to_device(counts, device), output_size=len(values))
+        several = int((counts > 0).sum()) > 1  # rows of several sources: a row may repeat
+        incoming[index].add(outgoing[index].route.received, values, merged=several, present=present)
     return incoming
 
 

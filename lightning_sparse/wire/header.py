@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_sparse.kernels.host import host_tensor
 
 # Error codes a rank reports in its lookup header; every rank raises the same error for them
-# (lightning_sparse/lookup/verdict.py). The header names the feature an error is about (``part``).
+# (lightning_sparse/lookup/verdict.py). The header names the feature an error is about (``feature``).
 OK, BAD_DTYPE, NOT_A_TENSOR, UNREADABLE, OUT_OF_RANGE, BAD_INPUT, BAD_OFFSETS = 0, 1, 2, 3, 4, 5, 6
 
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import torch
+
 import lightning_sparse as ls
+from lightning_sparse.kernels import backend
 
 PACKAGE = Path(ls.__file__).parent
 
@@ -51,3 +54,64 @@ def test_no_kernel_divides_with_a_plain_slash():
             if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):
                 slashes.append(f"{name} line {node.lineno}: {ast.unparse(node)}")
     assert not slashes, slashes
+
+
+def _name(node: ast.AST) -> str:
+    """The last name of ``a.b.c`` or ``c``."""
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+def _inside(node: ast.AST, parents: dict[ast.AST, ast.AST], context: str) -> bool:
+    """Whether ``node`` sits in a ``with`` whose item calls ``context`` with one argument (a device)."""
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.With):
+            for item in node.items:
+                call = item.context_expr
+                if isinstance(call, ast.Call) and _name(call.func) == context and len(call.args) == 1:
+                    return True
+    return False
+
+
+def _calls(where: dict[str, ast.Module], wanted) -> list[tuple[str, ast.Call, dict]]:
+    found = []
+    for name, tree in where.items():
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        found += [(name, node, parents) for node in ast.walk(tree) if isinstance(node, ast.Call) and wanted(node)]
+    return found
+
+
+def test_every_triton_launch_and_cuda_event_is_under_its_tensors_device():
+    """Triton launches on the current device and stream, and an event records on the current device's stream: each
+    ``kernel[grid](...)`` sits in ``launches.launch(device)``, each event's ``record()`` in ``on_device(device)``."""
+    modules = _modules()
+    kernels = {node.name for node in _jit_functions().values()}
+    launches = _calls(modules, lambda call: isinstance(call.func, ast.Subscript) and _name(call.func.value) in kernels)
+    records = _calls(modules, lambda call: _name(call.func) == "record" and "event" in ast.unparse(call.func).lower())
+    assert len(launches) >= 10 and len(records) >= 2, (len(launches), len(records))  # the check reaches them
+    unguarded = [f"{name} line {call.lineno}: {ast.unparse(call.func)}" for name, call, parents in launches
+                 if not _inside(call, parents, "launch")]  # fmt: skip
+    unguarded += [f"{name} line {call.lineno}: {ast.unparse(call.func)}" for name, call, parents in records
+                  if not _inside(call, parents, "on_device")]  # fmt: skip
+    assert not unguarded, unguarded
+
+
+def test_a_launch_makes_its_tensors_cuda_device_current(monkeypatch):
+    entered = []
+
+    class Device:  # stands in for torch.cuda.device, which needs a GPU to enter
+        def __init__(self, device: torch.device) -> None:
+            self.device = device
+
+        def __enter__(self) -> None:
+            entered.append(self.device)
+
+        def __exit__(self, *exc) -> None:
+            entered.append("left")
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    with backend.launches.launch(torch.device("cuda", 1)):
+        assert entered == [torch.device("cuda", 1)]
+    with backend.launches.launch(torch.device("cpu")):  # a CPU tensor (the interpreter): no CUDA device to make current
+        pass
+    assert entered == [torch.device("cuda", 1), "left"]

@@ -11,16 +11,21 @@ CUDA tensors, and plain torch ops, for CPU tensors (fast there: ``index_select``
   interpreter (``TRITON_INTERPRET=1``, set before triton is imported): how the suite runs the
   GPU's code path on a CPU, where it counts the path's ops and host reads.
 
-:data:`launches` counts Triton kernel launches, for the tests that count a step's kernels.
+:data:`launches` counts Triton kernel launches, for the tests that count a step's kernels, and makes
+the launch's device current: Triton launches on the current CUDA device and its current stream, so
+a table on ``cuda:1`` while ``cuda:0`` is current would run on the wrong device, out of order with
+its own stream. Every launch in the package goes through :meth:`Launches.launch`
+(``tests/test_gpu_risks.py`` holds the source to that).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import cache
 
+import torch
 from torch import Tensor
 
 ENV = "LIGHTNING_SPARSE_KERNELS"
@@ -36,14 +41,20 @@ class Launches:
         self.running = False
 
     @contextmanager
-    def launch(self) -> Iterator[None]:
-        """Around one kernel launch."""
+    def launch(self, device: torch.device) -> Iterator[None]:
+        """Around one kernel launch on ``device`` (its tensors'), made the current device while it launches."""
         self.count += 1
         self.running = True
         try:
-            yield
+            with on_device(device):
+                yield
         finally:
             self.running = False
+
+
+def on_device(device: torch.device) -> AbstractContextManager:
+    """``device`` made the current CUDA device (Triton's launches and CUDA events use the current one); elsewhere nothing."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 launches = Launches()

@@ -78,7 +78,7 @@ def gather_bags(
     if first_bag:
         block_b, block_d = tile(dim)
         meta = host_tensor(rows, torch.int64, device)
-        with launches.launch():
+        with launches.launch(device):
             k.gather_bags[(-(-first_bag // block_b),)](
                 meta, len(features), first_bag, entries, table, table.stride(0), dim, out, out.stride(0),
                 keys if store else None, sources, scales, verdict, shift,

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_sparse.kernels.backend import on_device
+
 
 def host_tensor(values: Sequence[int | float], dtype: torch.dtype, device: torch.device) -> Tensor:
     """A small tensor of Python values on ``device``; to a GPU through pinned memory, without blocking.
@@ -46,9 +48,10 @@ class LateRead:
             cuda = value.device.type == "cuda"
             self._host = torch.zeros((), dtype=value.dtype, pin_memory=cuda)
             self._event = torch.cuda.Event() if cuda else None
-        self._host.copy_(value, non_blocking=True)
-        if self._event is not None:
-            self._event.record()
+        with on_device(value.device):  # the event is recorded on the current device's stream: the copy's
+            self._host.copy_(value, non_blocking=True)
+            if self._event is not None:
+                self._event.record()
         self._unread = True
         return True
 

@@ -245,12 +245,12 @@ def _launch(runs: Runs, values: Tensor, *, family: str, out: Tensor | None = Non
             table, table.stride(0) if table is not None else 0, state1, state2, state_row,
             many.entries if many else None, 1 if many else (table.shape[0] if table is not None else 0), verdict, unique)  # fmt: skip
     block_s, block_d = cold_tile(dim, family, many is not None)
-    with launches.launch():
+    with launches.launch(values.device):
         k.runs_cold[(-(-n // block_s),)](
             *args, **scalars, **flags, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False
         )
     block_n, _ = hot_tile(dim)
-    with launches.launch():
+    with launches.launch(values.device):
         k.runs_hot[(-(-n // k.HOT),)](
             *args, **scalars, **flags, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=HOT_WARPS, enable_fp_fusion=False
         )

@@ -117,7 +117,7 @@ def mix(ids: Tensor, shifts: tuple[int, int, int], multipliers: tuple[int, int])
     """:func:`lightning_sparse.wire.hashing.mix` of ``ids`` (int64 keys) in one launch."""
     out = torch.empty(ids.shape, dtype=torch.int64, device=ids.device)
     if ids.numel():
-        with launches.launch():
+        with launches.launch(ids.device):
             mix_keys[_grid(ids.numel())](ids, ids.numel(), out, *multipliers, S1=shifts[0], S2=shifts[1], S3=shifts[2],
                                          BLOCK=BLOCK)  # fmt: skip
     return out
@@ -131,7 +131,7 @@ def find(query: Tensor, buckets: Tensor, keys: Tensor, mask: int) -> Tensor:
     """The slot of each of ``query`` (int64), 0 where the map does not hold it. One launch, no host read."""
     out = torch.empty_like(query)
     if len(query):
-        with launches.launch():
+        with launches.launch(query.device):
             find_slots[_grid(len(query))](query, len(query), buckets, keys, mask, out, BLOCK=BLOCK, WIDTH=buckets.shape[1])
     return out
 
@@ -140,7 +140,7 @@ def reserve(new: Tensor, valid: Tensor | None, buckets: Tensor, mask: int) -> Te
     """A reserved entry for each ``valid`` key of ``new`` (distinct, none in the map), -1 where none. One launch."""
     out = torch.empty_like(new)
     if len(new):
-        with launches.launch():
+        with launches.launch(new.device):
             reserve_entries[_grid(len(new))](new, valid if valid is not None else new, len(new), buckets, mask, out,
                                              HAS_VALID=valid is not None, BLOCK=BLOCK, WIDTH=buckets.shape[1])  # fmt: skip
     return out
@@ -149,5 +149,5 @@ def reserve(new: Tensor, valid: Tensor | None, buckets: Tensor, mask: int) -> Te
 def write(entries: Tensor, new: Tensor, slots: Tensor, buckets: Tensor, keys: Tensor, entry_of: Tensor) -> None:
     """Fill the ``entries`` that :func:`reserve` gave (see :func:`write_entries`). One launch."""
     if len(entries):
-        with launches.launch():
+        with launches.launch(entries.device):
             write_entries[_grid(len(entries))](entries, new, slots, len(entries), buckets, keys, entry_of, BLOCK=BLOCK)

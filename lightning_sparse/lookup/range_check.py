@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_sparse.kernels.backend import on_device
+
 
 class RangeCheck:
     """A lookup unit's verdict on the ids of its GPU lookups.
@@ -59,12 +61,13 @@ class RangeCheck:
         return self._verdict
 
     def sent(self) -> None:
-        """After a lookup's gather: start copying the verdict to the host, without waiting."""
-        if self._capturing():
-            return
-        self._host.copy_(self._verdict, non_blocking=True)
-        if self._event is not None:
-            self._event.record()
+        """After a lookup's gather: start copying the verdict to the host, without waiting (on the verdict's device)."""
+        with on_device(self._verdict.device):  # the event is recorded on the current device's stream: the copy's
+            if self._capturing():
+                return
+            self._host.copy_(self._verdict, non_blocking=True)
+            if self._event is not None:
+                self._event.record()
         self._unread = True
 
     def failed(self, num_rows: int, wait: bool = False) -> list[int] | None:
@@ -87,5 +90,8 @@ class RangeCheck:
         return values
 
     def _capturing(self) -> bool:
-        """Whether the current CUDA stream is capturing a graph (see the module)."""
-        return self._verdict is not None and self._verdict.is_cuda and torch.cuda.is_current_stream_capturing()
+        """Whether the verdict's device's current stream is capturing a graph (see the module)."""
+        if self._verdict is None or not self._verdict.is_cuda:
+            return False
+        with on_device(self._verdict.device):
+            return torch.cuda.is_current_stream_capturing()

@@ -11,12 +11,14 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 
 import lightning_sparse as ls
-from lightning_sparse.kernels import backend
+from lightning_sparse.kernels import backend, host
 
 PACKAGE = Path(ls.__file__).parent
+INTERPRETED = pytest.mark.skipif(not (backend.interpreting() and backend.triton_available()), reason="needs triton's interpreter")
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -115,3 +117,146 @@ def test_a_launch_makes_its_tensors_cuda_device_current(monkeypatch):
     with backend.launches.launch(torch.device("cpu")):  # a CPU tensor (the interpreter): no CUDA device to make current
         pass
     assert entered == [torch.device("cuda", 1), "left"]
+
+
+# ---------------------------------------------------------------- risk 1: what a captured step reads stays put
+@pytest.fixture
+def gpu_path(monkeypatch):
+    monkeypatch.setenv(backend.ENV, "triton")
+
+
+def _collection() -> ls.SparseEmbeddingCollection:
+    tables = {name: ls.SparseEmbedding(rows, 8, seed=seed) for name, rows, seed in (("users", 30, 1), ("tags", 20, 2))}
+    return ls.SparseEmbeddingCollection(tables, features={"user": "users", "tags": "tags"}, pooling={"tags": "sum"})
+
+
+def _spy_on_the_gather(monkeypatch) -> list[torch.Tensor]:
+    """The table of features each launch of the collection gather reads."""
+    from lightning_sparse.kernels import triton_bags
+
+    seen, real = [], triton_bags.gather_bags
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(features, *args, **kwargs):
+                seen.append(features)
+                return real[grid](features, *args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_bags, "gather_bags", Spy())
+    return seen
+
+
+@INTERPRETED
+def test_a_collection_reads_one_kept_table_of_features_while_its_inputs_stay(gpu_path, monkeypatch):
+    """The same input tensors: the same device tensor, made once (a new pinned host copy each call is what a captured
+    step must not follow); new input tensors: a new table with their addresses."""
+    collection, seen = _collection(), _spy_on_the_gather(monkeypatch)
+    static = {"user": torch.tensor([1, 29, 3]), "tags": torch.tensor([[0, 19], [4, 4]])}
+    for _ in range(3):
+        collection(static)
+    assert seen[0] is seen[1] is seen[2]
+    collection({name: ids.clone() for name, ids in static.items()})
+    assert seen[3] is not seen[2] and not torch.equal(seen[3], seen[2])
+
+
+def test_no_host_copy_while_a_graph_is_captured(monkeypatch):
+    """``to_device`` (every host-to-device copy of the package) refuses while the device's stream captures."""
+    monkeypatch.setattr(host, "capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match=r"inside a CUDA graph being captured.*HINT: run the step once before capturing"):
+        host.to_device(torch.tensor([1, 2]), torch.device("cuda"))
+
+
+def test_values_that_change_during_a_capture_are_written_on_the_device(monkeypatch):
+    """A capture-time change of values (an input that is a new tensor each call): the last tensor with the changes filled
+    in by device ops, no host copy; every tensor a capture read is kept."""
+    kept, device = host.KeptValues(), torch.device("cpu")
+    warm = kept.get([7, 8, 9], device)
+    assert kept.get([7, 8, 9], device) is warm
+    monkeypatch.setattr(host, "capturing", lambda device: True)  # from here on, to_device raises (the test above)
+    changed = kept.get([7, -5, 9], device)
+    assert changed.tolist() == [7, -5, 9] and warm.tolist() == [7, 8, 9]
+    longer = kept.get([1, 0, 3, 4], device)  # no tensor of that length: zeros, then the values
+    assert longer.tolist() == [1, 0, 3, 4]
+    assert [t.tolist() for t in kept._held] == [[7, 8, 9], [7, -5, 9], [1, 0, 3, 4]]
+
+
+@INTERPRETED
+def test_a_round_whose_inputs_are_new_at_capture_trains_as_eager_without_a_host_copy(gpu_path, monkeypatch):
+    """Bags given by lengths make new offsets every call: the capture's table of features is made on the device."""
+    lengths = torch.tensor([2, 0, 1])
+    features = {"user": torch.tensor([1, 29, 3]), "tags": ls.JaggedIds(torch.tensor([0, 19, 4]), lengths=lengths)}
+    eager, captured = _collection(), _collection()
+    for collection in (eager, captured):
+        collection(features)["tags"].sum().backward()  # the warm-up
+    monkeypatch.setattr(host, "capturing", lambda device: True)
+    out = captured(features)  # (a copy from the host would raise: the test above)
+    monkeypatch.setattr(host, "capturing", lambda device: False)
+    torch.testing.assert_close(out["tags"], eager(features)["tags"], rtol=0, atol=0)
+
+
+def test_only_to_device_copies_pinned_host_memory_to_a_device():
+    """A graph can capture a copy only from pinned host memory (a pageable copy waits, which a capture refuses). Pinned
+    buffers live in two places: ``kernels/host.py`` (``to_device``, which refuses during a capture, and ``LateRead``'s
+    device-to-host copy) and the range check (device to host, standing aside during a capture). So no other code can
+    leave a host address in a captured graph."""
+
+    def pins(call: ast.Call) -> bool:
+        return _name(call.func) == "pin_memory" or any(k.arg == "pin_memory" for k in call.keywords)
+
+    found = sorted({name for name, _, _ in _calls(_modules(), pins)})
+    assert found == ["kernels/host.py", "lookup/range_check.py"], found
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available() or not backend.triton_available(), reason="needs CUDA and triton")
+
+
+@CUDA
+def test_a_host_copy_inside_a_real_capture_raises():
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside a CUDA graph being captured"), torch.cuda.graph(graph):
+        host.to_device(torch.tensor([1, 2]), torch.device("cuda"))
+
+
+@CUDA
+def test_a_captured_collection_step_replays_as_eager_while_pinned_memory_is_reused():
+    """Bags by lengths (new offsets at every call, so the capture makes its own table of features), captured, then each
+    replay after pinned host memory was allocated, filled with garbage and freed (as a DataLoader's pinning does)."""
+    from test_capturable import _captured, _collection_step
+    from test_capturable import _collection as capturable
+
+    gen = torch.Generator().manual_seed(0)
+
+    def batch() -> dict:
+        lengths = torch.tensor([0, 1, 2, 3] * 8)[torch.randperm(32, generator=gen)]  # 48 ids in 32 bags, every batch
+        tags = ls.JaggedIds(torch.randint(0, 50, (48,), generator=gen).cuda(), lengths=lengths.cuda())
+        users, items = (
+            (300 * torch.rand(32, generator=gen) ** 3).long().cuda(),
+            torch.randint(0, 120, (32,), generator=gen).cuda(),
+        )
+        return {"user": users, "item": items, "tags": tags}
+
+    batches = [batch() for _ in range(6)]
+    eager = capturable("adagrad", True, "cuda")
+    for features in batches:
+        _collection_step(*eager, features)
+    first = batches[0]
+    static = {"user": first["user"].clone(), "item": first["item"].clone(),
+              "tags": ls.JaggedIds(first["tags"].values.clone(), lengths=first["tags"].lengths.clone())}  # fmt: skip
+    captured = capturable("adagrad", True, "cuda")
+    graph = _captured(lambda: _collection_step(*captured, static))
+    for features in batches[1:]:
+        for name in ("user", "item"):
+            static[name].copy_(features[name])
+        static["tags"].values.copy_(features["tags"].values)
+        static["tags"].lengths.copy_(features["tags"].lengths)
+        junk = [torch.full((size,), -1, dtype=torch.int64).pin_memory() for size in (8, 16, 24, 32, 64, 128, 256) * 8]
+        for piece in junk:
+            piece.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        del junk
+        graph.replay()
+    torch.cuda.synchronize()
+    for name, table in captured[0].tables.items():
+        torch.testing.assert_close(table.full_weight(), eager[0].tables[name].full_weight(), rtol=0, atol=0, msg=name)

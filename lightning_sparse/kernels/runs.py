@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_sparse.kernels.backend import launches, uses_triton
 from lightning_sparse.kernels.hashes import ROW_MULTIPLIER
-from lightning_sparse.kernels.host import host_tensor
+from lightning_sparse.kernels.host import KeptValues, host_tensor
 
 _INT32_LIMIT = 2**31 - 1
 FAMILIES = ("sum", "sgd", "adagrad", "rowwise_adagrad", "adam")
@@ -109,14 +109,20 @@ def table_entries(
     states: list[tuple[Tensor | None, Tensor | None, Tensor | None]],
     counters: list[Tensor | None],
     scalars: list[tuple[float, float, float]],
+    kept: KeptValues | None = None,
 ) -> Tensor:
-    """The ``[T, 8]`` entries of a :class:`TableSet` on the tables' device (one copy from pinned host memory, no wait)."""
+    """The ``[T, 8]`` entries of a :class:`TableSet` on the tables' device (one copy from pinned host memory, no wait).
+
+    ``kept``: made once and kept while the tables, their state and scalars stay the same (what a captured step reads).
+    """
     rows = []
     for table, state, counter, numbers in zip(tables, states, counters, scalars):
         addresses = [table.data_ptr(), *(t.data_ptr() if t is not None else 0 for t in state)]
         addresses.append(counter.data_ptr() if counter is not None else 0)
         rows.append(addresses + [struct.unpack("<q", struct.pack("<d", float(x)))[0] for x in numbers])
-    return host_tensor([value for row in rows for value in row], torch.int64, tables[0].device).view(len(rows), 8)
+    values, device = [value for row in rows for value in row], tables[0].device
+    entries = kept.get(values, device) if kept is not None else host_tensor(values, torch.int64, device)
+    return entries.view(len(rows), 8)
 
 
 def segment_sum(

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lightning_sparse.kernels import uses_triton
 from lightning_sparse.kernels.bags import Feature, gather_bags, verdict_size
+from lightning_sparse.kernels.host import KeptValues
 from lightning_sparse.kernels.rounding import HALF
 from lightning_sparse.kernels.runs import table_entries
 from lightning_sparse.lookup.features import ID_DTYPES, ID_SOURCE_DTYPES, JaggedIds, code_of
@@ -157,7 +158,8 @@ def lookup(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -
     verdict = check.verdict(first.device, verdict_size(len(collection.feature_names)))
     recording = torch.is_grad_enabled()
     out, keys, sources, scales = gather_bags([f for _, f, _, _ in read_in], _gather_entries(collection), first.shard,
-                                             first.output_dtype or first.dtype, shift, verdict, store=recording)  # fmt: skip
+                                             first.output_dtype or first.dtype, shift, verdict, store=recording,
+                                             kept=_kept(collection, "_feature_table"))  # fmt: skip
     check.sent()
     check.dtype_code = {f.report_as: code for _, f, _, code in read_in}
     for _, f, _, _ in read_in:
@@ -176,13 +178,14 @@ def lookup(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -
 
 def _gather_entries(collection: SparseEmbeddingCollection) -> Tensor:
     """The tables' addresses for the gather (``[T, 8]``, as a TableSet's), kept while the shards stay where they are."""
-    shards = [t.shard for t in collection.table_list]
-    key = tuple(s.data_ptr() for s in shards)
-    cached = collection.__dict__.get("_gather_entries")
-    if cached is None or cached[0] != key:
-        entries = table_entries(shards, [(None, None, None)] * len(shards), [None] * len(shards), [(0.0, 0.0, 1.0)] * len(shards))
-        collection.__dict__["_gather_entries"] = cached = (key, entries)
-    return cached[1]
+    shards, none = [t.shard for t in collection.table_list], [None] * len(collection.table_list)
+    return table_entries(shards, [(None, None, None)] * len(shards), none, [(0.0, 0.0, 1.0)] * len(shards),
+                         kept=_kept(collection, "_gather_entries"))  # fmt: skip
+
+
+def _kept(collection: SparseEmbeddingCollection, name: str) -> KeptValues:
+    """The collection's device tensor of host values ``name``, kept across rounds (what a captured round reads)."""
+    return collection.__dict__.setdefault(name, KeptValues())
 
 
 def raise_failed(collection: SparseEmbeddingCollection, failed: list[int] | None) -> None:

@@ -16,6 +16,7 @@ import torch
 
 import lightning_sparse as ls
 from lightning_sparse.kernels import backend, host
+from lightning_sparse.tables.slot_map import SlotMap
 
 PACKAGE = Path(ls.__file__).parent
 INTERPRETED = pytest.mark.skipif(not (backend.interpreting() and backend.triton_available()), reason="needs triton's interpreter")
@@ -87,8 +88,7 @@ def test_every_triton_launch_and_cuda_event_is_under_its_tensors_device():
     """Triton launches on the current device and stream, and an event records on the current device's stream: each
     ``kernel[grid](...)`` sits in ``launches.launch(device)``, each event's ``record()`` in ``on_device(device)``."""
     modules = _modules()
-    kernels = {node.name for node in _jit_functions().values()}
-    launches = _calls(modules, lambda call: isinstance(call.func, ast.Subscript) and _name(call.func.value) in kernels)
+    launches = _calls(modules, lambda call: isinstance(call.func, ast.Subscript))  # the package calls a subscript only so
     records = _calls(modules, lambda call: _name(call.func) == "record" and "event" in ast.unparse(call.func).lower())
     assert len(launches) >= 10 and len(records) >= 2, (len(launches), len(records))  # the check reaches them
     unguarded = [f"{name} line {call.lineno}: {ast.unparse(call.func)}" for name, call, parents in launches
@@ -260,3 +260,49 @@ def test_a_captured_collection_step_replays_as_eager_while_pinned_memory_is_reus
     torch.cuda.synchronize()
     for name, table in captured[0].tables.items():
         torch.testing.assert_close(table.full_weight(), eager[0].tables[name].full_weight(), rtol=0, atol=0, msg=name)
+
+
+# ---------------------------------------------------------------- risk 4: admissions whatever the order of the claims
+def _crowded_map(occupied: dict[int, int], num_slots: int) -> SlotMap:
+    """A map whose group ``g`` holds ``occupied[g]`` slots (in its first entries)."""
+    slots = SlotMap(num_slots)
+    for group, count in occupied.items():
+        slots.buckets[group, :count] = torch.arange(1, count + 1, dtype=torch.int32)
+    return slots
+
+
+def _entries(kernels: str, monkeypatch, occupied: dict, num_slots: int, keys: torch.Tensor, valid=None) -> dict[int, int]:
+    monkeypatch.setenv(backend.ENV, kernels)
+    entries = _crowded_map(occupied, num_slots).reserve(keys, valid)
+    return dict(zip(keys.tolist(), entries.tolist()))
+
+
+@INTERPRETED
+def test_two_keys_for_one_free_entry_get_in_whatever_their_order(monkeypatch):
+    """A and B both try group 3 first (one free entry); A's other group is full, B's has room. Smallest key first: A takes
+    group 3 and B its other group, in either order of the batch (first come, first served rejected A in the order B, A)."""
+    slots = SlotMap(64)
+    assert slots.mask == 31
+    a, b = (1 << 40) | (6 << 32) | 3, (2 << 40) | (15 << 32) | 3  # groups (3, 10) and (3, 19)
+    assert slots._groups(torch.tensor([a, b])).tolist() == [[3, 10], [3, 19]]
+    occupied = {3: 7, 10: 8, 19: 7}
+    got = {(kernels, order): _entries(kernels, monkeypatch, occupied, 64, torch.tensor(order))
+           for kernels in ("torch", "triton") for order in ((a, b), (b, a))}  # fmt: skip
+    assert all(entries == {a: 3 * 8 + 7, b: 19 * 8 + 7} for entries in got.values()), got
+
+
+@INTERPRETED
+def test_a_crowded_batch_gets_the_same_entries_in_every_order_on_both_paths(monkeypatch):
+    """50 keys (5 not valid) for 8 groups of 8 entries, 21 taken: most groups overflow, and each order of the batch (the
+    interpreter's order of the claims) gives the same entries, on the torch path and in the kernels."""
+    gen = torch.Generator().manual_seed(3)
+    occupied = {group: count for group, count in enumerate(torch.randint(0, 6, (8,), generator=gen).tolist())}
+    keys = torch.randint(-(2**62), 2**62, (50,), generator=gen)
+    valid = torch.arange(50) % 10 != 4
+    orders = [torch.arange(50), torch.arange(49, -1, -1), torch.randperm(50, generator=gen)]
+    expected = {key: entry for key, entry in _entries("torch", monkeypatch, occupied, 16, keys, valid).items()}
+    assert 0 < sum(entry >= 0 for entry in expected.values()) < 45  # room for some, not all
+    for kernels in ("torch", "triton"):
+        for order in orders:
+            got = _entries(kernels, monkeypatch, occupied, 16, keys[order], valid[order])
+            assert got == expected, (kernels, order[:5])

@@ -100,8 +100,9 @@ def main() -> dict:
     width = {"WIDTH": slot_map.WIDTH, "BLOCK": triton_slots.BLOCK}
     builds["slot map find"] = build(triton_slots.find_slots, width, {"query": "*i64", "buckets": "*i32", "keys": "*i64",
                                                                      "out": "*i64"})  # fmt: skip
-    builds["slot map reserve"] = build(triton_slots.reserve_entries, {**width, "HAS_VALID": True}, {
-        "new": "*i64", "valid": "*i1", "buckets": "*i32", "out": "*i64"})  # fmt: skip
+    for round_ in ("first", "second", "settle"):
+        builds[f"slot map reserve, claim {round_}"] = build(getattr(triton_slots, f"claim_{round_}"), {**width, "HAS_VALID": True}, {
+            "new": "*i64", "valid": "*i1", "buckets": "*i32", "out": "*i64"})  # fmt: skip
     builds["slot map write"] = build(triton_slots.write_entries, {"BLOCK": triton_slots.BLOCK}, {
         "entries": "*i64", "new": "*i64", "slots": "*i64", "buckets": "*i32", "keys": "*i64", "entry_of": "*i64"})  # fmt: skip
     builds["ids' keys (mix)"] = build(triton_slots.mix_keys, {"S1": 30, "S2": 27, "S3": 31, "BLOCK": triton_slots.BLOCK},

@@ -9,6 +9,7 @@ source here, and what a CPU can show is run.
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,29 @@ def test_a_crowded_batch_gets_the_same_entries_in_every_order_on_both_paths(monk
         for order in orders:
             got = _entries(kernels, monkeypatch, occupied, 16, keys[order], valid[order])
             assert got == expected, (kernels, order[:5])
+
+
+# ---------------------------------------------------------------- the versions the GPU path ran on
+@INTERPRETED
+def test_a_triton_older_than_the_kernels_need_raises_at_their_first_use(monkeypatch):
+    import triton
+
+    monkeypatch.setenv(backend.ENV, "triton")
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    backend._versions_checked.cache_clear()
+    with pytest.raises(
+        RuntimeError, match=r"need Triton 3\.6 or later; this is triton 3\.5\.1\. HINT: pip install 'triton>=3\.6'"
+    ):
+        ls.SparseEmbedding(10, 4)(torch.tensor([1]))
+
+
+def test_a_gpu_path_on_versions_it_has_not_run_on_warns():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend.check_versions("2.11.0+cu128", "3.6.0", compiled=True)  # what ran on a GPU
+        backend.check_versions("2.13.0", "3.9.0", compiled=False)  # the suite's interpreter
+        assert not caught
+        backend.check_versions("2.13.0+cu130", "3.9.0", compiled=True)
+    assert len(caught) == 1, caught
+    message = str(caught[0].message)
+    assert "has run on torch 2.11 with Triton 3.6 only; this is torch 2.13.0+cu130 with Triton 3.9.0. HINT:" in message

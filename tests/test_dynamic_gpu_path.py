@@ -13,7 +13,7 @@ import torch
 from host_reads import HostReads
 from test_capturable import _captured
 from test_gpu_path import AtenOps
-from test_kernels import KERNEL_DEVICES
+from test_kernels import GPU_PATH_TOLERANCE, KERNEL_DEVICES
 
 import lightning_sparse as ls
 from lightning_sparse.kernels import backend
@@ -76,7 +76,7 @@ def test_the_gpu_path_makes_the_same_slot_decisions_as_the_exact_one(device, cas
     ids, rows = exact.export()
     padded_ids, padded_rows = padded.export()
     assert torch.equal(ids, padded_ids)
-    torch.testing.assert_close(padded_rows, rows)  # the torch update against the fused kernel
+    torch.testing.assert_close(padded_rows, rows, **GPU_PATH_TOLERANCE)  # the torch update against the fused kernel
     if "evicting" in case:
         assert stats.evictions > 0
     if "2nd" in case:

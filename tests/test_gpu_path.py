@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from host_reads import HostReads
-from test_kernels import KERNEL_DEVICES
+from test_kernels import GPU_PATH_TOLERANCE, KERNEL_DEVICES
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_sparse as ls
@@ -252,7 +252,7 @@ def test_a_collection_on_one_gpu_trains_as_on_a_cpu(monkeypatch, optimizer, kwar
     expected = _train_collection(monkeypatch, "torch", optimizer, kwargs, also_direct)
     got = _train_collection(monkeypatch, "triton", optimizer, kwargs, also_direct)
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[name], expected[name], msg=name, **GPU_PATH_TOLERANCE)
 
 
 @INTERPRETED

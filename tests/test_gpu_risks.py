@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_kernels import KERNEL_DEVICES
 
 import lightning_sparse as ls
 from lightning_sparse.kernels import backend, host
 from lightning_sparse.tables.slot_map import SlotMap
 
 PACKAGE = Path(ls.__file__).parent
-INTERPRETED = pytest.mark.skipif(not (backend.interpreting() and backend.triton_available()), reason="needs triton's interpreter")
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -126,8 +126,10 @@ def gpu_path(monkeypatch):
     monkeypatch.setenv(backend.ENV, "triton")
 
 
-def _collection() -> ls.SparseEmbeddingCollection:
-    tables = {name: ls.SparseEmbedding(rows, 8, seed=seed) for name, rows, seed in (("users", 30, 1), ("tags", 20, 2))}
+def _collection(device: str) -> ls.SparseEmbeddingCollection:
+    tables = {
+        name: ls.SparseEmbedding(rows, 8, seed=seed, device=device) for name, rows, seed in (("users", 30, 1), ("tags", 20, 2))
+    }
     return ls.SparseEmbeddingCollection(tables, features={"user": "users", "tags": "tags"}, pooling={"tags": "sum"})
 
 
@@ -149,12 +151,12 @@ def _spy_on_the_gather(monkeypatch) -> list[torch.Tensor]:
     return seen
 
 
-@INTERPRETED
-def test_a_collection_reads_one_kept_table_of_features_while_its_inputs_stay(gpu_path, monkeypatch):
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_a_collection_reads_one_kept_table_of_features_while_its_inputs_stay(gpu_path, monkeypatch, device):
     """The same input tensors: the same device tensor, made once (a new pinned host copy each call is what a captured
     step must not follow); new input tensors: a new table with their addresses."""
-    collection, seen = _collection(), _spy_on_the_gather(monkeypatch)
-    static = {"user": torch.tensor([1, 29, 3]), "tags": torch.tensor([[0, 19], [4, 4]])}
+    collection, seen = _collection(device), _spy_on_the_gather(monkeypatch)
+    static = {"user": torch.tensor([1, 29, 3], device=device), "tags": torch.tensor([[0, 19], [4, 4]], device=device)}
     for _ in range(3):
         collection(static)
     assert seen[0] is seen[1] is seen[2]
@@ -183,12 +185,12 @@ def test_values_that_change_during_a_capture_are_written_on_the_device(monkeypat
     assert [t.tolist() for t in kept._held] == [[7, 8, 9], [7, -5, 9], [1, 0, 3, 4]]
 
 
-@INTERPRETED
-def test_a_round_whose_inputs_are_new_at_capture_trains_as_eager_without_a_host_copy(gpu_path, monkeypatch):
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_a_round_whose_inputs_are_new_at_capture_trains_as_eager_without_a_host_copy(gpu_path, monkeypatch, device):
     """Bags given by lengths make new offsets every call: the capture's table of features is made on the device."""
-    lengths = torch.tensor([2, 0, 1])
-    features = {"user": torch.tensor([1, 29, 3]), "tags": ls.JaggedIds(torch.tensor([0, 19, 4]), lengths=lengths)}
-    eager, captured = _collection(), _collection()
+    lengths, values = torch.tensor([2, 0, 1], device=device), torch.tensor([0, 19, 4], device=device)
+    features = {"user": torch.tensor([1, 29, 3], device=device), "tags": ls.JaggedIds(values, lengths=lengths)}
+    eager, captured = _collection(device), _collection(device)
     for collection in (eager, captured):
         collection(features)["tags"].sum().backward()  # the warm-up
     monkeypatch.setattr(host, "capturing", lambda device: True)
@@ -214,14 +216,14 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available() or not backend.triton_av
 
 
 @CUDA
-def test_a_host_copy_inside_a_real_capture_raises():
+def test_a_host_copy_inside_a_cuda_graph_capture_raises():
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="inside a CUDA graph being captured"), torch.cuda.graph(graph):
         host.to_device(torch.tensor([1, 2]), torch.device("cuda"))
 
 
 @CUDA
-def test_a_captured_collection_step_replays_as_eager_while_pinned_memory_is_reused():
+def test_a_collection_step_captured_in_a_cuda_graph_replays_as_eager_while_pinned_memory_is_reused():
     """Bags by lengths (new offsets at every call, so the capture makes its own table of features), captured, then each
     replay after pinned host memory was allocated, filled with garbage and freed (as a DataLoader's pinning does)."""
     from test_capturable import _captured, _collection_step
@@ -264,9 +266,9 @@ def test_a_captured_collection_step_replays_as_eager_while_pinned_memory_is_reus
 
 
 # ---------------------------------------------------------------- risk 4: admissions whatever the order of the claims
-def _crowded_map(occupied: dict[int, int], num_slots: int) -> SlotMap:
+def _crowded_map(occupied: dict[int, int], num_slots: int, device: str) -> SlotMap:
     """A map whose group ``g`` holds ``occupied[g]`` slots (in its first entries)."""
-    slots = SlotMap(num_slots)
+    slots = SlotMap(num_slots, device)
     for group, count in occupied.items():
         slots.buckets[group, :count] = torch.arange(1, count + 1, dtype=torch.int32)
     return slots
@@ -274,12 +276,12 @@ def _crowded_map(occupied: dict[int, int], num_slots: int) -> SlotMap:
 
 def _entries(kernels: str, monkeypatch, occupied: dict, num_slots: int, keys: torch.Tensor, valid=None) -> dict[int, int]:
     monkeypatch.setenv(backend.ENV, kernels)
-    entries = _crowded_map(occupied, num_slots).reserve(keys, valid)
+    entries = _crowded_map(occupied, num_slots, keys.device).reserve(keys, valid)
     return dict(zip(keys.tolist(), entries.tolist()))
 
 
-@INTERPRETED
-def test_two_keys_for_one_free_entry_get_in_whatever_their_order(monkeypatch):
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_two_keys_for_one_free_entry_get_in_whatever_their_order(monkeypatch, device):
     """A and B both try group 3 first (one free entry); A's other group is full, B's has room. Smallest key first: A takes
     group 3 and B its other group, in either order of the batch (first come, first served rejected A in the order B, A)."""
     slots = SlotMap(64)
@@ -287,31 +289,31 @@ def test_two_keys_for_one_free_entry_get_in_whatever_their_order(monkeypatch):
     a, b = (1 << 40) | (6 << 32) | 3, (2 << 40) | (15 << 32) | 3  # groups (3, 10) and (3, 19)
     assert slots._groups(torch.tensor([a, b])).tolist() == [[3, 10], [3, 19]]
     occupied = {3: 7, 10: 8, 19: 7}
-    got = {(kernels, order): _entries(kernels, monkeypatch, occupied, 64, torch.tensor(order))
+    got = {(kernels, order): _entries(kernels, monkeypatch, occupied, 64, torch.tensor(order, device=device))
            for kernels in ("torch", "triton") for order in ((a, b), (b, a))}  # fmt: skip
     assert all(entries == {a: 3 * 8 + 7, b: 19 * 8 + 7} for entries in got.values()), got
 
 
-@INTERPRETED
-def test_a_crowded_batch_gets_the_same_entries_in_every_order_on_both_paths(monkeypatch):
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_a_crowded_batch_gets_the_same_entries_in_every_order_on_both_paths(monkeypatch, device):
     """50 keys (5 not valid) for 8 groups of 8 entries, 21 taken: most groups overflow, and each order of the batch (the
     interpreter's order of the claims) gives the same entries, on the torch path and in the kernels."""
     gen = torch.Generator().manual_seed(3)
     occupied = {group: count for group, count in enumerate(torch.randint(0, 6, (8,), generator=gen).tolist())}
-    keys = torch.randint(-(2**62), 2**62, (50,), generator=gen)
-    valid = torch.arange(50) % 10 != 4
+    keys = torch.randint(-(2**62), 2**62, (50,), generator=gen).to(device)
+    valid = (torch.arange(50) % 10 != 4).to(device)
     orders = [torch.arange(50), torch.arange(49, -1, -1), torch.randperm(50, generator=gen)]
     expected = {key: entry for key, entry in _entries("torch", monkeypatch, occupied, 16, keys, valid).items()}
     assert 0 < sum(entry >= 0 for entry in expected.values()) < 45  # room for some, not all
     for kernels in ("torch", "triton"):
         for order in orders:
-            got = _entries(kernels, monkeypatch, occupied, 16, keys[order], valid[order])
+            got = _entries(kernels, monkeypatch, occupied, 16, keys[order.to(device)], valid[order.to(device)])
             assert got == expected, (kernels, order[:5])
 
 
 # ---------------------------------------------------------------- the versions the GPU path ran on
-@INTERPRETED
-def test_a_triton_older_than_the_kernels_need_raises_at_their_first_use(monkeypatch):
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_a_triton_older_than_the_kernels_need_raises_at_their_first_use(monkeypatch, device):
     import triton
 
     monkeypatch.setenv(backend.ENV, "triton")
@@ -320,7 +322,7 @@ def test_a_triton_older_than_the_kernels_need_raises_at_their_first_use(monkeypa
     with pytest.raises(
         RuntimeError, match=r"need Triton 3\.6 or later; this is triton 3\.5\.1\. HINT: pip install 'triton>=3\.6'"
     ):
-        ls.SparseEmbedding(10, 4)(torch.tensor([1]))
+        ls.SparseEmbedding(10, 4, device=device)(torch.tensor([1], device=device))
 
 
 def test_a_gpu_path_on_versions_it_has_not_run_on_warns():

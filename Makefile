@@ -7,18 +7,26 @@ EXTRAS ?= test,dgl
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
+# The GPU machine's Triton (torch 2.11 ships 3.6), apart from the venv's packages: the suite compiles the kernels for
+# sm_90 with it as well as with its own (tests/test_kernels.py); nothing else imports it.
+GPU_TRITON_VERSION ?= 3.6.0
+GPU_TRITON_STAMP := $(VENV)/triton-3.6/.installed-$(GPU_TRITON_VERSION)
 
 export OMP_NUM_THREADS ?= 1
 export DGLBACKEND ?= pytorch
 
 .PHONY: setup demo demo-plain dlrm graphs lint test docs bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(GPU_TRITON_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" "torch==$(TORCH_VERSION)"
+	touch $@
+
+$(GPU_TRITON_STAMP): | $(STAMP)
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/triton-3.6 "triton==$(GPU_TRITON_VERSION)"
 	touch $@
 
 demo: $(STAMP)
@@ -44,7 +52,7 @@ lint: $(STAMP)
 # Two workers (pytest-xdist), each taking the next test as it finishes one; TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= 2
 
-test: lint
+test: lint $(GPU_TRITON_STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1
 
 # The documentation site (MkDocs, strict: any warning fails) into site/; `mkdocs serve` to browse it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -140,3 +141,27 @@ def test_gpu_benchmark_runs_the_gpu_path_and_reports_every_target(monkeypatch):
     cases = gpu_host.run(500, 8, 64, steps=2, device="cpu", profiled_steps=2)["cases"]
     assert set(cases) == {"ours/adagrad", "torch_sparse/adagrad", "ours/dynamic_adagrad"}
     assert all(case["step_ms"] > 0 and case["host_ms"] > 0 for case in cases.values())
+
+
+@pytest.mark.parametrize("tests", ["pass", "fail", "out of time"])
+def test_the_gpu_checks_fail_when_a_test_fails_or_runs_out_of_time(tmp_path, tests):
+    """benchmarks/gpu_checks.sh with stand-ins for the GPU's tools: its exit status is the tests' (and every section's)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    pytest_run = {"pass": "exit 0", "fail": "exit 1", "out of time": "exec sleep 30"}[tests]
+    (fake / "python3").write_text(f'#!/bin/sh\ncase "$1 $2" in "-m pytest") {pytest_run};; esac\nexit 0\n')
+    for tool in fake.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), "TESTS_S": "2"}
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_checks.sh")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env=env)  # fmt: skip
+    if tests == "pass":
+        assert run.returncode == 0 and "== all sections passed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    else:
+        why = r"exit 1\)" if tests == "fail" else r"exit 1(24|37): out of time\)"  # 137: a TERM ignored, then killed
+        assert (
+            run.returncode == 1
+            and run.stdout.count("== FAILED") == 1
+            and re.search(rf"== FAILED: CUDA tests \({why}", run.stdout)
+        ), run.stdout[-2000:] + run.stderr[-2000:]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from host_reads import HostReads
-from test_kernels import KERNEL_DEVICES
+from test_kernels import DEVICE_SCALARS_TOLERANCE, KERNEL_DEVICES
 from torch import nn
 
 import lightning_sparse as ls
@@ -62,7 +62,7 @@ def _train(
 def test_a_capturable_step_trains_as_the_default_one(gpu_path, device, case):
     batches = _batches(device)
     (emb, opt), (twin, twin_opt) = _train(case, True, device, batches), _train(case, False, device, batches)
-    exact = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-6, atol=1e-7)  # a GPU's float64 pow may differ by an ulp
+    exact = dict(rtol=0, atol=0) if device == "cpu" else DEVICE_SCALARS_TOLERANCE
     torch.testing.assert_close(emb.full_weight(), twin.full_weight(), **exact)
     step = opt.state[emb.shard]["step"]
     assert step.device == emb.shard.device and int(step) == int(twin_opt.state[twin.shard]["step"]) == len(batches)
@@ -123,7 +123,7 @@ def test_a_collections_capturable_step_trains_as_the_default_one_and_reads_the_h
         _collection_step(collection, opt, batches[3])
     assert reads.calls == []
     _collection_step(twin, twin_opt, batches[3])
-    exact = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-6, atol=1e-7)
+    exact = dict(rtol=0, atol=0) if device == "cpu" else DEVICE_SCALARS_TOLERANCE
     for name, table in collection.tables.items():
         torch.testing.assert_close(table.full_weight(), twin.tables[name].full_weight(), msg=name, **exact)
 
@@ -205,5 +205,5 @@ def test_a_capturable_optimizer_resumes_from_its_state_dict(gpu_path, device):
         (resumed(ids) - target).pow(2).sum().backward()
         resumed_opt.step()
         resumed_opt.zero_grad()
-    exact = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1e-6, atol=1e-7)
+    exact = dict(rtol=0, atol=0) if device == "cpu" else DEVICE_SCALARS_TOLERANCE
     torch.testing.assert_close(resumed.full_weight(), uninterrupted.full_weight(), **exact)

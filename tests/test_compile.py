@@ -61,16 +61,21 @@ def _train(model: nn.Module, tables: nn.Module, steps: int, device: str) -> None
         sparse.zero_grad()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_compiled_model_has_no_graph_break_and_trains_like_eager(device):
-    _compiles_without_break_and_trains_like_eager(device)
+# The CPU's torch path; the GPU's (one gather for a collection, whose outputs are views of one tensor) in Triton's
+# interpreter; and where CUDA is present, the GPU's compiled (Triton for CUDA tensors by default).
+PATHS = [
+    *DEVICES[:1],
+    pytest.param("cpu-gpu-kernels", id="cpu-gpu-kernels", marks=pytest.mark.skipif(
+        not (INTERPRETING and backend.triton_available()), reason="needs triton's interpreter")),
+    *DEVICES[1:],
+]  # fmt: skip
 
 
-@pytest.mark.skipif(not (INTERPRETING and backend.triton_available()), reason="needs triton's interpreter")
-def test_a_compiled_model_trains_like_eager_with_the_gpu_kernels(monkeypatch):
-    """The GPU's lookup paths (one gather for a collection, whose outputs are views of one tensor) on CPU."""
-    monkeypatch.setenv(backend.ENV, "triton")
-    _compiles_without_break_and_trains_like_eager("cpu")
+@pytest.mark.parametrize("path", PATHS)
+def test_a_compiled_model_has_no_graph_break_and_trains_like_eager(monkeypatch, path):
+    if path == "cpu-gpu-kernels":
+        monkeypatch.setenv(backend.ENV, "triton")
+    _compiles_without_break_and_trains_like_eager("cuda" if path == "cuda" else "cpu")
 
 
 def _compiles_without_break_and_trains_like_eager(device: str) -> None:

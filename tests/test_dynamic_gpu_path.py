@@ -13,7 +13,7 @@ import torch
 from host_reads import HostReads
 from test_capturable import _captured
 from test_gpu_path import AtenOps
-from test_kernels import KERNEL_DEVICES
+from test_kernels import GPU_PATH_TOLERANCE, KERNEL_DEVICES
 
 import lightning_sparse as ls
 from lightning_sparse.kernels import backend
@@ -29,11 +29,12 @@ CASES = {
     "admit on the 2nd request": (dict(capacity=400, admit_after=2, sketch_width=64), 48),
 }
 # The most aten ops (plus Triton launches) of a one-process Adagrad step of a dynamic table with
-# room, on the GPU's path: 62 aten ops and 8 launches here. A SparseEmbedding step takes 12; the
-# ids' keys (11 ops before), the slot map's find, reserve and write and the new rows (hash, then
-# Box-Muller: about 33 ops before) are a kernel each; the rest is the sort of the keys and the
+# room, on the GPU's path: 60 aten ops and 12 launches here. A SparseEmbedding step takes 12; the
+# ids' keys (11 ops before), the slot map's find and write and the new rows (hash, then
+# Box-Muller: about 33 ops before) are a kernel each, its reserve three (two rounds of claims that
+# do not depend on their order, then their settling); the rest is the sort of the keys and the
 # slot decisions (about 30 small ops).
-MAX_DYNAMIC_STEP_OPS = 70
+MAX_DYNAMIC_STEP_OPS = 72
 
 
 def _batches(steps: int, size: int, device: str = "cpu") -> list[torch.Tensor]:
@@ -75,7 +76,7 @@ def test_the_gpu_path_makes_the_same_slot_decisions_as_the_exact_one(device, cas
     ids, rows = exact.export()
     padded_ids, padded_rows = padded.export()
     assert torch.equal(ids, padded_ids)
-    torch.testing.assert_close(padded_rows, rows)  # the torch update against the fused kernel
+    torch.testing.assert_close(padded_rows, rows, **GPU_PATH_TOLERANCE)  # the torch update against the fused kernel
     if "evicting" in case:
         assert stats.evictions > 0
     if "2nd" in case:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from host_reads import HostReads
-from test_kernels import KERNEL_DEVICES
+from test_kernels import GPU_PATH_TOLERANCE, KERNEL_DEVICES
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_sparse as ls
@@ -203,71 +203,73 @@ def test_a_one_table_step_counts_its_distinct_ids(monkeypatch, kernels):
 
 
 # ---------------------------------------------------------------- a collection on one GPU: all tables at once
-INTERPRETED = pytest.mark.skipif(not (backend.interpreting() and backend.triton_available()), reason="needs triton's interpreter")
-
-
-def _collection(num_tables: int = 3, pooled: bool = True) -> ls.SparseEmbeddingCollection:
-    tables = {f"t{i}": ls.SparseEmbedding(40 + 7 * i, 8, seed=i) for i in range(num_tables)}
+def _collection(num_tables: int = 3, pooled: bool = True, device: str = "cpu") -> ls.SparseEmbeddingCollection:
+    tables = {f"t{i}": ls.SparseEmbedding(40 + 7 * i, 8, seed=i, device=device) for i in range(num_tables)}
     features = {"ids": "t0", "bags": "t1", "means": "t2", "more": "t0"} if pooled else {name: name for name in tables}
     pooling = {"bags": "sum", "means": "mean"} if pooled else "none"
     return ls.SparseEmbeddingCollection(tables, features=features, pooling=pooling)
 
 
-def _features(step: int, pooled: bool = True, num_tables: int = 3) -> dict:
+def _features(step: int, pooled: bool = True, num_tables: int = 3, device: str = "cpu") -> dict:
     gen = torch.Generator().manual_seed(step)
     if not pooled:
-        return {f"t{i}": torch.randint(0, 40, (5,), generator=gen) for i in range(num_tables)}
-    return {"ids": torch.randint(0, 40, (6,), generator=gen),
-            "bags": ls.JaggedIds(torch.randint(0, 47, (9,), generator=gen), lengths=torch.tensor([2, 0, 4, 3]),
-                                 weights=torch.rand(9, generator=gen)),
-            "means": torch.randint(0, 54, (4, 3), generator=gen), "more": torch.randint(0, 40, (2, 3), generator=gen)}  # fmt: skip
+        return {f"t{i}": torch.randint(0, 40, (5,), generator=gen).to(device) for i in range(num_tables)}
+    return {"ids": torch.randint(0, 40, (6,), generator=gen).to(device),
+            "bags": ls.JaggedIds(torch.randint(0, 47, (9,), generator=gen).to(device), lengths=torch.tensor([2, 0, 4, 3]).to(device),
+                                 weights=torch.rand(9, generator=gen).to(device)),
+            "means": torch.randint(0, 54, (4, 3), generator=gen).to(device),
+            "more": torch.randint(0, 40, (2, 3), generator=gen).to(device)}  # fmt: skip
 
 
 def _loss(out: dict) -> torch.Tensor:
     return sum((value * (index + 1)).pow(2).sum() for index, value in enumerate(out.values()))
 
 
-def _train_collection(monkeypatch, kernels: str, optimizer: str, kwargs: dict, also_direct: bool = False) -> dict:
+def _train_collection(monkeypatch, kernels: str, optimizer: str, kwargs: dict, also_direct: bool = False,
+                      device: str = "cpu") -> dict:  # fmt: skip
     monkeypatch.setenv(backend.ENV, kernels)
-    collection = _collection()
+    collection = _collection(device=device)
     opt = getattr(ls, optimizer)([collection], **kwargs)
     for step in range(3):
-        loss = _loss(collection(_features(step)))
+        loss = _loss(collection(_features(step, device=device)))
         if also_direct:  # a table of the collection also looked up on its own: the round is split per table
-            loss = loss + collection.tables["t1"](torch.tensor([3, 3, 9])).sum()
+            loss = loss + collection.tables["t1"](torch.tensor([3, 3, 9], device=device)).sum()
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return {name: table.full_weight() for name, table in collection.tables.items()}
+    return {name: table.full_weight().cpu() for name, table in collection.tables.items()}
 
 
-@INTERPRETED
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("optimizer, kwargs", [("SparseSGD", dict(lr=0.1)), ("SparseAdagrad", dict(lr=0.1, lr_decay=0.1)),
                                                ("SparseRowWiseAdagrad", dict(lr=0.1)),
                                                ("SparseAdam", dict(lr=0.01, bias_correction="global", weight_decay=0.1,
                                                                    decoupled_weight_decay=True))])  # fmt: skip
 @pytest.mark.parametrize("also_direct", [False, True])
-def test_a_collection_on_one_gpu_trains_as_on_a_cpu(monkeypatch, optimizer, kwargs, also_direct):
+def test_a_collection_on_one_gpu_trains_as_on_a_cpu(monkeypatch, device, optimizer, kwargs, also_direct):
     """Ids, weighted sum bags and mean bags of 3 tables in one kernel, one sort and one update launch for all tables."""
-    expected = _train_collection(monkeypatch, "torch", optimizer, kwargs, also_direct)
-    got = _train_collection(monkeypatch, "triton", optimizer, kwargs, also_direct)
+    expected = _train_collection(monkeypatch, "torch", optimizer, kwargs, also_direct)  # the CPU's torch path
+    got = _train_collection(monkeypatch, "triton", optimizer, kwargs, also_direct, device)
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[name], expected[name], msg=name, **GPU_PATH_TOLERANCE)
 
 
-@INTERPRETED
-def test_a_collection_step_takes_the_same_ops_for_26_tables_as_for_2(gpu_path):
-    """forward: the gather (+ the features' entries' copy to the device); backward: one concatenation; step: the tables'
-    entries' copy, one sort, one gather of the bags, two update launches. Copies from host memory are not seen on a CPU."""
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_a_collection_step_takes_the_same_ops_for_26_tables_as_for_2(gpu_path, device):
+    """forward: the gather; backward: one concatenation; step: one sort, one gather of the bags, two update launches,
+    and the verdict's copy. A GPU also shows the copy of the step's host-built table entries, which a CPU does not (the
+    features' entries are kept on the device while the input tensors stay the same)."""
     counts = {}
     for num_tables in (2, 26):
-        collection = _collection(num_tables, pooled=False)
+        collection = _collection(num_tables, pooled=False, device=device)
         opt = ls.SparseAdagrad([collection], lr=0.1)
-        features = _features(0, pooled=False, num_tables=num_tables)
+        features = _features(0, pooled=False, num_tables=num_tables, device=device)
         _loss(collection(features)).backward()
         opt.step()
         host = [opt.state[t.shard]["step"] for t in collection.table_list]
-        grads = [torch.ones(5, 8) for _ in range(num_tables)]  # the loss's own ops are the user's: given gradients have none
+        grads = [
+            torch.ones(5, 8, device=device) for _ in range(num_tables)
+        ]  # the loss's ops are the user's: given gradients have none
         launches = backend.launches.count
         with HostReads(ignore=host) as reads, AtenOps(host=host) as aten:
             out = collection(features)
@@ -276,30 +278,35 @@ def test_a_collection_step_takes_the_same_ops_for_26_tables_as_for_2(gpu_path):
             opt.zero_grad()
         counts[num_tables] = (len(aten.ops) + backend.launches.count - launches, aten.ops)
         assert reads.calls == []
-    assert counts[26][0] == counts[2][0] <= 7, counts  # a verdict copy, a cat, a sort, an index_select, 3 Triton launches
+    assert counts[26][0] == counts[2][0], counts
+    if device == "cpu":  # (a GPU adds the entries' copy, whose aten ops this harness has not seen on one yet)
+        assert counts[2][0] <= 7, counts  # a verdict copy, a cat, a sort, an index_select, 3 Triton launches
 
 
-@INTERPRETED
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("bad", ["id", "offsets"])
 @pytest.mark.parametrize("also_direct", [False, True])
-def test_bad_input_of_a_collection_on_one_gpu_raises_at_the_step_naming_the_feature(gpu_path, bad, also_direct):
+def test_bad_input_of_a_collection_on_one_gpu_raises_at_the_step_naming_the_feature(gpu_path, device, bad, also_direct):
     """Also when the round is split per table (a table also looked up on its own): its keys are trusted only after the check."""
-    collection = _collection()
+    collection = _collection(device=device)
     opt = ls.SparseAdagrad([collection], lr=0.1)
     before = {name: t.full_weight().clone() for name, t in collection.tables.items()}
-    features = _features(0)
+    features = _features(0, device=device)
     if bad == "id":
         features["means"][1, 2] = 54  # table t2 has 54 rows
         message = r"Feature 'means' \(table 't2'\) of SparseEmbeddingCollection got id 54 on this rank"
     else:
-        features["bags"] = ls.JaggedIds(features["bags"].values, offsets=torch.tensor([0, 2, 2, 6, 8]))  # ends before 9
+        offsets = torch.tensor([0, 2, 2, 6, 8], device=device)  # ends before 9
+        features["bags"] = ls.JaggedIds(features["bags"].values, offsets=offsets)
         message = r"Feature 'bags' \(table 't1'\) of SparseEmbeddingCollection got bag offsets that do not fit"
     loss = _loss(collection(features))
     if also_direct:
-        loss = loss + collection.tables["t1"](torch.tensor([3])).sum()
+        loss = loss + collection.tables["t1"](torch.tensor([3], device=device)).sum()
     loss.backward()
+    if device == "cuda":
+        torch.cuda.synchronize()  # the verdict's copy is on the host by the step (it raises at a later one otherwise)
     with pytest.raises((IndexError, ValueError), match=message):
         opt.step()
     assert all(torch.equal(t.full_weight(), before[name]) for name, t in collection.tables.items())
-    _loss(collection(_features(1))).backward()  # reported once: training goes on
+    _loss(collection(_features(1, device=device))).backward()  # reported once: training goes on
     opt.step()

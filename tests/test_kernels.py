@@ -9,6 +9,8 @@ hold runs longer than the hot threshold, so both reduction kernels run.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,18 @@ KERNEL_DEVICES = [
         ),
     ),  # fmt: skip
 ]
+
+# Tolerances across devices, each named once (issue 42). The GPU path against the torch path (a GPU's run against a
+# CPU's, a kernel against its torch reference): a kernel rounds as torch does op for op (div_rn, sqrt_rn, no fused
+# multiply-add), but a GPU sums in another order and its math library is not the CPU's: on an H100, distinct ids
+# differed by up to 1 float32 ulp a step (row-wise Adagrad in 28 of 200 rows, Adam in 61 of 200), which a few steps
+# compound. Triton's interpreter agrees more closely; the one bound serves both.
+GPU_PATH_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+# A capturable step's scalars computed on the device against the same step's from the host (a GPU's float64 pow may
+# differ from the CPU's by an ulp); on a CPU the two are the same ops: exact.
+DEVICE_SCALARS_TOLERANCE = dict(rtol=1e-6, atol=1e-7)
+# Adam's bias correction 1 - beta**t in a kernel against torch's float32 pow on the CPU: one ulp of the power (near 1).
+ONE_ULP_OF_ONE = dict(rtol=0, atol=1.2e-7)
 
 
 @pytest.fixture
@@ -65,7 +79,7 @@ def test_segment_sum_matches_a_sequential_sum(triton_kernels, device, weighted):
     out = segment_sum(runs, values.to(device), 62, shift=1, weights=sorted_weights.to(device) if weighted else None)
     expected = torch.zeros(62, 5).index_add_(0, keys + 1, values * (weights.unsqueeze(1) if weighted else 1))
     assert int((torch.bincount(keys) > 32).sum()) >= 1, "the case must hold a run longer than the hot threshold"
-    torch.testing.assert_close(out.cpu(), expected)
+    torch.testing.assert_close(out.cpu(), expected, **GPU_PATH_TOLERANCE)
 
 
 def _case(name: str, dim: int):
@@ -123,7 +137,7 @@ def test_fused_update_matches_the_sum_then_the_functional_update(triton_kernels,
         sums = sums / 3
     expected = table.clone()
     reference(expected, rows, sums)
-    torch.testing.assert_close(fused.cpu(), expected)
+    torch.testing.assert_close(fused.cpu(), expected, **GPU_PATH_TOLERANCE)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -151,7 +165,7 @@ def test_one_launch_updates_many_tables_as_each_table_alone(triton_kernels, devi
         distinct, sums, _ = _distinct(rows[mine], values[mine] * weights[mine].unsqueeze(1))
         expected = table.clone()
         reference(expected, distinct, sums, lr=lr)
-        torch.testing.assert_close(fused[t].cpu(), expected, msg=f"table {t}")
+        torch.testing.assert_close(fused[t].cpu(), expected, msg=f"table {t}", **GPU_PATH_TOLERANCE)
         assert int(counters[t]) == len(distinct)
 
 
@@ -255,7 +269,7 @@ def test_adam_bias_correction_is_the_cpu_paths_near_one(device):
         out = torch.empty(len(steps), dtype=torch.float32, device=device)
         _bias_probe[(1,)](steps.to(device), out, kernel_runs._log2_float32(beta), len(steps), BLOCK=16)
         expected = 1 - torch.pow(torch.tensor(beta, dtype=torch.float32), steps.float())  # the CPU path's (optim/functional.py)
-        torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=1.2e-7, msg=f"beta={beta}")
+        torch.testing.assert_close(out.cpu(), expected, msg=f"beta={beta}", **ONE_ULP_OF_ONE)
 
 
 def test_the_update_reads_everything_before_one_barrier_and_writes_after_it():
@@ -292,33 +306,50 @@ def test_the_new_row_kernels_float_literals_are_exact_in_float32():
 
 
 # ---------------------------------------------------------------- compiled for an H100, without one
-@pytest.fixture(scope="module")
-def h100_builds():
-    """Every kernel the package launches, compiled for sm_90 by the installed Triton (tests/scripts/compile_for_h100.py).
+# The kernels compile for sm_90 with two Tritons: the suite's, and the GPU machine's (3.6, what torch 2.11 ships), which
+# `make setup` installs apart from the venv's packages (pip --target), for this check alone.
+GPU_MACHINE_TRITON = Path(sys.prefix) / "triton-3.6"
+
+
+@pytest.fixture(scope="module", params=["installed", "3.6"])
+def h100_builds(request):
+    """(Triton version, every kernel the package launches compiled for sm_90: tests/scripts/compile_for_h100.py).
 
     In a process of its own: Triton compiles nothing where it was imported to interpret.
     """
     import json
     import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).parent / "scripts" / "compile_for_h100.py"
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    if request.param == "3.6":
+        import triton
+
+        if triton.__version__.startswith("3.6."):
+            pytest.skip("the installed Triton is 3.6 (the GPU machine's)")
+        if not (GPU_MACHINE_TRITON / "triton").is_dir():
+            pytest.skip(f"no Triton 3.6 at {GPU_MACHINE_TRITON}. HINT: `make setup` installs it")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(GPU_MACHINE_TRITON), env.get("PYTHONPATH")]))
+    script = Path(__file__).parent / "scripts" / "compile_for_h100.py"
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout)
+    version, builds = run.stdout.split("\n", 1)
+    assert request.param == "installed" or version.startswith("3.6."), version
+    return version, json.loads(builds)
 
 
 @pytest.mark.subprocesses
 @pytest.mark.skipif(not backend.triton_available(), reason="needs triton")
 def test_every_kernel_compiles_for_an_h100_without_spills(h100_builds):
     """No GPU needed: the kernels compile for sm_90, with no spills and registers that leave room for occupancy."""
+    version, builds = h100_builds
     # 9 cases x (cold, hot) at dim 64, 6 cold at dim 128, the two gathers, new normal rows, two puts (rows, an int64
-    # per-row state), the slot map's three and the ids' keys (see the script)
-    assert len(h100_builds) == 33
-    # libdevice's float64 sin and cos keep a 40-byte local array for the reduction of huge arguments (the angles of
-    # new rows lie in (0, 2 pi): that path never runs); anything else on the stack is a spill.
-    allowed = {name: 40 if name.startswith("normal rows") else 0 for name in h100_builds}
-    too_big = {name: build for name, build in h100_builds.items() if build["stack"] > allowed[name] or build["registers"] > 128}
-    assert not too_big, too_big
+    # per-row state), the slot map's five (find, reserve's three rounds, write) and the ids' keys (see the script)
+    assert len(builds) == 35
+    # ptxas spills nothing, and a stack holds only the local memory the PTX itself declares: libdevice's, whose float64
+    # sin and cos reduce huge arguments in a 40-byte local array (Triton 3.6's libdevice also passes the quadrant through
+    # 4 bytes: 48 bytes of stack with alignment). The new rows' angles lie in (0, 2 pi): that path never runs.
+    libdevice = ["__internal_trig_reduction_slowpathd"]
+    too_big = {name: build for name, build in builds.items() if build["spill_stores"] or build["spill_loads"]
+               or build["registers"] > 128 or build["stack"] > -(-build["local"] // 8) * 8
+               or (build["local"] and build["calls"] != libdevice)}  # fmt: skip
+    assert not too_big, (version, too_big)

@@ -181,10 +181,7 @@ FRESH_CALLS = frozenset({"cls", "copy", "deepcopy", "replace"})
 DICT_WRITES = frozenset({"update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__"})
 # Known patches, being removed (issue 44, items 1-3): (module, function, what is patched). The test fails on a patch
 # not listed and on an entry that no longer matches, so the list only shrinks: remove an entry with its patch.
-KNOWN_PATCHES = {
-    # lookup/: a collection's kept gather entries in its __dict__ (KeptValues of lookup/joint.py replace it)
-    ("lightning_sparse/lookup/joint.py", "_gather_entries", "collection.__dict__['_gather_entries']"),
-}
+KNOWN_PATCHES: set[tuple[str, str, str]] = set()  # (all gone: an object changes its own attributes, or a compat shim does)
 
 
 def _scopes(node: ast.AST):

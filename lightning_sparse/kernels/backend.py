@@ -11,20 +11,35 @@ CUDA tensors, and plain torch ops, for CPU tensors (fast there: ``index_select``
   interpreter (``TRITON_INTERPRET=1``, set before triton is imported): how the suite runs the
   GPU's code path on a CPU, where it counts the path's ops and host reads.
 
-:data:`launches` counts Triton kernel launches, for the tests that count a step's kernels.
+:data:`launches` counts Triton kernel launches, for the tests that count a step's kernels, and makes
+the launch's device current: Triton launches on the current CUDA device and its current stream, so
+a table on ``cuda:1`` while ``cuda:0`` is current would run on the wrong device, out of order with
+its own stream. Every launch in the package goes through :meth:`Launches.launch`
+(``tests/test_gpu_risks.py`` holds the source to that).
+
+The first use of the Triton kernels checks the versions (:func:`check_versions`): a Triton older
+than :data:`MIN_TRITON` raises, and a GPU whose (torch, Triton) pair is not one the GPU path has run
+on (:data:`RAN_ON_A_GPU`) gets one warning. Nothing is checked at import, nor on a CPU-only path.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import cache
 
+import torch
 from torch import Tensor
 
 ENV = "LIGHTNING_SPARSE_KERNELS"
 CHOICES = ("auto", "torch", "triton")
+# The (torch, Triton) releases the GPU path has run on, on a GPU (README's status table; docs/guide/gpu.md, "Versions").
+# The suite also compiles the kernels for sm_90 with Triton 3.6 and 3.9 and runs them in 3.9's interpreter.
+RAN_ON_A_GPU = (("2.11", "3.6"),)
+MIN_TRITON = (3, 6)  # the oldest Triton the kernels compile with (tl.div_rn, atomics' semantics, the interpreter's ops)
 
 
 class Launches:
@@ -36,14 +51,20 @@ class Launches:
         self.running = False
 
     @contextmanager
-    def launch(self) -> Iterator[None]:
-        """Around one kernel launch."""
+    def launch(self, device: torch.device) -> Iterator[None]:
+        """Around one kernel launch on ``device`` (its tensors'), made the current device while it launches."""
         self.count += 1
         self.running = True
         try:
-            yield
+            with on_device(device):
+                yield
         finally:
             self.running = False
+
+
+def on_device(device: torch.device) -> AbstractContextManager:
+    """``device`` made the current CUDA device (Triton's launches and CUDA events use the current one); elsewhere nothing."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 launches = Launches()
@@ -83,8 +104,46 @@ def uses_triton(tensor: Tensor) -> bool:
             raise RuntimeError(f"{ENV}=triton but triton does not import. HINT: pip install triton.")
         if not tensor.is_cuda and not interpreting():
             raise RuntimeError(f"{ENV}=triton on CPU tensors needs Triton's interpreter. HINT: set TRITON_INTERPRET=1.")
+        _versions_checked(tensor.is_cuda)
         return True
-    return tensor.is_cuda and triton_available()
+    if tensor.is_cuda and triton_available():
+        _versions_checked(True)
+        return True
+    return False
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as ``2.11.0+cu128``."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+def check_versions(torch_version: str, triton_version: str, compiled: bool) -> None:
+    """Raise for a Triton older than :data:`MIN_TRITON`; with ``compiled`` (on a GPU), warn for a (torch, Triton) pair
+    the GPU path has not run on."""
+    if _release(triton_version) < MIN_TRITON:
+        raise RuntimeError(
+            f"lightning_sparse's GPU kernels need Triton {'.'.join(map(str, MIN_TRITON))} or later; this is triton "
+            f"{triton_version}. HINT: pip install 'triton>={'.'.join(map(str, MIN_TRITON))}' (torch 2.11's CUDA wheels bring "
+            f"3.6), or set {ENV}=torch for the plain torch path."
+        )
+    pair = tuple(".".join(map(str, _release(v))) for v in (torch_version, triton_version))
+    if compiled and pair not in RAN_ON_A_GPU:
+        ran = ", ".join(f"torch {a} with Triton {b}" for a, b in RAN_ON_A_GPU)
+        warnings.warn(
+            f"lightning_sparse's GPU path has run on {ran} only; this is torch {torch_version} with Triton "
+            f"{triton_version}. HINT: benchmarks/gpu_checks.sh runs its checks on this machine; {ENV}=torch takes the "
+            f"plain torch path.",
+            stacklevel=3,
+        )
+
+
+@cache
+def _versions_checked(compiled: bool) -> None:
+    """:func:`check_versions` of the installed torch and Triton, once per process (and kind of run: GPU or interpreter)."""
+    import triton
+
+    check_versions(torch.__version__, triton.__version__, compiled)
 
 
 def gpu_path(tensor: Tensor) -> bool:

@@ -2,7 +2,8 @@
 
 :func:`gather_bags` takes the features as a small host-built table of entries (where each
 feature's ids, offsets and weights are, which table it reads, how it pools: :class:`Feature`),
-copied to the device without a wait, and the tables as a :class:`~lightning_sparse.kernels.runs.TableSet`'s
+kept on the device while they stay the same (:class:`~lightning_sparse.kernels.host.KeptValues`: a
+captured step reads no host memory), and the tables as a :class:`~lightning_sparse.kernels.runs.TableSet`'s
 entries. It writes one ``[bags, dim]`` output (an unpooled feature's ids are bags of one), and,
 for the gradient, each id's key (``table << shift | row``), bag and weight (``1 / bag length`` for
 ``"mean"``), which the fused update reads (:func:`~lightning_sparse.kernels.runs.update_rows`). It
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.kernels.backend import launches
-from lightning_sparse.kernels.host import host_tensor
+from lightning_sparse.kernels.host import KeptValues
 
 _TILE = 256  # values per program (4 bags of 64): more bags per program hold more feature entries in registers
 NUM_WARPS = 2
@@ -56,9 +57,13 @@ def verdict_size(num_features: int) -> int:
 
 
 def gather_bags(
-    features: list[Feature], entries: Tensor, table: Tensor, out_dtype: torch.dtype, shift: int, verdict: Tensor, store: bool
-) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """(``[bags, dim]`` output, then with ``store``: each id's key, bag (int32) and weight or ``None``). Triton, no host read."""
+    features: list[Feature], entries: Tensor, table: Tensor, out_dtype: torch.dtype, shift: int, verdict: Tensor, store: bool,
+    kept: KeptValues,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
+    """(``[bags, dim]`` output, then with ``store``: each id's key, bag (int32) and weight or ``None``). Triton, no host read.
+
+    ``kept``: the caller's table of features on the device, remade only when the features' tensors change.
+    """
     from lightning_sparse.kernels import triton_bags as k
 
     rows, first_id, first_bag = [], 0, 0
@@ -77,8 +82,8 @@ def gather_bags(
     scales = torch.empty(first_id, dtype=torch.float32, device=device) if scaled else None
     if first_bag:
         block_b, block_d = tile(dim)
-        meta = host_tensor(rows, torch.int64, device)
-        with launches.launch():
+        meta = kept.get(rows, device)
+        with launches.launch(device):
             k.gather_bags[(-(-first_bag // block_b),)](
                 meta, len(features), first_bag, entries, table, table.stride(0), dim, out, out.stride(0),
                 keys if store else None, sources, scales, verdict, shift,

@@ -47,7 +47,7 @@ def gather(table: Tensor, ids: Tensor, out_dtype: torch.dtype, verdict: Tensor, 
     copy = torch.empty(n, dtype=key_dtype(table.shape[0]), device=table.device) if keys else None
     if n:
         block_n, block_d = tile(dim)
-        with launches.launch():
+        with launches.launch(table.device):
             k.gather_rows[(-(-n // block_n),)](
                 ids, n, table, table.stride(0), table.shape[0], dim, out, out.stride(0), copy, verdict,
                 STORE_KEYS=keys, CHECK=True, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False,
@@ -74,7 +74,7 @@ def put(dst: Tensor, rows: Tensor, src: Tensor, skip: int | None) -> None:
         flat_src = flat_src.contiguous()
     n, dim = len(rows), flat_dst.shape[1]
     block_n, block_d = tile(dim)
-    with launches.launch():
+    with launches.launch(dst.device):
         k.put_rows[(-(-n // block_n),)](rows, n, flat_src, flat_src.stride(0), flat_dst, flat_dst.stride(0), dim, skip,
                                         BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)  # fmt: skip
 
@@ -109,7 +109,7 @@ def normal(global_ids: Tensor, dim: int, seed: int, std: float, mean: float) -> 
     if n:
         block_h = max(16, 1 << (half - 1).bit_length())
         block_n = max(1, (_INTERPRETER_TILE if interpreting() else NORMAL_TILE) // block_h)
-        with launches.launch():
+        with launches.launch(global_ids.device):
             k.normal_rows[(-(-n // block_n),)](
                 global_ids, n, dim, half, out, out.stride(0), seed_salt(seed), ROW_MULTIPLIER, _bits(-2.0 * std * std),
                 _bits(2.0 * math.pi), _bits(mean), HAS_MEAN=bool(mean), BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4,

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_sparse.kernels.backend import launches, uses_triton
 from lightning_sparse.kernels.hashes import ROW_MULTIPLIER
-from lightning_sparse.kernels.host import host_tensor
+from lightning_sparse.kernels.host import KeptValues, host_tensor
 
 _INT32_LIMIT = 2**31 - 1
 FAMILIES = ("sum", "sgd", "adagrad", "rowwise_adagrad", "adam")
@@ -109,14 +109,20 @@ def table_entries(
     states: list[tuple[Tensor | None, Tensor | None, Tensor | None]],
     counters: list[Tensor | None],
     scalars: list[tuple[float, float, float]],
+    kept: KeptValues | None = None,
 ) -> Tensor:
-    """The ``[T, 8]`` entries of a :class:`TableSet` on the tables' device (one copy from pinned host memory, no wait)."""
+    """The ``[T, 8]`` entries of a :class:`TableSet` on the tables' device (one copy from pinned host memory, no wait).
+
+    ``kept``: made once and kept while the tables, their state and scalars stay the same (what a captured step reads).
+    """
     rows = []
     for table, state, counter, numbers in zip(tables, states, counters, scalars):
         addresses = [table.data_ptr(), *(t.data_ptr() if t is not None else 0 for t in state)]
         addresses.append(counter.data_ptr() if counter is not None else 0)
         rows.append(addresses + [struct.unpack("<q", struct.pack("<d", float(x)))[0] for x in numbers])
-    return host_tensor([value for row in rows for value in row], torch.int64, tables[0].device).view(len(rows), 8)
+    values, device = [value for row in rows for value in row], tables[0].device
+    entries = kept.get(values, device) if kept is not None else host_tensor(values, torch.int64, device)
+    return entries.view(len(rows), 8)
 
 
 def segment_sum(
@@ -246,12 +252,12 @@ def _launch(runs: Runs, values: Tensor, *, family: str, out: Tensor | None = Non
             table, table.stride(0) if table is not None else 0, state1, state2, state_row,
             many.entries if many else None, 1 if many else (table.shape[0] if table is not None else 0), verdict, unique)  # fmt: skip
     block_s, block_d = cold_tile(dim, family, many is not None)
-    with launches.launch():
+    with launches.launch(values.device):
         k.runs_cold[(-(-n // block_s),)](
             *args, **scalars, **flags, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False
         )
     block_n, _ = hot_tile(dim)
-    with launches.launch():
+    with launches.launch(values.device):
         k.runs_hot[(-(-n // k.HOT),)](
             *args, **scalars, **flags, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=HOT_WARPS, enable_fp_fusion=False
         )

@@ -99,13 +99,13 @@ def gather_bags(
             tl.store(keys + at, ((index << shift) | row).to(keys.dtype.element_ty), mask=going)
             tl.store(sources + at, bag.to(sources.dtype.element_ty), mask=going)
             if SCALED:
-                tl.store(scales + at, tl.where(mean, weight / tl.maximum(count, 1).to(tl.float32), weight), mask=going)
+                tl.store(scales + at, tl.where(mean, tl.div_rn(weight, tl.maximum(count, 1).to(tl.float32)), weight), mask=going)
         values = tl.load(
             base[:, None] + row[:, None] * stride_t + cols[None, :], mask=going[:, None] & col_ok[None, :], other=0.0
         )
         acc += values.to(tl.float32) * weight[:, None]
         step += 1
         going = going & (step < count)
-    acc = tl.where(mean[:, None], acc / tl.maximum(count, 1).to(tl.float32)[:, None], acc)
+    acc = tl.where(mean[:, None], tl.div_rn(acc, tl.maximum(count, 1).to(tl.float32)[:, None]), acc)  # rounded as torch divides
     tl.store(out + bag.to(tl.int64)[:, None] * stride_o + cols[None, :], acc.to(out.dtype.element_ty),
              mask=lane[:, None] & col_ok[None, :])  # fmt: skip

@@ -5,10 +5,12 @@ The layout and the plain torch versions are :class:`lightning_sparse.tables.slot
 ``keys`` ``[slots]`` int64, and a key's two groups from its low bits and from bits 32 and up.
 A program handles ``BLOCK`` keys and reads each group as a ``[BLOCK, WIDTH]`` tile.
 
-:func:`reserve` claims entries with atomic compare-and-swap, so keys of one batch that share a
-group get distinct entries in no fixed order (the torch version takes them in batch order).
-Which entry a key sits in is not observable: the slots, and every decision of the table, are
-the same either way.
+:func:`reserve` claims entries with atomic compare-and-swap in two rounds (a key's emptier group,
+then its other one), three launches, and makes the torch version's decisions: in each round the
+keys that share a group take its empty entries smallest key first, whatever the order of the
+batch or of the atomics (a GPU's is unspecified). A claim is a mark in the entry (the claimant's
+position in the batch); a better claim displaces a worse one, which moves on to the next entry
+(see ``_insert``), so each group's empty entries end with its best claims whichever came first.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from torch import Tensor
 from lightning_sparse.kernels.backend import launches
 
 BLOCK = 128  # keys per program
+# A claim on an entry is marked by the claimant's position in the batch (see _claim): int32 marks hold 2**30 positions.
+MAX_BATCH = 2**30
+NO_CLAIM = tl.constexpr(-(2**31))  # no entry holds it: a compare-and-swap expecting it writes nothing (an atomic takes no mask)
 
 
 @triton.jit
@@ -50,42 +55,107 @@ def find_slots(query, n, buckets, keys, mask, out, BLOCK: tl.constexpr, WIDTH: t
 
 @triton.jit
 def _held(group, inside, buckets, WIDTH: tl.constexpr):
+    """Entries of ``group`` that hold a slot (claims and reservations are not counted: a claim never changes the count)."""
     cols = tl.arange(0, WIDTH)
-    return tl.sum(
-        (tl.load(buckets + group[:, None] * WIDTH + cols[None, :], mask=inside[:, None], other=0) != 0).to(tl.int32), axis=1
-    )
+    return tl.sum((tl.load(buckets + group[:, None] * WIDTH + cols[None, :], mask=inside[:, None], other=0) > 0).to(tl.int32),
+                  axis=1)  # fmt: skip
 
 
 @triton.jit
-def _claim_in(group, waiting, entry, buckets, WIDTH: tl.constexpr):
-    for j in tl.static_range(WIDTH):  # the group's entries in turn: an empty one becomes reserved (-1) for one key
-        # A block with no key waiting stops: an atomic takes no mask, and the padding of a batch (one key, one group,
-        # whole blocks of it) would queue on the same entries. On an H100 that cost 672 us of a 1.6 ms dynamic step.
-        if tl.max(waiting.to(tl.int32), axis=0) > 0:
+def _choices(k, inside, buckets, mask, WIDTH: tl.constexpr):
+    """A key's groups in the order it tries them: the emptier first (the first on a tie)."""
+    first, second = _groups(k, mask)
+    second_first = _held(second, inside, buckets, WIDTH) < _held(first, inside, buckets, WIDTH)
+    return tl.where(second_first, second, first), tl.where(second_first, first, second)
+
+
+@triton.jit
+def _claim(position, ROUND: tl.constexpr):
+    """The mark of a claim on an entry by the key at ``position`` in round ``ROUND``: -2, -4, ... (1) or -3, -5, ... (2)."""
+    return (-2 * position - 1 - ROUND).to(tl.int32)
+
+
+@triton.jit
+def _insert(group, going, position, new, buckets, ROUND: tl.constexpr, WIDTH: tl.constexpr):
+    """Round ``ROUND``'s claims on the empty entries of ``group`` by the lanes ``going``, whatever their order.
+
+    A lane carries a claim through the group's entries: an empty entry takes it; an entry claimed
+    in this round by a key of lower priority (a larger key; of equal keys, the later position) takes
+    it and the lane carries that claim on instead; any other entry is passed. So each entry ends with
+    the best claim that reached it, the rest go on, and the empty entries of a group end holding its
+    best claims in order, however the claims met (``tests/test_dynamic_gpu_path.py`` permutes batches).
+    """
+    carry = position
+    for j in tl.static_range(WIDTH):
+        # A block with no claim going stops: an atomic takes no mask, and the padding of a batch (one key, one group, whole
+        # blocks of it) would queue on the same entries. On an H100 that cost 672 us of a 1.6 ms dynamic step.
+        if tl.max(going.to(tl.int32), axis=0) > 0:
             at = group * WIDTH + j
-            expected = tl.where(waiting, 0, -7).to(tl.int32)  # -7: no entry holds it, so a key not waiting writes nothing
-            old = tl.atomic_cas(buckets + at, expected, tl.full(expected.shape, -1, tl.int32))
-            won = waiting & (old == 0)
-            entry = tl.where(won, at, entry)
-            waiting = waiting & (old != 0)
-    return entry, waiting
+            here, expected = going, tl.zeros_like(carry)
+            while tl.max(here.to(tl.int32), axis=0) > 0:
+                old = tl.atomic_cas(buckets + at, tl.where(here, expected, NO_CLAIM), _claim(carry, ROUND))
+                swapped = here & (old == expected)
+                rival = here & (old <= -2) & ((-old - 1 - ROUND) % 2 == 0)  # a claim of this round
+                other = (-old - 1 - ROUND) // 2  # its position
+                key, rival_key = tl.load(new + carry, mask=here, other=0), tl.load(new + other, mask=rival, other=0)
+                better = (key < rival_key) | ((key == rival_key) & (carry < other))
+                going = going & ~(swapped & (expected == 0))  # parked in an empty entry
+                carry = tl.where(swapped & (expected != 0), (-expected - 1 - ROUND) // 2, carry)  # displaced: carry it on
+                retry = ~swapped & ((old == 0) | (rival & better))
+                expected = tl.where(retry, old, expected)
+                here = here & retry
 
 
 @triton.jit
-def reserve_entries(new, valid, n, buckets, mask, out, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
-    """``out[i]``: an empty entry now reserved for ``new[i]``, in the emptier of its groups first; -1 if both are full."""
+def _claimed(group, position, inside, buckets, ROUND: tl.constexpr, WIDTH: tl.constexpr):
+    """The entry of ``group`` that holds round ``ROUND``'s claim of the key at ``position``, -1 if none does."""
+    cols = tl.arange(0, WIDTH)
+    at = group[:, None] * WIDTH + cols[None, :]
+    held = tl.load(buckets + at, mask=inside[:, None], other=0)
+    return tl.max(tl.where(inside[:, None] & (held == _claim(position, ROUND)[:, None]), at, -1), axis=1).to(tl.int64)
+
+
+@triton.jit
+def _waiting(new, valid, n, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr):
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = p < n
-    k = tl.load(new + p, mask=inside, other=0)
     waiting = inside
     if HAS_VALID:
         waiting = waiting & (tl.load(valid + p, mask=inside, other=0) != 0)
-    first, second = _groups(k, mask)
-    second_first = _held(second, inside, buckets, WIDTH) < _held(first, inside, buckets, WIDTH)
-    entry = tl.full([BLOCK], -1, tl.int64)
-    entry, waiting = _claim_in(tl.where(second_first, second, first), waiting, entry, buckets, WIDTH)
-    entry, waiting = _claim_in(tl.where(second_first, first, second), waiting, entry, buckets, WIDTH)
-    tl.store(out + p, entry, mask=inside)
+    return p, inside, waiting, tl.load(new + p, mask=inside, other=0)
+
+
+@triton.jit
+def claim_first(new, valid, n, buckets, mask, out, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    """Round 1 of :func:`reserve`: each waiting key claims in the emptier of its groups; ``out`` is -1 throughout."""
+    p, inside, waiting, k = _waiting(new, valid, n, HAS_VALID, BLOCK)
+    tl.store(out + p, tl.full([BLOCK], -1, tl.int64), mask=inside)
+    first, _ = _choices(k, inside, buckets, mask, WIDTH)
+    _insert(first, waiting, p, new, buckets, 1, WIDTH)
+
+
+@triton.jit
+def claim_second(new, valid, n, buckets, mask, out, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    """Round 2: a key whose round-1 claim held takes its entry (reserved); the others claim in their other group."""
+    p, inside, waiting, k = _waiting(new, valid, n, HAS_VALID, BLOCK)
+    first, second = _choices(k, inside, buckets, mask, WIDTH)  # the same as round 1's: claims are not counted
+    entry = _claimed(first, p, waiting, buckets, 1, WIDTH)
+    won = waiting & (entry >= 0)
+    tl.store(out + p, entry, mask=won)
+    tl.store(buckets + entry, tl.full([BLOCK], -1, tl.int32), mask=won)
+    _insert(second, waiting & ~won, p, new, buckets, 2, WIDTH)
+
+
+@triton.jit
+def claim_settle(new, valid, n, buckets, mask, out, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    """After round 2: a key whose round-2 claim held takes its entry (reserved)."""
+    p, inside, waiting, k = _waiting(new, valid, n, HAS_VALID, BLOCK)
+    _, second = _choices(k, inside, buckets, mask, WIDTH)
+    pending = waiting & (tl.load(out + p, mask=inside, other=0) < 0)
+    entry = _claimed(second, p, pending, buckets, 2, WIDTH)
+    won = pending & (entry >= 0)
+    tl.store(out + p, entry, mask=won)
+    tl.store(buckets + entry, tl.full([BLOCK], -1, tl.int32), mask=won)
 
 
 @triton.jit
@@ -117,7 +187,7 @@ def mix(ids: Tensor, shifts: tuple[int, int, int], multipliers: tuple[int, int])
     """:func:`lightning_sparse.wire.hashing.mix` of ``ids`` (int64 keys) in one launch."""
     out = torch.empty(ids.shape, dtype=torch.int64, device=ids.device)
     if ids.numel():
-        with launches.launch():
+        with launches.launch(ids.device):
             mix_keys[_grid(ids.numel())](ids, ids.numel(), out, *multipliers, S1=shifts[0], S2=shifts[1], S3=shifts[2],
                                          BLOCK=BLOCK)  # fmt: skip
     return out
@@ -131,23 +201,30 @@ def find(query: Tensor, buckets: Tensor, keys: Tensor, mask: int) -> Tensor:
     """The slot of each of ``query`` (int64), 0 where the map does not hold it. One launch, no host read."""
     out = torch.empty_like(query)
     if len(query):
-        with launches.launch():
+        with launches.launch(query.device):
             find_slots[_grid(len(query))](query, len(query), buckets, keys, mask, out, BLOCK=BLOCK, WIDTH=buckets.shape[1])
     return out
 
 
 def reserve(new: Tensor, valid: Tensor | None, buckets: Tensor, mask: int) -> Tensor:
-    """A reserved entry for each ``valid`` key of ``new`` (distinct, none in the map), -1 where none. One launch."""
+    """A reserved entry for each ``valid`` key of ``new`` (distinct, none in the map), -1 where none. Three launches.
+
+    The same entries as the torch version (:meth:`lightning_sparse.tables.slot_map.SlotMap.reserve`),
+    whatever the order of the batch or of the claims.
+    """
     out = torch.empty_like(new)
     if len(new):
-        with launches.launch():
-            reserve_entries[_grid(len(new))](new, valid if valid is not None else new, len(new), buckets, mask, out,
-                                             HAS_VALID=valid is not None, BLOCK=BLOCK, WIDTH=buckets.shape[1])  # fmt: skip
+        if len(new) > MAX_BATCH:
+            raise ValueError(f"A batch of {len(new)} new keys for the slot map. HINT: reserve at most {MAX_BATCH} at once.")
+        for kernel in (claim_first, claim_second, claim_settle):
+            with launches.launch(new.device):
+                kernel[_grid(len(new))](new, valid if valid is not None else new, len(new), buckets, mask, out,
+                                        HAS_VALID=valid is not None, BLOCK=BLOCK, WIDTH=buckets.shape[1])  # fmt: skip
     return out
 
 
 def write(entries: Tensor, new: Tensor, slots: Tensor, buckets: Tensor, keys: Tensor, entry_of: Tensor) -> None:
     """Fill the ``entries`` that :func:`reserve` gave (see :func:`write_entries`). One launch."""
     if len(entries):
-        with launches.launch():
+        with launches.launch(entries.device):
             write_entries[_grid(len(entries))](entries, new, slots, len(entries), buckets, keys, entry_of, BLOCK=BLOCK)

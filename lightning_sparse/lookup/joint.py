@@ -27,6 +27,7 @@ from torch import Tensor
 
 from lightning_sparse.kernels import uses_triton
 from lightning_sparse.kernels.bags import Feature, gather_bags, verdict_size
+from lightning_sparse.kernels.host import KeptValues
 from lightning_sparse.kernels.rounding import HALF
 from lightning_sparse.kernels.runs import table_entries
 from lightning_sparse.lookup.engine import Round
@@ -165,8 +166,9 @@ def grads_zeros(rows: int, dim: int, grads: tuple[Tensor | None, ...]) -> Tensor
     return like.new_zeros(rows, dim)
 
 
-def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -> dict[str, Tensor] | None:
-    """The round on one GPU; ``None`` if it cannot take it (then the engine does)."""
+def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str, Any], kept: KeptDeviceTables
+                    ) -> dict[str, Tensor] | None:  # fmt: skip
+    """The round on one GPU; ``None`` if it cannot take it (then the engine does). ``kept``: the path's device tables."""
     read_in = read(collection, features)
     if read_in is None:
         return None
@@ -175,8 +177,9 @@ def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str
     raise_failed(collection, check.failed(1))
     verdict = check.verdict(first.device, verdict_size(len(collection.feature_names)))
     recording = torch.is_grad_enabled()
-    out, keys, sources, scales = gather_bags([f for _, f, _, _ in read_in], _gather_entries(collection), first.shard,
-                                             first.output_dtype or first.dtype, shift, verdict, store=recording)  # fmt: skip
+    out, keys, sources, scales = gather_bags([f for _, f, _, _ in read_in], _gather_entries(collection, kept.entries),
+                                             first.shard, first.output_dtype or first.dtype, shift, verdict,
+                                             store=recording, kept=kept.features)  # fmt: skip
     check.sent({f.report_as: code for _, f, _, code in read_in})
     for _, f, _, _ in read_in:
         tables[f.table].stats.ids_looked_up += len(f.ids)
@@ -191,15 +194,18 @@ def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str
     return {name: output for (name, _, _, _), output in zip(read_in, outputs)}
 
 
-def _gather_entries(collection: SparseEmbeddingCollection) -> Tensor:
+def _gather_entries(collection: SparseEmbeddingCollection, kept: KeptValues) -> Tensor:
     """The tables' addresses for the gather (``[T, 8]``, as a TableSet's), kept while the shards stay where they are."""
-    shards = [t.shard for t in collection.table_list]
-    key = tuple(s.data_ptr() for s in shards)
-    cached = collection.__dict__.get("_gather_entries")
-    if cached is None or cached[0] != key:
-        entries = table_entries(shards, [(None, None, None)] * len(shards), [None] * len(shards), [(0.0, 0.0, 1.0)] * len(shards))
-        collection.__dict__["_gather_entries"] = cached = (key, entries)
-    return cached[1]
+    shards, none = [t.shard for t in collection.table_list], [None] * len(collection.table_list)
+    return table_entries(shards, [(None, None, None)] * len(shards), none, [(0.0, 0.0, 1.0)] * len(shards), kept=kept)
+
+
+class KeptDeviceTables:
+    """A collection's device tensors of host values, kept across rounds: what a captured round reads (no host pointer)."""
+
+    def __init__(self) -> None:
+        self.features = KeptValues()  # the features' table (where each feature's ids, offsets and weights are)
+        self.entries = KeptValues()  # the tables' addresses
 
 
 def raise_failed(collection: SparseEmbeddingCollection, failed: list[int] | None) -> None:
@@ -221,11 +227,11 @@ class Joint:
     """
 
     def __init__(self, collection: SparseEmbeddingCollection) -> None:
-        self.collection, self.fallback = collection, Round(collection)
+        self.collection, self.fallback, self.kept = collection, Round(collection), KeptDeviceTables()
 
     def lookup(self, features: Any) -> dict[str, Tensor]:
         given = as_feature_dict(features)
-        out = gather_features(self.collection, given) if given is not None else None
+        out = gather_features(self.collection, given, self.kept) if given is not None else None
         return out if out is not None else self.fallback.lookup(features)
 
     def serve(self, route: Route) -> None:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_sparse.kernels.backend import on_device
+
 
 class RangeCheck:
     """A lookup unit's verdict on the ids of its GPU lookups.
@@ -59,16 +61,17 @@ class RangeCheck:
         return self._verdict
 
     def sent(self, dtype_code: int | dict[int, int] = -1) -> None:
-        """After a lookup's gather: start copying the verdict to the host, without waiting.
+        """After a lookup's gather: start copying the verdict to the host, without waiting (on the verdict's device).
 
         ``dtype_code``: the dtype of the ids looked up (a collection's: per feature), for the message of a bad id.
         """
         self.dtype_code = dtype_code
-        if self._capturing():
-            return
-        self._host.copy_(self._verdict, non_blocking=True)
-        if self._event is not None:
-            self._event.record()
+        with on_device(self._verdict.device):  # the event is recorded on the current device's stream: the copy's
+            if self._capturing():
+                return
+            self._host.copy_(self._verdict, non_blocking=True)
+            if self._event is not None:
+                self._event.record()
         self._unread = True
 
     def failed(self, num_rows: int, wait: bool = False) -> list[int] | None:
@@ -91,5 +94,8 @@ class RangeCheck:
         return values
 
     def _capturing(self) -> bool:
-        """Whether the current CUDA stream is capturing a graph (see the module)."""
-        return self._verdict is not None and self._verdict.is_cuda and torch.cuda.is_current_stream_capturing()
+        """Whether the verdict's device's current stream is capturing a graph (see the module)."""
+        if self._verdict is None or not self._verdict.is_cuda:
+            return False
+        with on_device(self._verdict.device):
+            return torch.cuda.is_current_stream_capturing()

@@ -32,6 +32,7 @@ from lightning_sparse.kernels import (
     update_rows,
     uses_triton,
 )
+from lightning_sparse.kernels.host import KeptValues
 from lightning_sparse.kernels.rounding import noise_salt
 
 if TYPE_CHECKING:
@@ -70,10 +71,11 @@ def rounding(table: SparseEmbedding, step: int) -> StochasticRounding | None:
 
 
 class KeptTableSets:
-    """Capturable steps' ``TableSet`` entries (a table's, or a collection's tables'), kept while their tensors stay put."""
+    """Capturable steps' ``TableSet`` entries (a table's, or a collection's tables'), kept on the device while their
+    tensors stay put (:class:`~lightning_sparse.kernels.host.KeptValues`: a captured step reads no host memory)."""
 
     def __init__(self) -> None:
-        self._kept: weakref.WeakKeyDictionary[object, tuple[tuple[int, ...], Tensor]] = weakref.WeakKeyDictionary()
+        self._kept: weakref.WeakKeyDictionary[object, KeptValues] = weakref.WeakKeyDictionary()
 
     def table_set(self, owner: object, tables: list[SparseEmbedding], rules: list[UpdateRule], shift: int,
                   like: tuple[Tensor | None, ...], lr: float | Tensor, step_size: float | Tensor) -> TableSet:  # fmt: skip
@@ -83,15 +85,9 @@ class KeptTableSets:
         for every table, or (a tensor) one per table.
         """
         counters = [t.stats.on_device("unique_ids", t.device) for t in tables]
-        tensors = [x for table, rule, counter in zip(tables, rules, counters) for x in (table.shard, *rule.state, counter)]
-        where = tuple(t.data_ptr() if t is not None else 0 for t in tensors)
-        if self._kept.get(owner, ((), None))[0] != where:  # new, or its state was loaded anew
-            states = [rule.state for rule in rules]
-            self._kept[owner] = (
-                where,
-                table_entries([t.shard for t in tables], states, counters, [(0.0, 0.0, 1.0)] * len(tables)),
-            )
-        entry = self._kept[owner][1]
+        kept = self._kept.setdefault(owner, KeptValues())  # made anew when its state is loaded anew
+        entry = table_entries([t.shard for t in tables], [rule.state for rule in rules], counters,
+                              [(0.0, 0.0, 1.0)] * len(tables), kept=kept)  # fmt: skip
         scalars = entry.view(torch.float64)
         for slot, value in ((5, lr), (6, step_size), (7, 1.0 - lr * rules[0].weight_decay)):
             scalars[:, slot].copy_(value) if isinstance(value, Tensor) else scalars[:, slot].fill_(value)

@@ -5,7 +5,8 @@ groups of ``B`` entries, each the slot stored there, or the null slot 0 where em
 holds a key) and ``keys`` (``[slots]``, the key each slot holds). A key may sit in either of two
 groups, picked by two bit ranges of the key (keys are already mixed,
 :func:`lightning_sparse.wire.hashing.mix`); a new key goes to the emptier one, or to the other if
-the keys before it in its batch filled the first. So a batch of keys is found with one gather of
+smaller keys of its batch filled the first: which keys get in depends on the batch's keys, never
+on their order (nor, on a GPU, on the order of the atomics). So a batch of keys is found with one gather of
 2 groups per key and one of their slots' keys, with no probe sequence to follow and nothing to
 read on the host: the ops and their shapes depend on the batch size only, on CPU and GPU alike.
 Removing a key empties its entry (no tombstones, no rebuilds).
@@ -17,9 +18,9 @@ whose two groups are both full anyway is not placed; its owner treats it as havi
 (:class:`~lightning_sparse.tables.admission.SlotTable`: a rejection; it is asked again on the next
 lookup).
 
-On a GPU (or with ``LIGHTNING_SPARSE_KERNELS=triton``) each of :meth:`find`, :meth:`reserve`
-and :meth:`write` is one Triton kernel (:mod:`lightning_sparse.kernels.triton_slots`); the torch
-versions here are the CPU's and the reference.
+On a GPU (or with ``LIGHTNING_SPARSE_KERNELS=triton``) :meth:`find` and :meth:`write` are one
+Triton kernel each and :meth:`reserve` three (:mod:`lightning_sparse.kernels.triton_slots`), with
+the same results; the torch versions here are the CPU's and the reference.
 
 Row ``G`` of ``buckets`` is a scratch group and the null slot a scratch slot: writes for the padding entries of a batch land there, so that batches sized by
 their bound (a GPU's) need no compaction.
@@ -106,34 +107,37 @@ class SlotMap:
     def reserve(self, keys: Tensor, valid: Tensor | None = None) -> Tensor:
         """Entries for distinct new ``keys`` (none in the map), marked reserved; ``-1`` where both groups are full.
 
-        Only ``valid`` keys (default: all) get one. A key tries the emptier of its groups first,
-        then the other; keys that share a group take its free entries in the order of the batch.
-        :meth:`write` fills the entries (or gives them back).
+        Only ``valid`` keys (default: all) get one. A key tries the emptier of its groups first (the
+        one holding fewer slots; the first on a tie), then the other; keys that share a group take its
+        free entries smallest key first (of equal keys, the earlier), so the entries given depend on
+        the batch's keys, not on their order. :meth:`write` fills the entries (or gives them back).
         """
-        if uses_triton(self.buckets):  # one kernel: keys that share a group take its entries in no fixed order
+        if uses_triton(self.buckets):  # three kernels, the same entries (kernels/triton_slots.py)
             from lightning_sparse.kernels import triton_slots
 
             return triton_slots.reserve(keys, valid, self.buckets, self.mask)
         n = len(keys)
         groups = self._groups(keys)
-        held = (self.buckets.index_select(0, groups.view(-1)).view(n, 2, WIDTH) != NULL_SLOT).sum(dim=2)
+        held = (self.buckets.index_select(0, groups.view(-1)).view(n, 2, WIDTH) > NULL_SLOT).sum(dim=2)  # slots, not claims
         emptier_second = (held[:, 1] < held[:, 0]).unsqueeze(1)
         choices = torch.where(emptier_second, groups.flip(1), groups).t()  # [2, n]: the emptier group, then the other
         entries, waiting = torch.full_like(keys, NO_ENTRY), valid
         for group in choices:
-            claimed = self._claim(group if waiting is None else torch.where(waiting, group, self.mask + 1))
+            claimed = self._claim(group if waiting is None else torch.where(waiting, group, self.mask + 1), keys)
             entries = torch.maximum(entries, claimed)  # (a key claims in one round at most)
             waiting = both(entries < 0, valid)
             if not gpu_path(waiting) and not bool(waiting.any()):  # a CPU reads for free whether a second round is needed
                 break
         return entries
 
-    def _claim(self, group: Tensor) -> Tensor:
-        """For keys bound to ``group`` (the scratch group: none), the next free entries of their groups in batch order.
+    def _claim(self, group: Tensor, keys: Tensor) -> Tensor:
+        """For ``keys`` bound to ``group`` (the scratch group: none), the next free entries of their groups, smallest key first.
 
         Marks them reserved; ``-1`` where the group has no free entry left.
         """
-        group, order = torch.sort(group, stable=True)
+        by_key = torch.sort(keys, stable=True).indices  # equal keys: the earlier first
+        group, within = torch.sort(group.index_select(0, by_key), stable=True)
+        order = by_key.index_select(0, within)
         rank = torch.arange(len(group), device=group.device) - torch.searchsorted(group, group)  # among its group's keys
         free = self.buckets.index_select(0, group) == NULL_SLOT
         column = (free.cumsum(dim=1) <= rank.unsqueeze(1)).sum(dim=1)  # of the group's (rank + 1)-th free entry

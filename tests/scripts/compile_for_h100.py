@@ -1,11 +1,18 @@
-"""Compile every kernel lightning_sparse launches for an H100 (sm_90) with the installed Triton; print JSON.
+"""Compile every kernel lightning_sparse launches for an H100 (sm_90) with the Triton it imports; print JSON.
 
-Each entry: ``{"registers": per thread, "stack": bytes (spills)}``, from the cubin (``cuobjdump -res-usage``,
-shipped with Triton). No GPU needed. Run with ``TRITON_INTERPRET`` unset (tests/test_kernels.py does).
+Each entry: ``registers`` per thread and ``stack`` bytes, from the cubin (``cuobjdump -res-usage``, shipped
+with Triton); ``spill_stores`` and ``spill_loads`` (bytes), where there is a stack, from the report of
+Triton's own ``ptxas`` run again on the kernel's PTX with Triton's options; ``local``: the bytes of local memory the PTX itself
+declares (libdevice's, before ``ptxas``), and ``calls``: the functions it calls. No GPU needed. Run with
+``TRITON_INTERPRET`` unset (tests/test_kernels.py does), with ``PYTHONPATH`` naming another Triton to
+compile with that one (``make setup`` installs the GPU machine's, 3.6). The first line of the output
+is the Triton version.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -13,8 +20,10 @@ import tempfile
 from pathlib import Path
 
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
 
 from lightning_sparse.kernels import bags as kernel_bags
 from lightning_sparse.kernels import rows as kernel_rows
@@ -50,15 +59,31 @@ def build(kernel, constexprs: dict, pointers: dict, num_warps: int = 4) -> dict:
             wide = name in ("salt", "row_multiplier", "m1", "m2") or name.endswith("_bits")  # float64 constants: int64 bits
             signature[name] = "fp32" if name in FLOATS else "i64" if wide else "i32"
     values = {**constexprs, **{name: None for name, kind in pointers.items() if kind is None}}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=values), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "enable_fp_fusion": False})  # fmt: skip
+    options, target = {"num_warps": num_warps, "enable_fp_fusion": False}, GPUTarget("cuda", 90, 32)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=values), target=target, options=options)
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
         usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     registers, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
-    return {"registers": int(registers), "stack": int(stack)}
+    ptx = compiled.asm["ptx"]
+    none = {"spill_stores": 0, "spill_loads": 0}  # no stack, no spill: ptxas's report is read only for a stack (1 s each)
+    return {"registers": int(registers), "stack": int(stack), **(spills(ptx, target, options) if int(stack) else none),
+            "local": sum(int(size) for size in re.findall(r"\.local .*__local_depot\d+\[(\d+)\]", ptx)),
+            "calls": sorted(set(re.findall(r"call(?:\.uni)?\s+(?:\([^)]*\),\s*)?(\w+)", ptx)))}  # fmt: skip
+
+
+def spills(ptx: str, target: GPUTarget, options: dict) -> dict:
+    """Spill stores and loads of the kernel (all its functions), from ptxas's report of Triton's own ptxas command."""
+    backend = make_backend(target)
+    knobs.nvidia.dump_ptxas_log = True
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        backend.make_cubin(ptx, {}, backend.parse_options(dict(options)), target.arch)
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
+    assert found, log.getvalue()[-2000:]
+    return {"spill_stores": sum(int(a) for a, _ in found), "spill_loads": sum(int(b) for _, b in found)}
 
 
 def main() -> dict:
@@ -100,8 +125,9 @@ def main() -> dict:
     width = {"WIDTH": slot_map.WIDTH, "BLOCK": triton_slots.BLOCK}
     builds["slot map find"] = build(triton_slots.find_slots, width, {"query": "*i64", "buckets": "*i32", "keys": "*i64",
                                                                      "out": "*i64"})  # fmt: skip
-    builds["slot map reserve"] = build(triton_slots.reserve_entries, {**width, "HAS_VALID": True}, {
-        "new": "*i64", "valid": "*i1", "buckets": "*i32", "out": "*i64"})  # fmt: skip
+    for round_ in ("first", "second", "settle"):
+        builds[f"slot map reserve, claim {round_}"] = build(getattr(triton_slots, f"claim_{round_}"), {**width, "HAS_VALID": True}, {
+            "new": "*i64", "valid": "*i1", "buckets": "*i32", "out": "*i64"})  # fmt: skip
     builds["slot map write"] = build(triton_slots.write_entries, {"BLOCK": triton_slots.BLOCK}, {
         "entries": "*i64", "new": "*i64", "slots": "*i64", "buckets": "*i32", "keys": "*i64", "entry_of": "*i64"})  # fmt: skip
     builds["ids' keys (mix)"] = build(triton_slots.mix_keys, {"S1": 30, "S2": 27, "S3": 31, "BLOCK": triton_slots.BLOCK},
@@ -110,4 +136,7 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    with contextlib.redirect_stdout(io.StringIO()):  # the compiler's own prints (a ptxas log), not the JSON
+        builds = main()
+    print(triton.__version__)
+    print(json.dumps(builds))

@@ -273,21 +273,24 @@ def _bad_collection_lookup(bad_rank, bad):
     return error, {k: tuple(v.shape) for k, v in out.items()}
 
 
+# case: (input on the bad rank, error type, the words naming the problem on that rank). Other ranks get the same error
+# with "on rank <bad>" for "on this rank", except where only the bad rank can name the problem (LOCAL_WORDS).
 BAD_FEATURES = {
-    "list": ({"user": [1, 2]}, "TypeError", "Feature 'user' (table 'user')"),
-    "ndarray": ({"user": __import__("numpy").array([1, 2])}, "TypeError", "type ndarray"),
-    "meta": ({"user": torch.empty(2, dtype=torch.int64, device="meta")}, "RuntimeError", "could not read the ids"),
-    "float": ({"user": torch.tensor([1.0])}, "TypeError", "dtype torch.float32"),
+    "list": ({"user": [1, 2]}, "TypeError", "Feature 'user' (table 'user') of SparseEmbeddingCollection got ids of type list"),
+    "ndarray": ({"user": __import__("numpy").array([1, 2])}, "TypeError", "got ids of type ndarray on this rank"),
+    "meta": ({"user": torch.empty(2, dtype=torch.int64, device="meta")}, "RuntimeError", "could not read the ids on this rank"),
+    "float": ({"user": torch.tensor([1.0])}, "TypeError", "got ids of dtype torch.float32 on this rank"),
     "out-of-range": ({"clicked": ls.JaggedIds(torch.tensor([0, 6]), lengths=torch.tensor([2]))}, "IndexError",
-                     "Feature 'clicked' (table 'item')"),
-    "negative": ({"user": torch.tensor([-3])}, "IndexError", "got id -3"),
+                     "Feature 'clicked' (table 'item') of SparseEmbeddingCollection got id 6 on this rank"),
+    "negative": ({"user": torch.tensor([-3])}, "IndexError", "got id -3 on this rank"),
     "offsets": ({"clicked": ls.JaggedIds(torch.tensor([0, 1]), offsets=torch.tensor([0, 3]))}, "ValueError",
-                "offsets that do not fit"),
-    "unknown": ({"nope": torch.tensor([1])}, "ValueError", "got input it cannot use"),
+                "got bag offsets that do not fit its values on this rank"),
+    "unknown": ({"nope": torch.tensor([1])}, "ValueError", "unknown feature 'nope'; the collection's features are"),
     "weights-shape": ({"clicked": ls.JaggedIds(torch.tensor([0, 1]), lengths=torch.tensor([2]), weights=torch.ones(3))},
-                      "ValueError", "got input it cannot use"),
-    "1d-bags": ({"clicked": torch.tensor([0, 1])}, "ValueError", "got input it cannot use"),
+                      "ValueError", "weights must be floating point and shaped like values (2,), got torch.float32 of shape (3,)"),
+    "1d-bags": ({"clicked": torch.tensor([0, 1])}, "ValueError", "pooling 'sum' needs bags: got ids of shape (2,)"),
 }  # fmt: skip
+LOCAL_WORDS = {"unknown", "weights-shape", "1d-bags"}
 
 
 def _not_a_dict(bad_rank):
@@ -310,9 +313,14 @@ def test_input_that_is_not_a_dict_raises_on_every_rank(rank_pools):
 def test_bad_input_raises_the_same_error_on_every_rank(rank_pools, world_size, case):
     bad, error, message = BAD_FEATURES[case]
     bad_rank = world_size - 1
-    for _rank, ((kind, text, seconds), shapes) in enumerate(rank_pools(world_size).run(_bad_collection_lookup, bad_rank, bad)):
+    for rank, ((kind, text, seconds), shapes) in enumerate(rank_pools(world_size).run(_bad_collection_lookup, bad_rank, bad)):
         assert kind == error, text
-        assert message in text and "HINT" in text or "cannot use" in text, text
+        words = message
+        if rank != bad_rank:
+            where = f"rank {bad_rank}"
+            words = f"got input it cannot use on {where}" if case in LOCAL_WORDS else message.replace("this rank", where)
+        assert words in text, text
+        assert "HINT: " in text, text
         assert seconds < 10
         assert shapes == {"user": (2, 2), "clicked": (2, 3)}
 

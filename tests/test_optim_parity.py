@@ -242,35 +242,43 @@ def test_full_optimizer_state_moves_between_world_sizes(rank_pools):
             torch.testing.assert_close(state["state"][0][key], value, rtol=1e-6, atol=1e-7)
 
 
-def _mixed_dtypes(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    rank = torch.distributed.get_rank()
-    # Id 31745 is 0x7C01: as a float16 it is a NaN bit pattern, which must still arrive intact.
-    ids = torch.tensor([[31745, 5, 40_000 - 1], [31745, 7, 12]])[rank].to(device)
-    wide = ls.SparseEmbedding(40_000, 2, dtype=torch.float64, seed=1, device=device)
+MIXED_IDS = torch.tensor([[31745, 5, 40_000 - 1], [31745, 7, 12]])  # per rank; 31745 is 0x7C01, a float16 NaN bit pattern
+# The float64 table's gradient: 1 + 2**-30 per occurrence, which a float32 wire would round to 1.
+FINE = 1 + 2**-30
+# (dtype, seed, dim, rtol, atol): each table held to the precision of its dtype (float16: one rounding to nearest).
+MIXED_TABLES = [(torch.float64, 1, 2, 0.0, 1e-14), (torch.float16, 2, 3, 2**-10, 0.0), (torch.float16, 3, 2, 2**-10, 0.0)]
+
+
+def _mixed_dtypes(device: str = "cpu") -> list[torch.Tensor]:
+    ids = MIXED_IDS[torch.distributed.get_rank()].to(device)
+    (wide_dtype, wide_seed, wide_dim, *_), (_, half_seed, half_dim, *_), (_, alone_seed, alone_dim, *_) = MIXED_TABLES
+    wide = ls.SparseEmbedding(40_000, wide_dim, dtype=wide_dtype, seed=wide_seed, device=device)
     # Rounded to nearest, as the reference below; the gradients of half tables travel in float32.
-    half = ls.SparseEmbedding(40_000, 3, dtype=torch.float16, stochastic_rounding=False, seed=2, sharding="range", device=device)
+    half = ls.SparseEmbedding(40_000, half_dim, dtype=torch.float16, stochastic_rounding=False, seed=half_seed,
+                              sharding="range", device=device)  # fmt: skip
     together = ls.SparseSGD([wide, half], lr=0.5)  # wire dtype float64
-    alone_table = ls.SparseEmbedding(40_000, 2, dtype=torch.float16, stochastic_rounding=False, seed=3, device=device)
+    alone_table = ls.SparseEmbedding(40_000, alone_dim, dtype=torch.float16, stochastic_rounding=False, seed=alone_seed,
+                                     device=device)  # fmt: skip
     alone = ls.SparseSGD([alone_table], lr=0.5)  # wire float32
-    (wide(ids).sum() + half(ids).float().sum() + alone.tables[0](ids).float().sum()).backward()
+    (wide(ids).sum() * FINE + half(ids).float().sum() + alone_table(ids).float().sum()).backward()
     together.step()
     alone.step()
-    return torch.stack([wide.full_weight()[ids[0]].float().sum(), half.full_weight()[ids[0]].float().sum(),
-                        alone.tables[0].full_weight()[ids[0]].float().sum()]).cpu()  # fmt: skip
+    return [table.full_weight().cpu() for table in (wide, half, alone_table)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tables_of_mixed_dtypes_share_one_round(rank_pools, device):
+    """Every row of each table (touched or not), each to its dtype's precision: float64 gradients keep float64's."""
     got = rank_pools(2, device).run(_mixed_dtypes, device)
-    expected = []
-    for dtype, seed, dim in [(torch.float64, 1, 2), (torch.float16, 2, 3), (torch.float16, 3, 2)]:
-        table = ls.init.normal()(torch.arange(40_000), dim, seed).to(dtype)
-        counts = torch.zeros(40_000, dtype=dtype)
-        counts.index_add_(0, torch.tensor([31745, 5, 39_999, 31745, 7, 12]), torch.ones(6, dtype=dtype))
-        table -= 0.5 * (counts / 2).unsqueeze(1)  # gradient 1 per occurrence, averaged over 2 ranks
-        expected.append(table[31745].float().sum())
-    for result in got:
-        torch.testing.assert_close(result, torch.stack(expected), rtol=1e-3, atol=1e-3)
+    counts = torch.zeros(40_000, dtype=torch.float64).index_add_(0, MIXED_IDS.flatten(), torch.ones(6, dtype=torch.float64))
+    for index, (dtype, seed, dim, rtol, atol) in enumerate(MIXED_TABLES):
+        table = ls.init.normal()(torch.arange(40_000), dim, seed).to(dtype).double()
+        grad = counts / 2 * (FINE if dtype == torch.float64 else 1.0)  # per occurrence, averaged over 2 ranks
+        expected = (table - 0.5 * grad.unsqueeze(1)).to(dtype)  # float64 arithmetic, one rounding to the table's dtype
+        assert not torch.equal(expected, table.to(dtype)), "the step must move rows"
+        for rank, result in enumerate(got):
+            assert result[index].dtype == dtype
+            torch.testing.assert_close(result[index], expected, rtol=rtol, atol=atol, msg=f"rank {rank}, {dtype}, seed {seed}")
 
 
 def _non_finite_on_one_rank(check: bool, group_size: int | None = None):

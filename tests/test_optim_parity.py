@@ -8,6 +8,7 @@ from rank_pool import DEVICES, LAYOUTS, assert_replicas_identical, table_groups
 from references import batch_loss, reference_train
 
 import lightning_sparse as ls
+from lightning_sparse.kernels import backend
 
 N, D, STEPS, GLOBAL_BATCH, BAG = 23, 4, 5, 12, 3
 SEED = 11
@@ -23,6 +24,24 @@ CASES = {
     "adamw-row": ("SparseAdam", dict(lr=0.05, weight_decay=0.2, decoupled_weight_decay=True)),
     "adam-row-l2": ("SparseAdam", dict(lr=0.05, weight_decay=0.2)),
 }
+# Every other setting the optimizers take, each away from its default (test_each_setting_moves_its_reference): the
+# arithmetic after the exchange, so on one rank and on three (two layouts instead of CASES' ten).
+SETTINGS = {
+    "adagrad-eps": ("SparseAdagrad", dict(lr=0.3, eps=0.3)),
+    "rowwise-adagrad-init-eps": ("SparseRowWiseAdagrad", dict(lr=0.3, initial_accumulator_value=0.5, eps=0.3)),
+    "adam-row-betas-eps": ("SparseAdam", dict(lr=0.05, betas=(0.5, 0.9), eps=0.1)),
+    "adam-global-betas-eps": ("SparseAdam", dict(lr=0.05, betas=(0.5, 0.9), eps=0.1, bias_correction="global")),
+    "adam-global-l2": ("SparseAdam", dict(lr=0.05, weight_decay=0.2, bias_correction="global")),
+    "adamw-global": ("SparseAdam", dict(lr=0.05, weight_decay=0.2, decoupled_weight_decay=True, bias_correction="global")),
+}
+# The GPU's code path, one process: compiled on a GPU, else through Triton's interpreter on CPU tensors (conftest.py).
+GPU_PATH_DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not (backend.interpreting() and backend.triton_available()),
+                                                 reason="needs triton's interpreter")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not (torch.cuda.is_available() and backend.triton_available()),
+                                                  reason="needs CUDA and triton")),
+]  # fmt: skip
+SETTING_LAYOUTS = [pytest.param(1, "mod", id="W1-mod"), pytest.param(3, "range", id="W3-range")]
 
 
 def make_batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -69,6 +88,44 @@ def test_parity_with_single_process_reference(rank_pools, world_size, group_size
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert_replicas_identical([(got,) for got in results], group_size)
     assert not torch.equal(expected, initial), "the run must actually train"
+
+
+@pytest.mark.parametrize("world_size, scheme", SETTING_LAYOUTS)
+@pytest.mark.parametrize("case", list(SETTINGS))
+def test_every_setting_matches_its_reference(rank_pools, world_size, scheme, case):
+    name, kwargs = SETTINGS[case]
+    batches = make_batches()
+    expected = reference_train(name, kwargs, ls.init.normal()(torch.arange(N), D, SEED), batches)
+    for got in rank_pools(world_size).run(train_sharded, name, kwargs, scheme, batches):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", GPU_PATH_DEVICES)
+@pytest.mark.parametrize("case", list(SETTINGS))
+def test_the_gpu_path_matches_every_setting_s_reference(monkeypatch, case, device):
+    """The fused update kernels (Triton; on CPU through its interpreter), one process, against the same references."""
+    monkeypatch.setenv(backend.ENV, "triton")
+    name, kwargs = SETTINGS[case]
+    emb = ls.SparseEmbedding(N, D, seed=SEED, device=device)
+    opt = getattr(ls, name)([emb], **kwargs)
+    for ids, target in make_batches():
+        batch_loss(emb(ids.to(device)), target.to(device)).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    expected = reference_train(name, kwargs, ls.init.normal()(torch.arange(N), D, SEED), make_batches())
+    torch.testing.assert_close(emb.full_weight().cpu(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [*CASES, *SETTINGS])
+def test_each_setting_moves_its_reference(case):
+    """Left at its default, each setting of a case changes the trained table by more than the parity tests' tolerance:
+    so an optimizer that ignored it would fail them."""
+    name, kwargs = {**CASES, **SETTINGS}[case]
+    initial, batches = ls.init.normal()(torch.arange(N), D, SEED), make_batches()
+    expected = reference_train(name, kwargs, initial, batches)
+    for key in set(kwargs) - {"lr"}:  # (the parity tests' "must train" guard holds lr)
+        default = reference_train(name, {k: v for k, v in kwargs.items() if k != key}, initial, batches)
+        assert not torch.allclose(default, expected, rtol=1e-5, atol=1e-6), f"{case}: {key} changes nothing"
 
 
 def test_local_table_without_process_group_matches_reference():

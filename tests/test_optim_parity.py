@@ -128,6 +128,56 @@ def test_each_setting_moves_its_reference(case):
         assert not torch.allclose(default, expected, rtol=1e-5, atol=1e-6), f"{case}: {key} changes nothing"
 
 
+# ---------------------------------------------------------------- param groups with their own learning rates
+GROUP_OPTIMIZERS = {  # lightning_sparse's, torch's (on nn.Embedding(sparse=True)), the hyperparameters both take, ours only
+    "adagrad": ("SparseAdagrad", torch.optim.Adagrad, dict(initial_accumulator_value=0.1), {}),
+    "adam-global": ("SparseAdam", torch.optim.SparseAdam, dict(betas=(0.8, 0.99)), dict(bias_correction="global")),
+}
+GROUP_LRS = (0.1, 1.0)
+
+
+def _group_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(8)
+    return [((torch.rand(9, generator=gen) ** 2 * 13).long(), (torch.rand(5, generator=gen) ** 2 * 7).long()) for _ in range(4)]
+
+
+def _group_loss(rows_a: torch.Tensor, rows_b: torch.Tensor) -> torch.Tensor:
+    return rows_a.pow(2).sum() + (rows_b.sum(0) * rows_a[:3].sum(0)).pow(2).sum()
+
+
+@pytest.mark.parametrize("collection", [False, True], ids=["tables", "collection"])
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=GPU_PATH_DEVICES[0].marks)])
+@pytest.mark.parametrize("case", list(GROUP_OPTIMIZERS))
+def test_param_groups_keep_their_own_learning_rates(monkeypatch, case, kernels, collection):
+    """Two tables in two param groups (lr 0.1 and 1.0), on the plain path and the fused one (Triton), as two tables or as
+    the tables of one collection (whose rounds then split per group), against torch's optimizer with the same groups."""
+    monkeypatch.setenv(backend.ENV, kernels)
+    name, torch_cls, kwargs, ours = GROUP_OPTIMIZERS[case]
+    a, b = ls.SparseEmbedding(13, 3, seed=1), ls.SparseEmbedding(7, 3, seed=2, sharding="range")
+    if collection:
+        both = ls.SparseEmbeddingCollection({"a": a, "b": b})
+        lookup = lambda ids_a, ids_b: tuple(both({"a": ids_a, "b": ids_b}).values())  # noqa: E731
+    else:
+        lookup = lambda ids_a, ids_b: (a(ids_a), b(ids_b))  # noqa: E731
+    opt = getattr(ls, name)([{"params": [a], "lr": GROUP_LRS[0]}, {"params": [b], "lr": GROUP_LRS[1]}], **kwargs, **ours)
+    plain_a, plain_b = torch.nn.Embedding(13, 3, sparse=True), torch.nn.Embedding(7, 3, sparse=True)
+    with torch.no_grad():
+        plain_a.weight.copy_(ls.init.normal()(torch.arange(13), 3, 1))
+        plain_b.weight.copy_(ls.init.normal()(torch.arange(7), 3, 2))
+    reference = torch_cls([{"params": [plain_a.weight], "lr": GROUP_LRS[0]}, {"params": [plain_b.weight], "lr": GROUP_LRS[1]}],
+                          **kwargs)  # fmt: skip
+    for ids_a, ids_b in _group_batches():
+        _group_loss(*lookup(ids_a, ids_b)).backward()
+        opt.step()
+        opt.zero_grad()
+        _group_loss(plain_a(ids_a), plain_b(ids_b)).backward()
+        reference.step()
+        reference.zero_grad()
+    assert [group["lr"] for group in opt.param_groups] == list(GROUP_LRS)
+    torch.testing.assert_close(a.full_weight(), plain_a.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.full_weight(), plain_b.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_local_table_without_process_group_matches_reference():
     """No process group at all: a plain local table, for notebooks and unit tests."""
     name, kwargs = CASES["adagrad"]

@@ -325,24 +325,6 @@ def test_bad_input_raises_the_same_error_on_every_rank(rank_pools, world_size, c
         assert shapes == {"user": (2, 2), "clicked": (2, 3)}
 
 
-def test_jagged_ids_need_offsets_or_lengths():
-    with pytest.raises(ValueError, match="exactly one of offsets and lengths"):
-        ls.JaggedIds(torch.tensor([1]))
-
-
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(features={"a": "missing"}), "not in the collection"),
-        (dict(pooling="max"), "Invalid pooling 'max'"),
-        (dict(pooling={"nope": "sum"}), "unknown features"),
-    ],
-)
-def test_invalid_construction(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        ls.SparseEmbeddingCollection({"user": ls.SparseEmbedding(3, 2)}, **kwargs)
-
-
 def test_keyed_jagged_tensor_input():
     torchrec = pytest.importorskip("torchrec")
     collection = _small_collection()

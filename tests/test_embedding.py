@@ -228,20 +228,6 @@ def test_unsigned_and_narrow_ids_are_accepted(dtype):
     torch.testing.assert_close(emb(ids.to(dtype)), emb(ids), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(num_embeddings=0, embedding_dim=2), "Invalid num_embeddings: 0"),
-        (dict(num_embeddings=3, embedding_dim=0), "Invalid embedding_dim: 0"),
-        (dict(num_embeddings=3, embedding_dim=2, sharding="hash"), "Invalid sharding: 'hash'"),
-        (dict(num_embeddings=3, embedding_dim=2, dtype=torch.int64), "Invalid dtype: torch.int64"),
-    ],
-)
-def test_invalid_construction(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        ls.SparseEmbedding(**kwargs)
-
-
 # ---------------------------------------------------------------- state dicts
 def test_local_state_dict_round_trip_and_nn_embedding_export():
     emb = ls.SparseEmbedding(6, 3, seed=1)

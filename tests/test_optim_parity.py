@@ -300,23 +300,6 @@ def test_state_dict_round_trip_and_lr_scheduler():
     torch.testing.assert_close(resumed.full_weight(), full.full_weight(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(
-    "make, match",
-    [
-        (lambda e: ls.SparseSGD([e], lr=-1), "Invalid learning rate: -1"),
-        (lambda e: ls.SparseAdagrad([e], eps=-1.0), "Invalid epsilon value: -1.0"),
-        (lambda e: ls.SparseAdam([e], betas=(1.0, 0.9)), "Invalid beta parameter at index 0: 1.0"),
-        (lambda e: ls.SparseAdam([e], bias_correction="step"), "Invalid bias_correction: 'step'"),
-        (lambda e: ls.SparseSGD([e], duplicate_grads="max"), "Invalid duplicate_grads: 'max'"),
-        (lambda e: ls.SparseSGD([torch.nn.Linear(2, 2).weight]), "HINT: pass the SparseEmbedding modules"),
-    ],
-)
-def test_invalid_arguments(make, match):
-    emb = ls.SparseEmbedding(4, 2)
-    with pytest.raises((ValueError, TypeError), match=match):
-        make(emb)
-
-
 def _full_state_after_steps() -> dict:
     emb = ls.SparseEmbedding(N, D, seed=SEED)
     opt = ls.SparseAdam([emb], lr=0.05)

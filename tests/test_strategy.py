@@ -398,7 +398,7 @@ def _evaluate_with_an_empty_rank(stage: str) -> tuple[int, float, torch.Tensor |
 def test_evaluation_with_an_empty_loader_on_one_rank_finishes(rank_pools, stage):
     results = rank_pools(2).run(_evaluate_with_an_empty_rank, stage, timeout=90)
     (seen0, seconds0, predictions), (seen1, seconds1, nothing) = results
-    assert seconds0 < 20 and seconds1 < 20
+    assert max(seconds0, seconds1) < COLLECTIVE_TIMEOUT_S, "a rank waited for a collective to time out"
     assert seen1 == 0 and nothing is None
     if stage == "predict":
         assert sorted(predictions[:, 0].long().tolist()) == list(range(6))

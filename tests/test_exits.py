@@ -3,8 +3,9 @@
 The abort ("terminate called without an active exception", SIGABRT) is a gloo worker thread
 asking for the GIL during interpreter finalization (the chain is in lightning_sparse/faults/exits.py).
 ``tests/exits/stress.py`` runs every exit shape a user has with the race widened; this suite runs
-a sample of it that fails on the code before the exit handler (13 of 30 widened plain-torch runs
-aborted there).
+a sample of it that fails on the code before the exit handler every time: besides watching for the
+abort (13 of 30 widened plain-torch runs aborted there), every process checks at exit, after every
+other handler, that no process group is left for finalization to destroy (the abort's precondition).
 """
 
 from __future__ import annotations
@@ -116,9 +117,11 @@ def test_release_destroys_the_groups_and_drains_their_workers(regrouping_pool, w
 def test_every_exit_shape_exits_cleanly_with_the_race_widened():
     """The plain-torch shapes and the launchers no other test uses, once each, race widened.
 
-    Before the exit handler, 13 of 30 widened plain-torch runs aborted (none of 50 Lightning runs):
-    this sample fails on that code 4 times in 5 (1 - (17/30)^3), in 5 runs instead of the 8 that
-    made it 29 in 30 for 20 s more of every suite. Every shape, many times: stress.py.
+    Deterministic: without the exit handler, torch-spawn, torchrun, fit-spawn and torchrun-fit leave their group alive
+    at exit in every run (the exit check in exits/widen: 4 of these 5 runs fail, whether or not the race is lost);
+    torch-spawn-destroy destroys its group itself and fails there only when the race is lost (13 of 30 aborted).
+    fit-spawn also checks that the tables handed back to the main process are exactly those rank 0 trained.
+    Every shape, many times: stress.py.
     """
     plan = PLAIN_TORCH + ["fit-spawn", "torchrun-fit"]
     results = stress(len(plan), plan, widen=True, parallel=2)

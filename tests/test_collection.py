@@ -208,12 +208,17 @@ def test_duplicate_grads_mean_matches_reference(rank_pools, world_size, group_si
 
 
 # ---------------------------------------------------------------- collectives do not grow with the tables
-def _count_collectives(num_tables: int) -> list[tuple[int, int]]:
-    """(all-to-alls per forward, per optimizer step) over three steps with ``num_tables`` tables."""
+def _count_collectives(num_tables: int, separate: bool = False) -> list[tuple[int, int]]:
+    """(all-to-alls per forward, per optimizer step) over three steps with ``num_tables`` tables (``separate``: not in a
+    collection, each looked up on its own, one optimizer for all)."""
     rank = torch.distributed.get_rank()
     tables = {f"t{i}": ls.SparseEmbedding(50 + i, 4, seed=i) for i in range(num_tables)}
-    collection = ls.SparseEmbeddingCollection(tables, pooling="sum")
-    opt = ls.SparseAdagrad([collection], lr=0.1)
+    if separate:
+        collection = lambda features: {n: tables[n](ids).sum(1) for n, ids in features.items()}  # noqa: E731
+        opt = ls.SparseAdagrad(list(tables.values()), lr=0.1)
+    else:
+        collection = ls.SparseEmbeddingCollection(tables, pooling="sum")
+        opt = ls.SparseAdagrad([collection], lr=0.1)
     calls = [0]
     original = torch.distributed.all_to_all_single
 
@@ -247,6 +252,9 @@ def test_collectives_per_step_do_not_depend_on_the_number_of_tables(rank_pools, 
     # all-to-alls (ids out, rows back) and a step one (gradients along the route).
     assert few[1:] == many[1:] == [(2, 1), (2, 1)]
     assert many[0][0] <= 3
+    # Separate tables (the README): two all-to-alls per lookup of each, and one step for all of them.
+    separate = pool.run(_count_collectives, 5, True)[0]
+    assert separate[1:] == [(10, 1), (10, 1)]
 
 
 # ---------------------------------------------------------------- bad input raises on every rank

@@ -424,7 +424,7 @@ def _fit_collection_with_stats(directory: str) -> None:
 
     lm.lightning_env(torch.distributed.get_rank(), 2)
     trainer = lm.trainer(2, logger=CSVLogger(directory, name="run", version=0), log_every_n_steps=1,
-                         callbacks=[ls.SparseStatsMonitor(per_table=True)])  # fmt: skip
+                         callbacks=[ls.SparseStatsMonitor(per_table=True, prefix="emb:")])  # fmt: skip
     trainer.fit(lm.CollectionTower())
 
 
@@ -433,10 +433,12 @@ def test_stats_monitor_reports_each_table_of_a_collection(rank_pools, tmp_path):
 
     rank_pools(2).run(_fit_collection_with_stats, str(tmp_path))
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("sparse/ids")]
+        rows = list(csv.DictReader(f))
+    assert not any(key.startswith("sparse/") for key in rows[0]), "the prefix replaces sparse/"
+    rows = [r for r in rows if r.get("emb:ids")]
     assert len(rows) == 6
     for row in rows:  # per step: 2 ranks x 4 samples x (1 user; 2 items)
-        assert float(row["sparse/embeddings.tables.users/ids"]) == 8
-        assert float(row["sparse/embeddings.tables.items/ids"]) == 16
-        assert 0 < float(row["sparse/embeddings.tables.items/unique_ids"]) <= 16
-        assert float(row["sparse/ids"]) == 24
+        assert float(row["emb:embeddings.tables.users/ids"]) == 8
+        assert float(row["emb:embeddings.tables.items/ids"]) == 16
+        assert 0 < float(row["emb:embeddings.tables.items/unique_ids"]) <= 16
+        assert float(row["emb:ids"]) == 24

@@ -214,6 +214,12 @@ ERRORS = {
                                 "load it into the module it was saved from", None),
     "checkpoint-has-no-meta": (_checkpoint_without_meta, RuntimeError, f"has no {checkpoint.METADATA_FILE}",
                                "it is incomplete; use an earlier checkpoint", None),
+    "load_file-unreadable": (lambda tmp: (tmp / "x.pt").write_bytes(b"not a file") and checkpoint.load_file(tmp / "x.pt"),
+                             RuntimeError, "x.pt is neither a sharded checkpoint (no .metadata inside) nor a file torch.load",
+                             "pass a checkpoint written by Trainer(strategy='sparse_ddp')", None),
+    "load_file-not-a-state-dict": (lambda tmp: torch.save([1], tmp / "x.pt") or checkpoint.load_file(tmp / "x.pt"),
+                                   RuntimeError, "x.pt holds list, neither a Lightning checkpoint nor a state dict",
+                                   "pass a checkpoint written by Trainer(strategy='sparse_ddp')", None),
     # Fabric's save and load
     "fabric-save-filter": (lambda tmp: _fabric_save(tmp, filter={"model": lambda k, v: True}), ValueError,
                            "FabricSparseDDPStrategy.save_checkpoint takes neither storage_options nor filter",

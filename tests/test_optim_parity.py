@@ -15,20 +15,21 @@ SEED = 11
 
 CASES = {
     "sgd": ("SparseSGD", dict(lr=0.5)),
-    "sgd-wd": ("SparseSGD", dict(lr=0.5, weight_decay=0.1)),
     "adagrad": ("SparseAdagrad", dict(lr=0.3, lr_decay=0.05, initial_accumulator_value=0.1)),
-    "adagrad-wd": ("SparseAdagrad", dict(lr=0.3, weight_decay=0.1)),
     "rowwise-adagrad": ("SparseRowWiseAdagrad", dict(lr=0.3, weight_decay=0.05)),
     "adam-global": ("SparseAdam", dict(lr=0.05, bias_correction="global")),
     "adam-row": ("SparseAdam", dict(lr=0.05)),
     "adamw-row": ("SparseAdam", dict(lr=0.05, weight_decay=0.2, decoupled_weight_decay=True)),
-    "adam-row-l2": ("SparseAdam", dict(lr=0.05, weight_decay=0.2)),
 }
 # Every other setting the optimizers take, each away from its default (test_each_setting_moves_its_reference): the
-# arithmetic after the exchange, so on one rank and on three (two layouts instead of CASES' ten).
+# arithmetic after the exchange, so on one rank and on three (two layouts instead of CASES' ten; adamw-row takes
+# a decay through every layout).
 SETTINGS = {
+    "sgd-wd": ("SparseSGD", dict(lr=0.5, weight_decay=0.1)),
+    "adagrad-wd": ("SparseAdagrad", dict(lr=0.3, weight_decay=0.1)),
     "adagrad-eps": ("SparseAdagrad", dict(lr=0.3, eps=0.3)),
     "rowwise-adagrad-init-eps": ("SparseRowWiseAdagrad", dict(lr=0.3, initial_accumulator_value=0.5, eps=0.3)),
+    "adam-row-l2": ("SparseAdam", dict(lr=0.05, weight_decay=0.2)),
     "adam-row-betas-eps": ("SparseAdam", dict(lr=0.05, betas=(0.5, 0.9), eps=0.1)),
     "adam-global-betas-eps": ("SparseAdam", dict(lr=0.05, betas=(0.5, 0.9), eps=0.1, bias_correction="global")),
     "adam-global-l2": ("SparseAdam", dict(lr=0.05, weight_decay=0.2, bias_correction="global")),
@@ -108,11 +109,12 @@ def test_the_gpu_path_matches_every_setting_s_reference(monkeypatch, case, devic
     name, kwargs = SETTINGS[case]
     emb = ls.SparseEmbedding(N, D, seed=SEED, device=device)
     opt = getattr(ls, name)([emb], **kwargs)
-    for ids, target in make_batches():
+    batches = make_batches()[:3]  # (the interpreter runs each kernel as Python: seconds a step)
+    for ids, target in batches:
         batch_loss(emb(ids.to(device)), target.to(device)).mean().backward()
         opt.step()
         opt.zero_grad()
-    expected = reference_train(name, kwargs, ls.init.normal()(torch.arange(N), D, SEED), make_batches())
+    expected = reference_train(name, kwargs, ls.init.normal()(torch.arange(N), D, SEED), batches)
     torch.testing.assert_close(emb.full_weight().cpu(), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -138,7 +140,7 @@ GROUP_LRS = (0.1, 1.0)
 
 def _group_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(8)
-    return [((torch.rand(9, generator=gen) ** 2 * 13).long(), (torch.rand(5, generator=gen) ** 2 * 7).long()) for _ in range(4)]
+    return [((torch.rand(9, generator=gen) ** 2 * 13).long(), (torch.rand(5, generator=gen) ** 2 * 7).long()) for _ in range(3)]
 
 
 def _group_loss(rows_a: torch.Tensor, rows_b: torch.Tensor) -> torch.Tensor:

@@ -204,7 +204,7 @@ def _fit_16_mixed_sgd(manual: bool) -> tuple[dict, float, float]:
     plugin_cls = ls.SparseMixedPrecision if manual else MixedPrecision
     plugin = plugin_cls("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=SGD_LOSS_SCALE))
     scale = plugin.scaler.get_scale()
-    trainer = lm.trainer(2, max_epochs=2, plugins=[plugin])
+    trainer = lm.trainer(2, max_epochs=1, plugins=[plugin])
     trainer.fit(module)
     assert type(trainer.precision_plugin) is ls.SparseMixedPrecision and trainer.precision_plugin.scaler is plugin.scaler
     return lm.state(module), scale, plugin.scaler.get_scale()
@@ -214,7 +214,7 @@ def _fit_16_mixed_sgd(manual: bool) -> tuple[dict, float, float]:
 def test_16_mixed_steps_sparse_gradients_unscaled_as_plain_torch(rank_pools, manual):
     """SGD's step is proportional to the gradient: a row gradient left multiplied by the loss scale (65536) would move
     the rows 1024 times too far. Plain torch in float32 is the reference (fp16's forward: a tolerance of 1e-3)."""
-    expected = lm.reference(lm.global_batches(2, batch_size=4, epochs=2), torch.optim.SGD, {"lr": 1.0})
+    expected = lm.reference(lm.global_batches(2, batch_size=4, epochs=1), torch.optim.SGD, {"lr": 1.0})
     initial = lm.reference([], torch.optim.SGD, {"lr": 1.0})
     assert (expected["users"] - initial["users"]).abs().max() > 0.02, "the reference must train the rows"
     results = rank_pools(2).run(_fit_16_mixed_sgd, manual)

@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -37,6 +38,21 @@ class StopAt(pl.Callback):
                 time.sleep(HANG_S)
 
 
+class JoinOnceAllAreUp(ls.SparseDDPStrategy):
+    """Joins the rendezvous once every rank has started: on a busy machine rank 1's imports alone can outlast the
+    10 s timeout meant for the hung collective (files in the working directory, which both ranks share)."""
+
+    def setup_distributed(self) -> None:
+        environment = self.cluster_environment
+        Path(f"up-{environment.global_rank()}").touch()
+        deadline = time.monotonic() + HANG_S
+        while not all(Path(f"up-{rank}").exists() for rank in range(environment.world_size())):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the other rank never started")
+            time.sleep(0.05)
+        super().setup_distributed()
+
+
 class Model(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -58,7 +74,7 @@ def main() -> int:
     torch.set_num_threads(1)
     timeout_s = float(sys.argv[3]) if len(sys.argv) > 3 else 10.0
     data = TensorDataset(torch.randint(0, 1000, (256,)), torch.randn(256))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ls.SparseDDPStrategy(timeout=timedelta(seconds=timeout_s)),
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=JoinOnceAllAreUp(timeout=timedelta(seconds=timeout_s)),
                          max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[StopAt(sys.argv[1])])  # fmt: skip
     trainer.fit(Model(), DataLoader(data, batch_size=8))

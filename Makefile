@@ -19,10 +19,17 @@ export DGLBACKEND ?= pytorch
 
 setup: $(STAMP) $(GPU_TRITON_STAMP)
 
+# TorchRec, for the test of its KeyedJaggedTensor as a collection's input: torchrec 1.8.0 pins a torchmetrics and a CUDA
+# fbgemm-gpu that this environment must not take, so it and what it imports go in without their dependencies
+# (fbgemm-gpu-cpu 1.8.0 is the release built for torch 2.13; tensordict 0.15 loads with it).
+TORCHREC := "torchrec==1.8.0" "fbgemm-gpu-cpu==1.8.0" "tensordict==0.15.3" "pyvers==0.2.3" "cloudpickle>=3" \
+	"pyre-extensions==0.0.32" "typing-inspect==0.9.0" "mypy-extensions>=1"
+
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet --no-deps $(TORCHREC)
 	touch $@
 
 $(GPU_TRITON_STAMP): | $(STAMP)

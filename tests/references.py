@@ -1,7 +1,10 @@
 """Single-process references built from plain torch: nn.Embedding(sparse=True) and torch's optimizers.
 
 Row-wise Adagrad and per-row Adam have no torch optimizer, so they are written out here on the
-coalesced sparse gradient, straight from their textbook formulas.
+coalesced sparse gradient, straight from their textbook formulas. torch refuses weight decay with
+sparse gradients: it is added to torch's optimizers here, on the touched rows only (L2 on the
+gradient, or AdamW's decoupled scaling). Every hyperparameter the optimizers take reaches one of
+these (:func:`make_reference`), none through lightning_sparse's code.
 """
 
 from __future__ import annotations
@@ -11,9 +14,18 @@ from torch import Tensor, nn
 
 
 class RowWiseAdagradReference:
-    def __init__(self, weight: nn.Parameter, lr: float, eps: float = 1e-10, weight_decay: float = 0.0) -> None:
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row, the mean of the squared gradient row."""
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        lr: float,
+        eps: float = 1e-10,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+    ) -> None:
         self.weight, self.lr, self.eps, self.wd = weight, lr, eps, weight_decay
-        self.acc = torch.zeros(weight.shape[0])
+        self.acc = torch.full((weight.shape[0],), initial_accumulator_value, dtype=weight.dtype)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -70,18 +82,26 @@ class TouchedRowWeightDecay:
     """A torch optimizer whose weight decay reaches only the rows in the sparse gradient.
 
     torch refuses weight decay with sparse gradients; this adds ``weight_decay * row`` to the
-    coalesced gradient of each touched row and lets torch's optimizer do the rest.
+    coalesced gradient of each touched row and lets torch's optimizer do the rest. With
+    ``decoupled=True`` (AdamW) it scales each touched row by ``1 - lr * weight_decay`` instead,
+    before torch's step (whose update does not read the row).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, weight: nn.Parameter, weight_decay: float) -> None:
-        self.optimizer, self.weight, self.wd = optimizer, weight, weight_decay
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, weight: nn.Parameter, weight_decay: float, decoupled: bool = False
+    ) -> None:
+        self.optimizer, self.weight, self.wd, self.decoupled = optimizer, weight, weight_decay, decoupled
 
     @torch.no_grad()
     def step(self) -> None:
         grad = self.weight.grad.coalesce()
         rows = grad.indices()
-        values = grad.values() + self.wd * self.weight[rows[0]]
-        self.weight.grad = torch.sparse_coo_tensor(rows, values, grad.shape)
+        if self.decoupled:
+            self.weight[rows[0]] *= 1 - self.optimizer.param_groups[0]["lr"] * self.wd
+            self.weight.grad = grad
+        else:
+            values = grad.values() + self.wd * self.weight[rows[0]]
+            self.weight.grad = torch.sparse_coo_tensor(rows, values, grad.shape)
         self.optimizer.step()
 
     def zero_grad(self) -> None:
@@ -97,8 +117,9 @@ def make_reference(name: str, weight: nn.Parameter, kwargs: dict):
         return TouchedRowWeightDecay(torch_cls([weight], **kwargs), weight, wd)
     if name == "SparseRowWiseAdagrad":
         return RowWiseAdagradReference(weight, **kwargs)
-    if name == "SparseAdam" and kwargs.pop("bias_correction", "row") == "global":
-        return torch.optim.SparseAdam([weight], **kwargs)
+    if name == "SparseAdam" and kwargs.pop("bias_correction", "row") == "global":  # one step count per table: torch's
+        wd, decoupled = kwargs.pop("weight_decay", 0.0), kwargs.pop("decoupled_weight_decay", False)
+        return TouchedRowWeightDecay(torch.optim.SparseAdam([weight], **kwargs), weight, wd, decoupled)
     if name == "SparseAdam":
         decoupled = kwargs.pop("decoupled_weight_decay", False)
         return RowAdamReference(weight, decoupled=decoupled, **kwargs)

@@ -17,15 +17,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.subprocesses
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_quick_benchmark_writes_results_and_report(tmp_path):
+    """Its time limit only catches a hang (no speed claim): the quick run outlasted 280 s at a load of 20 on 2 cores."""
     page = tmp_path / "benchmarks.md"
     shutil.copy(ROOT / "docs" / "benchmarks.md", page)
     out = tmp_path / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
         [sys.executable, "-W", "ignore", str(ROOT / "benchmarks" / "bench.py"), "--quick", "--out", str(out), "--doc", str(page)],
-        capture_output=True, text=True, timeout=280, env=env,
+        capture_output=True, text=True, timeout=540, env=env,
     )  # fmt: skip
     assert_clean_exit(run)
     doc = json.loads(out.read_text())

@@ -432,10 +432,46 @@ def _rss(field: str) -> int:
 
 
 def test_saving_and_loading_with_adam_state_stays_below_two_extra_shards(rank_pools, tmp_path):
-    """A 3M-row "mod" table with SparseAdam's exp_avg, exp_avg_sq and row_step on 3 ranks: about 3 shards held."""
+    """A 3M-row "mod" table with SparseAdam's exp_avg, exp_avg_sq and row_step on 3 ranks: about 3 shards held.
+
+    Then its export, in this process: memory of about one band, not of the table (checkpoints.md)."""
     for saving, loading, shard in rank_pools(3).run(_peak_while_saving_and_loading, str(tmp_path)):
         assert saving < 2 * shard, f"saving took {saving / 2**20:.0f} MiB over a {shard / 2**20:.0f} MiB shard"
         assert loading < 2 * shard, f"loading took {loading / 2**20:.0f} MiB over a {shard / 2**20:.0f} MiB shard"
+    big = tmp_path / "big.ckpt"
+    stored = checkpoint.load_meta(big)["row_tensors"]["state_dict.table.weight"]
+    band = stored["part_rows"] * DIM * 4
+    assert stored["parts"] >= 8, "the table must span several bands"
+    exporting = _peak_anonymous_growth(lambda: checkpoint.export(big, tmp_path / "exported.pt"))
+    assert exporting < 3 * band, f"exporting took {exporting / 2**20:.0f} MiB over a {band / 2**20:.0f} MiB band"
+    exported = torch.load(tmp_path / "exported.pt", weights_only=True, mmap=True)["table.weight"]
+    assert exported.shape == (ROWS, DIM) and exported.abs().sum() > 0
+
+
+def _peak_anonymous_growth(run) -> int:
+    """How far this process's anonymous resident memory (not file pages: an export writes into a memory-mapped file)
+    grew above its level before ``run()``, sampled every millisecond while it runs."""
+    import threading
+    import time
+
+    def anonymous() -> int:
+        return _rss("RssAnon")
+
+    before, peak, done = anonymous(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], anonymous())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        run()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], anonymous()) - before
 
 
 # ---------------------------------------------------------------- meta.pt once, with the caller's weights_only
@@ -505,3 +541,52 @@ def test_saves_of_other_names_in_one_folder_never_touch_each_other(tmp_path):
     assert not killed.exists()
     data = sorted(p.name for p in tmp_path.glob(checkpoint.DATA_PREFIX + "*"))
     assert data == sorted([in_progress.name, os.readlink(tmp_path / "mine.ckpt")])
+
+
+# ---------------------------------------------------------------- the checkpoint module's functions, in one process
+def _small_checkpoint(path: Path) -> tuple[Path, torch.nn.Module, ls.SparseAdam]:
+    """A table (trained one step with SparseAdam) beside a dense head, saved as the Trainer lays a checkpoint out."""
+    module = torch.nn.Module()
+    module.table, module.head = ls.SparseEmbedding(9, 3, seed=1), torch.nn.Linear(3, 1)
+    optimizer = ls.SparseAdam([module.table], lr=0.1)
+    module.table(torch.tensor([1, 4, 4])).sum().backward()
+    optimizer.step()
+    dense = {"state_dict": checkpoint.split_tensors(checkpoint.dense_module_state(module))[0],
+             "optimizer_0": checkpoint.split_tensors(checkpoint.dense_optimizer_state(optimizer))[0]}  # fmt: skip
+    return checkpoint.save(path, module, {0: optimizer}, dense), module, optimizer
+
+
+def test_dense_module_state_verify_load_tensors_load_file_and_remove(tmp_path):
+    path, module, optimizer = _small_checkpoint(tmp_path / "small.ckpt")
+    # dense_module_state: the module's state without its tables
+    assert set(checkpoint.dense_module_state(module)) == {"head.weight", "head.bias"}
+    assert any(key.startswith("table.") for key in module.state_dict())
+    # verify: every file against its checksum
+    checkpoint.verify(path)
+    # load_tensors: the dense tensors, into tensors nested as they were saved
+    tensors = {"state_dict": {"head.weight": torch.zeros(1, 3), "head.bias": torch.zeros(1)},
+               "optimizer_0": {"state": {0: {"step": torch.zeros((), dtype=torch.int64)}}}}  # fmt: skip
+    checkpoint.load_tensors(path, tensors, "the head and the step counter")
+    torch.testing.assert_close(tensors["state_dict"]["head.weight"], module.head.weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(tensors["state_dict"]["head.bias"], module.head.bias.detach(), rtol=0, atol=0)
+    assert int(tensors["optimizer_0"]["state"][0]["step"]) == int(optimizer.state[module.table.shard]["step"]) == 1
+    # load_file: an export, and a Lightning checkpoint of one file
+    checkpoint.export(path, tmp_path / "exported.pt")
+    kind, state = checkpoint.load_file(tmp_path / "exported.pt")
+    assert kind == "export" and set(state) == {"table.weight", "head.weight", "head.bias"}
+    torch.testing.assert_close(state["table.weight"], module.table.full_weight(), rtol=0, atol=0)
+    torch.save({"pytorch-lightning_version": "2.6.0", "state_dict": state, "epoch": 3}, tmp_path / "lightning.ckpt")
+    kind, loaded = checkpoint.load_file(tmp_path / "lightning.ckpt")
+    assert kind == "lightning" and loaded["epoch"] == 3
+    # verify names a damaged file
+    damaged = Path(path) / "rows" / "state_dict.table.weight" / "part-0" / "__0_0.distcp"
+    _flip(damaged, count=8)
+    with pytest.raises(RuntimeError, match=f"Checkpoint {path} is damaged: {damaged} .*HINT: restore the file"):
+        checkpoint.verify(path)
+    # remove: the link and its data directory, nothing of another checkpoint in the folder
+    other, _, _ = _small_checkpoint(tmp_path / "other.ckpt")
+    data = Path(path).resolve()
+    checkpoint.remove(path)
+    assert not Path(path).exists() and not Path(path).is_symlink() and not data.exists()
+    checkpoint.verify(other)
+    assert sorted(p.name for p in tmp_path.glob(checkpoint.DATA_PREFIX + "*")) == [os.readlink(other)]

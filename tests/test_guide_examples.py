@@ -78,11 +78,13 @@ def test_the_collection_guide_example_runs_on_every_rank(rank_pools):
 
 
 @pytest.mark.subprocesses
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_the_readme_quickstart_trains_as_written(tmp_path):
-    """Saved as quickstart.py and run: 2 CPU processes, the loss of each epoch printed, and falling."""
+    """Saved as quickstart.py and run: 2 CPU processes, the loss of each epoch printed, and falling.
+
+    Its time limit only catches a hang (no speed claim): it took 110 s at a load of 20 on 2 cores."""
     (tmp_path / "quickstart.py").write_text(_block(README, "configure_sparse_optimizers"))
-    run = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, capture_output=True, text=True, timeout=110,
+    run = subprocess.run([sys.executable, "quickstart.py"], cwd=tmp_path, capture_output=True, text=True, timeout=540,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     losses = [float(x) for x in re.findall(r"epoch \d+: loss ([0-9.]+)", run.stdout)]

@@ -8,21 +8,41 @@ from rank_pool import DEVICES, LAYOUTS, assert_replicas_identical, table_groups
 from references import batch_loss, reference_train
 
 import lightning_sparse as ls
+from lightning_sparse.kernels import backend
 
 N, D, STEPS, GLOBAL_BATCH, BAG = 23, 4, 5, 12, 3
 SEED = 11
 
 CASES = {
     "sgd": ("SparseSGD", dict(lr=0.5)),
-    "sgd-wd": ("SparseSGD", dict(lr=0.5, weight_decay=0.1)),
     "adagrad": ("SparseAdagrad", dict(lr=0.3, lr_decay=0.05, initial_accumulator_value=0.1)),
-    "adagrad-wd": ("SparseAdagrad", dict(lr=0.3, weight_decay=0.1)),
     "rowwise-adagrad": ("SparseRowWiseAdagrad", dict(lr=0.3, weight_decay=0.05)),
     "adam-global": ("SparseAdam", dict(lr=0.05, bias_correction="global")),
     "adam-row": ("SparseAdam", dict(lr=0.05)),
     "adamw-row": ("SparseAdam", dict(lr=0.05, weight_decay=0.2, decoupled_weight_decay=True)),
-    "adam-row-l2": ("SparseAdam", dict(lr=0.05, weight_decay=0.2)),
 }
+# Every other setting the optimizers take, each away from its default (test_each_setting_moves_its_reference): the
+# arithmetic after the exchange, so on one rank and on three (two layouts instead of CASES' ten; adamw-row takes
+# a decay through every layout).
+SETTINGS = {
+    "sgd-wd": ("SparseSGD", dict(lr=0.5, weight_decay=0.1)),
+    "adagrad-wd": ("SparseAdagrad", dict(lr=0.3, weight_decay=0.1)),
+    "adagrad-eps": ("SparseAdagrad", dict(lr=0.3, eps=0.3)),
+    "rowwise-adagrad-init-eps": ("SparseRowWiseAdagrad", dict(lr=0.3, initial_accumulator_value=0.5, eps=0.3)),
+    "adam-row-l2": ("SparseAdam", dict(lr=0.05, weight_decay=0.2)),
+    "adam-row-betas-eps": ("SparseAdam", dict(lr=0.05, betas=(0.5, 0.9), eps=0.1)),
+    "adam-global-betas-eps": ("SparseAdam", dict(lr=0.05, betas=(0.5, 0.9), eps=0.1, bias_correction="global")),
+    "adam-global-l2": ("SparseAdam", dict(lr=0.05, weight_decay=0.2, bias_correction="global")),
+    "adamw-global": ("SparseAdam", dict(lr=0.05, weight_decay=0.2, decoupled_weight_decay=True, bias_correction="global")),
+}
+# The GPU's code path, one process: compiled on a GPU, else through Triton's interpreter on CPU tensors (conftest.py).
+GPU_PATH_DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not (backend.interpreting() and backend.triton_available()),
+                                                 reason="needs triton's interpreter")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not (torch.cuda.is_available() and backend.triton_available()),
+                                                  reason="needs CUDA and triton")),
+]  # fmt: skip
+SETTING_LAYOUTS = [pytest.param(1, "mod", id="W1-mod"), pytest.param(3, "range", id="W3-range")]
 
 
 def make_batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -69,6 +89,95 @@ def test_parity_with_single_process_reference(rank_pools, world_size, group_size
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert_replicas_identical([(got,) for got in results], group_size)
     assert not torch.equal(expected, initial), "the run must actually train"
+
+
+@pytest.mark.parametrize("world_size, scheme", SETTING_LAYOUTS)
+@pytest.mark.parametrize("case", list(SETTINGS))
+def test_every_setting_matches_its_reference(rank_pools, world_size, scheme, case):
+    name, kwargs = SETTINGS[case]
+    batches = make_batches()
+    expected = reference_train(name, kwargs, ls.init.normal()(torch.arange(N), D, SEED), batches)
+    for got in rank_pools(world_size).run(train_sharded, name, kwargs, scheme, batches):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", GPU_PATH_DEVICES)
+@pytest.mark.parametrize("case", list(SETTINGS))
+def test_the_gpu_path_matches_every_setting_s_reference(monkeypatch, case, device):
+    """The fused update kernels (Triton; on CPU through its interpreter), one process, against the same references."""
+    monkeypatch.setenv(backend.ENV, "triton")
+    name, kwargs = SETTINGS[case]
+    emb = ls.SparseEmbedding(N, D, seed=SEED, device=device)
+    opt = getattr(ls, name)([emb], **kwargs)
+    batches = make_batches()[:3]  # (the interpreter runs each kernel as Python: seconds a step)
+    for ids, target in batches:
+        batch_loss(emb(ids.to(device)), target.to(device)).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    expected = reference_train(name, kwargs, ls.init.normal()(torch.arange(N), D, SEED), batches)
+    torch.testing.assert_close(emb.full_weight().cpu(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [*CASES, *SETTINGS])
+def test_each_setting_moves_its_reference(case):
+    """Left at its default, each setting of a case changes the trained table by more than the parity tests' tolerance:
+    so an optimizer that ignored it would fail them."""
+    name, kwargs = {**CASES, **SETTINGS}[case]
+    initial, batches = ls.init.normal()(torch.arange(N), D, SEED), make_batches()
+    expected = reference_train(name, kwargs, initial, batches)
+    for key in set(kwargs) - {"lr"}:  # (the parity tests' "must train" guard holds lr)
+        default = reference_train(name, {k: v for k, v in kwargs.items() if k != key}, initial, batches)
+        assert not torch.allclose(default, expected, rtol=1e-5, atol=1e-6), f"{case}: {key} changes nothing"
+
+
+# ---------------------------------------------------------------- param groups with their own learning rates
+GROUP_OPTIMIZERS = {  # lightning_sparse's, torch's (on nn.Embedding(sparse=True)), the hyperparameters both take, ours only
+    "adagrad": ("SparseAdagrad", torch.optim.Adagrad, dict(initial_accumulator_value=0.1), {}),
+    "adam-global": ("SparseAdam", torch.optim.SparseAdam, dict(betas=(0.8, 0.99)), dict(bias_correction="global")),
+}
+GROUP_LRS = (0.1, 1.0)
+
+
+def _group_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(8)
+    return [((torch.rand(9, generator=gen) ** 2 * 13).long(), (torch.rand(5, generator=gen) ** 2 * 7).long()) for _ in range(3)]
+
+
+def _group_loss(rows_a: torch.Tensor, rows_b: torch.Tensor) -> torch.Tensor:
+    return rows_a.pow(2).sum() + (rows_b.sum(0) * rows_a[:3].sum(0)).pow(2).sum()
+
+
+@pytest.mark.parametrize("collection", [False, True], ids=["tables", "collection"])
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=GPU_PATH_DEVICES[0].marks)])
+@pytest.mark.parametrize("case", list(GROUP_OPTIMIZERS))
+def test_param_groups_keep_their_own_learning_rates(monkeypatch, case, kernels, collection):
+    """Two tables in two param groups (lr 0.1 and 1.0), on the plain path and the fused one (Triton), as two tables or as
+    the tables of one collection (whose rounds then split per group), against torch's optimizer with the same groups."""
+    monkeypatch.setenv(backend.ENV, kernels)
+    name, torch_cls, kwargs, ours = GROUP_OPTIMIZERS[case]
+    a, b = ls.SparseEmbedding(13, 3, seed=1), ls.SparseEmbedding(7, 3, seed=2, sharding="range")
+    if collection:
+        both = ls.SparseEmbeddingCollection({"a": a, "b": b})
+        lookup = lambda ids_a, ids_b: tuple(both({"a": ids_a, "b": ids_b}).values())  # noqa: E731
+    else:
+        lookup = lambda ids_a, ids_b: (a(ids_a), b(ids_b))  # noqa: E731
+    opt = getattr(ls, name)([{"params": [a], "lr": GROUP_LRS[0]}, {"params": [b], "lr": GROUP_LRS[1]}], **kwargs, **ours)
+    plain_a, plain_b = torch.nn.Embedding(13, 3, sparse=True), torch.nn.Embedding(7, 3, sparse=True)
+    with torch.no_grad():
+        plain_a.weight.copy_(ls.init.normal()(torch.arange(13), 3, 1))
+        plain_b.weight.copy_(ls.init.normal()(torch.arange(7), 3, 2))
+    reference = torch_cls([{"params": [plain_a.weight], "lr": GROUP_LRS[0]}, {"params": [plain_b.weight], "lr": GROUP_LRS[1]}],
+                          **kwargs)  # fmt: skip
+    for ids_a, ids_b in _group_batches():
+        _group_loss(*lookup(ids_a, ids_b)).backward()
+        opt.step()
+        opt.zero_grad()
+        _group_loss(plain_a(ids_a), plain_b(ids_b)).backward()
+        reference.step()
+        reference.zero_grad()
+    assert [group["lr"] for group in opt.param_groups] == list(GROUP_LRS)
+    torch.testing.assert_close(a.full_weight(), plain_a.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.full_weight(), plain_b.weight.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_local_table_without_process_group_matches_reference():
@@ -199,23 +308,6 @@ def test_state_dict_round_trip_and_lr_scheduler():
     torch.testing.assert_close(resumed.full_weight(), full.full_weight(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(
-    "make, match",
-    [
-        (lambda e: ls.SparseSGD([e], lr=-1), "Invalid learning rate: -1"),
-        (lambda e: ls.SparseAdagrad([e], eps=-1.0), "Invalid epsilon value: -1.0"),
-        (lambda e: ls.SparseAdam([e], betas=(1.0, 0.9)), "Invalid beta parameter at index 0: 1.0"),
-        (lambda e: ls.SparseAdam([e], bias_correction="step"), "Invalid bias_correction: 'step'"),
-        (lambda e: ls.SparseSGD([e], duplicate_grads="max"), "Invalid duplicate_grads: 'max'"),
-        (lambda e: ls.SparseSGD([torch.nn.Linear(2, 2).weight]), "HINT: pass the SparseEmbedding modules"),
-    ],
-)
-def test_invalid_arguments(make, match):
-    emb = ls.SparseEmbedding(4, 2)
-    with pytest.raises((ValueError, TypeError), match=match):
-        make(emb)
-
-
 def _full_state_after_steps() -> dict:
     emb = ls.SparseEmbedding(N, D, seed=SEED)
     opt = ls.SparseAdam([emb], lr=0.05)
@@ -248,35 +340,43 @@ def test_full_optimizer_state_moves_between_world_sizes(rank_pools):
             torch.testing.assert_close(state["state"][0][key], value, rtol=1e-6, atol=1e-7)
 
 
-def _mixed_dtypes(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    rank = torch.distributed.get_rank()
-    # Id 31745 is 0x7C01: as a float16 it is a NaN bit pattern, which must still arrive intact.
-    ids = torch.tensor([[31745, 5, 40_000 - 1], [31745, 7, 12]])[rank].to(device)
-    wide = ls.SparseEmbedding(40_000, 2, dtype=torch.float64, seed=1, device=device)
+MIXED_IDS = torch.tensor([[31745, 5, 40_000 - 1], [31745, 7, 12]])  # per rank; 31745 is 0x7C01, a float16 NaN bit pattern
+# The float64 table's gradient: 1 + 2**-30 per occurrence, which a float32 wire would round to 1.
+FINE = 1 + 2**-30
+# (dtype, seed, dim, rtol, atol): each table held to the precision of its dtype (float16: one rounding to nearest).
+MIXED_TABLES = [(torch.float64, 1, 2, 0.0, 1e-14), (torch.float16, 2, 3, 2**-10, 0.0), (torch.float16, 3, 2, 2**-10, 0.0)]
+
+
+def _mixed_dtypes(device: str = "cpu") -> list[torch.Tensor]:
+    ids = MIXED_IDS[torch.distributed.get_rank()].to(device)
+    (wide_dtype, wide_seed, wide_dim, *_), (_, half_seed, half_dim, *_), (_, alone_seed, alone_dim, *_) = MIXED_TABLES
+    wide = ls.SparseEmbedding(40_000, wide_dim, dtype=wide_dtype, seed=wide_seed, device=device)
     # Rounded to nearest, as the reference below; the gradients of half tables travel in float32.
-    half = ls.SparseEmbedding(40_000, 3, dtype=torch.float16, stochastic_rounding=False, seed=2, sharding="range", device=device)
+    half = ls.SparseEmbedding(40_000, half_dim, dtype=torch.float16, stochastic_rounding=False, seed=half_seed,
+                              sharding="range", device=device)  # fmt: skip
     together = ls.SparseSGD([wide, half], lr=0.5)  # wire dtype float64
-    alone_table = ls.SparseEmbedding(40_000, 2, dtype=torch.float16, stochastic_rounding=False, seed=3, device=device)
+    alone_table = ls.SparseEmbedding(40_000, alone_dim, dtype=torch.float16, stochastic_rounding=False, seed=alone_seed,
+                                     device=device)  # fmt: skip
     alone = ls.SparseSGD([alone_table], lr=0.5)  # wire float32
-    (wide(ids).sum() + half(ids).float().sum() + alone.tables[0](ids).float().sum()).backward()
+    (wide(ids).sum() * FINE + half(ids).float().sum() + alone_table(ids).float().sum()).backward()
     together.step()
     alone.step()
-    return torch.stack([wide.full_weight()[ids[0]].float().sum(), half.full_weight()[ids[0]].float().sum(),
-                        alone.tables[0].full_weight()[ids[0]].float().sum()]).cpu()  # fmt: skip
+    return [table.full_weight().cpu() for table in (wide, half, alone_table)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tables_of_mixed_dtypes_share_one_round(rank_pools, device):
+    """Every row of each table (touched or not), each to its dtype's precision: float64 gradients keep float64's."""
     got = rank_pools(2, device).run(_mixed_dtypes, device)
-    expected = []
-    for dtype, seed, dim in [(torch.float64, 1, 2), (torch.float16, 2, 3), (torch.float16, 3, 2)]:
-        table = ls.init.normal()(torch.arange(40_000), dim, seed).to(dtype)
-        counts = torch.zeros(40_000, dtype=dtype)
-        counts.index_add_(0, torch.tensor([31745, 5, 39_999, 31745, 7, 12]), torch.ones(6, dtype=dtype))
-        table -= 0.5 * (counts / 2).unsqueeze(1)  # gradient 1 per occurrence, averaged over 2 ranks
-        expected.append(table[31745].float().sum())
-    for result in got:
-        torch.testing.assert_close(result, torch.stack(expected), rtol=1e-3, atol=1e-3)
+    counts = torch.zeros(40_000, dtype=torch.float64).index_add_(0, MIXED_IDS.flatten(), torch.ones(6, dtype=torch.float64))
+    for index, (dtype, seed, dim, rtol, atol) in enumerate(MIXED_TABLES):
+        table = ls.init.normal()(torch.arange(40_000), dim, seed).to(dtype).double()
+        grad = counts / 2 * (FINE if dtype == torch.float64 else 1.0)  # per occurrence, averaged over 2 ranks
+        expected = (table - 0.5 * grad.unsqueeze(1)).to(dtype)  # float64 arithmetic, one rounding to the table's dtype
+        assert not torch.equal(expected, table.to(dtype)), "the step must move rows"
+        for rank, result in enumerate(got):
+            assert result[index].dtype == dtype
+            torch.testing.assert_close(result[index], expected, rtol=rtol, atol=atol, msg=f"rank {rank}, {dtype}, seed {seed}")
 
 
 def _non_finite_on_one_rank(check: bool, group_size: int | None = None):

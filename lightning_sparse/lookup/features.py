@@ -183,7 +183,9 @@ def read_features(
     jagged_seen = False
     for key in features:
         if key not in names:
-            return read, Problem(BAD_INPUT, words=f"unknown feature {key!r}; the collection's features are {names}"), None
+            words = (f"unknown feature {key!r}; the collection's features are {names}. HINT: drop it, or map it to a "
+                     f"table when building the collection: features={{{key!r}: table name, ...}}.")  # fmt: skip
+            return read, Problem(BAD_INPUT, words=words), None
     for index, name in enumerate(names):
         if name not in features:
             continue
@@ -221,22 +223,23 @@ def _layout_problem(given: Any, jagged: JaggedIds | None, mode: str) -> str | No
                     f"[bags, ids per bag] ids or JaggedIds(values, offsets=...).")  # fmt: skip
         return None
     if jagged.values.dim() != 1:
-        return f"JaggedIds values must be 1-D, got shape {tuple(jagged.values.shape)}."
+        return f"JaggedIds values must be 1-D, got shape {tuple(jagged.values.shape)}. HINT: flatten them (values.reshape(-1))."
     if mode == "none":
         if jagged.weights is not None:
             return "per-id weights need pooling 'sum'. HINT: set the feature's pooling to 'sum'."
         return None
     structure = jagged.offsets if jagged.offsets is not None else jagged.lengths
     if structure.dim() != 1 or structure.dtype.is_floating_point or structure.dtype == torch.bool:
-        return f"JaggedIds offsets/lengths must be a 1-D integer tensor, got {structure.dtype} of shape {tuple(structure.shape)}."
+        return (f"JaggedIds offsets/lengths must be a 1-D integer tensor, got {structure.dtype} of shape "
+                f"{tuple(structure.shape)}. HINT: one int64 entry per bag (lengths) or per bag + 1 (offsets).")  # fmt: skip
     if jagged.offsets is not None and len(jagged.offsets) == 0:
         return "JaggedIds offsets need bags + 1 entries (at least [0]). HINT: offsets start at 0 and end at len(values)."
     if jagged.weights is not None:
         if mode != "sum":
-            return f"per-id weights need pooling 'sum', the feature's pooling is {mode!r}."
+            return f"per-id weights need pooling 'sum', the feature's pooling is {mode!r}. HINT: set its pooling to 'sum'."
         if tuple(jagged.weights.shape) != tuple(jagged.values.shape) or not jagged.weights.dtype.is_floating_point:
             return (f"weights must be floating point and shaped like values {tuple(jagged.values.shape)}, got "
-                    f"{jagged.weights.dtype} of shape {tuple(jagged.weights.shape)}.")  # fmt: skip
+                    f"{jagged.weights.dtype} of shape {tuple(jagged.weights.shape)}. HINT: one float weight per id.")  # fmt: skip
     return None
 
 

@@ -17,13 +17,16 @@ from lightning_sparse.tables.embedding import SparseEmbedding
 
 def _check(lr: float, weight_decay: float, initial_accumulator_value: float, eps: float) -> None:
     if lr < 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
+        raise ValueError(f"Invalid learning rate: {lr}. HINT: pass lr >= 0.")
     if weight_decay < 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}. HINT: pass weight_decay >= 0 (0 turns it off).")
     if initial_accumulator_value < 0.0:
-        raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
+        raise ValueError(
+            f"Invalid initial_accumulator_value value: {initial_accumulator_value}. HINT: the sums of squares start at a value >= 0 "
+            f"(default 0)."
+        )
     if eps < 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps}")
+        raise ValueError(f"Invalid epsilon value: {eps}. HINT: pass eps >= 0 (the default is 1e-10).")
 
 
 class SparseAdagrad(SparseOptimizer):
@@ -51,7 +54,7 @@ class SparseAdagrad(SparseOptimizer):
     ) -> None:
         _check(lr, weight_decay, initial_accumulator_value, eps)
         if lr_decay < 0.0:
-            raise ValueError(f"Invalid lr_decay value: {lr_decay}")
+            raise ValueError(f"Invalid lr_decay value: {lr_decay}. HINT: pass lr_decay >= 0 (0 keeps the learning rate).")
         defaults = dict(
             lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
             initial_accumulator_value=initial_accumulator_value, duplicate_grads=duplicate_grads,

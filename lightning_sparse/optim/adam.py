@@ -46,15 +46,15 @@ class SparseAdam(SparseOptimizer):
         capturable: bool = False,
     ) -> None:
         if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
+            raise ValueError(f"Invalid learning rate: {lr}. HINT: pass lr >= 0.")
         if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
+            raise ValueError(f"Invalid epsilon value: {eps}. HINT: pass eps >= 0 (the default is 1e-8).")
         if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}. HINT: each beta is in [0, 1), e.g. (0.9, 0.999).")
         if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}. HINT: each beta is in [0, 1), e.g. (0.9, 0.999).")
         if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}. HINT: pass weight_decay >= 0 (0 turns it off).")
         if bias_correction not in BIAS_CORRECTIONS:
             raise ValueError(f"Invalid bias_correction: {bias_correction!r}. HINT: use one of {BIAS_CORRECTIONS}.")
         defaults = dict(

@@ -86,7 +86,8 @@ def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer
         if any(r.weights is not None for r in records) else None  # fmt: skip
     if check_finite and bool((~torch.isfinite(values)).any()):  # a host read, only when checking
         raise FloatingPointError(f"{type(optimizer).__name__}: the sparse gradient of {unit.name} is not finite (inf or NaN); "
-                                 f"no row was updated and the gradients were dropped.")  # fmt: skip
+                                 f"no row was updated and the gradients were dropped. HINT: look for the source (the loss, the "
+                                 f"learning rate, an fp16 overflow); catching this error and going on is safe.")  # fmt: skip
     group = optimizer.group_of(tables[0].shard)
     touched = sorted({i for r in records for i in r.tables})
     if not touched:

@@ -33,9 +33,9 @@ class SparseSGD(SparseOptimizer):
         capturable: bool = False,
     ) -> None:
         if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
+            raise ValueError(f"Invalid learning rate: {lr}. HINT: pass lr >= 0.")
         if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}. HINT: pass weight_decay >= 0 (0 turns it off).")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, duplicate_grads=duplicate_grads,
                                       check_finite=check_finite, capturable=capturable))  # fmt: skip
 

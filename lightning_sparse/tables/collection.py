@@ -104,7 +104,8 @@ class SparseEmbeddingCollection(nn.Module):
             raise ValueError("A SparseEmbeddingCollection needs at least one table. HINT: {'user': SparseEmbedding(...)}.")
         for name, table in tables.items():
             if not isinstance(table, SparseEmbedding):
-                raise TypeError(f"Table {name!r} is a {type(table).__name__}, not a SparseEmbedding.")
+                raise TypeError(f"Table {name!r} is a {type(table).__name__}, not a SparseEmbedding. HINT: build it as "
+                                f"lightning_sparse.SparseEmbedding(num_embeddings, embedding_dim).")  # fmt: skip
         if len({id(t) for t in tables.values()}) != len(tables):
             raise ValueError("The same SparseEmbedding appears under two names. HINT: map two features to one table "
                              "with features={'clicked': 'item', 'candidate': 'item'}.")  # fmt: skip
@@ -118,7 +119,8 @@ class SparseEmbeddingCollection(nn.Module):
         if not isinstance(pooling, str):
             unknown = set(pooling) - set(features)
             if unknown:
-                raise ValueError(f"pooling names unknown features {sorted(unknown)}; the features are {list(features)}.")
+                raise ValueError(f"pooling names unknown features {sorted(unknown)}; the features are {list(features)}. "
+                                 f"HINT: key pooling by feature name, as features is.")  # fmt: skip
             modes.update(pooling)
         for name, mode in modes.items():
             if mode not in POOLING:

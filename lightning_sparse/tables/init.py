@@ -133,7 +133,8 @@ def from_tensor(table: Tensor) -> RowInit:
 
 def _from_tensor(global_ids: Tensor, embedding_dim: int, seed: int, *, table: Tensor) -> Tensor:
     if table.shape[1] != embedding_dim:
-        raise ValueError(f"Pretrained table has dim {table.shape[1]} but the SparseEmbedding has embedding_dim={embedding_dim}.")
+        raise ValueError(f"Pretrained table has dim {table.shape[1]} but the SparseEmbedding has embedding_dim={embedding_dim}. "
+                         f"HINT: build the SparseEmbedding with embedding_dim={table.shape[1]}.")  # fmt: skip
     return table[global_ids.to(table.device)]
 
 
@@ -157,6 +158,6 @@ def from_file(path: str, key: str | None = None) -> RowInit:
     loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     if isinstance(loaded, dict):
         if key is None or key not in loaded:
-            raise KeyError(f"{path} holds {sorted(loaded)}; pick the table with key=... (got {key!r}).")
+            raise KeyError(f"{path} holds {sorted(loaded)}, not {key!r}. HINT: pick the table with from_file(path, key=...).")
         loaded = loaded[key]
     return from_tensor(loaded)

@@ -1,5 +1,5 @@
-"""The LightningModule of the Lightning exit shapes (programs.py): a module of its own, so that
-``start_method="spawn"`` can pickle it."""
+"""The LightningModule of the Lightning exit shapes (programs.py), and a callback of theirs: a module of its own, so
+that ``start_method="spawn"`` can pickle them."""
 
 import lightning.pytorch as pl
 import torch
@@ -41,3 +41,15 @@ class ExitModel(pl.LightningModule):
 
     def configure_sparse_optimizers(self):
         return ls.SparseAdagrad([self.users, self.features], lr=0.1)
+
+
+class SaveTrainedTables(pl.Callback):
+    """At the end of the fit, rank 0 saves the full trained tables to ``path``: what the spawn launcher must hand back."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: ExitModel) -> None:
+        tables = {"users": pl_module.users.full_weight(), "item": pl_module.features.tables["item"].full_weight()}  # collective
+        if trainer.global_rank == 0:
+            torch.save(tables, self.path)

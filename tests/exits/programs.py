@@ -88,7 +88,7 @@ def torchrun_rank() -> int:
 def lightning(shape: str) -> int:
     import lightning.pytorch as pl
     import torch
-    from exit_model import ExitModel
+    from exit_model import ExitModel, SaveTrainedTables
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_sparse as ls
@@ -97,9 +97,11 @@ def lightning(shape: str) -> int:
     loader = DataLoader(TensorDataset(torch.randint(0, 1000, (128,), generator=generator), torch.randn(128, generator=generator)),
                         batch_size=16)  # fmt: skip
     strategy = ls.SparseDDPStrategy(timeout=TIMEOUT, start_method="spawn" if shape == "fit-spawn" else "popen")
+    trained_path = os.path.join(os.getcwd(), "trained.pt")  # fit-spawn: the tables rank 0 held at the end of the fit
+    callbacks = [ls.SparseStatsMonitor(), *([SaveTrainedTables(trained_path)] if shape == "fit-spawn" else [])]
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, limit_val_batches=2,
                          default_root_dir=os.getcwd(), logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[ls.SparseStatsMonitor()])  # fmt: skip
+                         enable_model_summary=False, callbacks=callbacks)  # fmt: skip
     model = ExitModel(fail_at_batch=2 if shape == "exception" else None)
     if shape == "eval":
         trainer.validate(model, loader)
@@ -112,9 +114,12 @@ def lightning(shape: str) -> int:
             print(f"rank {trainer.global_rank}: caught {err}", flush=True)
     else:
         trainer.fit(model, loader, loader)
-    if shape == "fit-spawn":  # this is the main process: rank 0 handed back the trained full tables
-        trained, initial = model.users.full_weight(), ExitModel().users.full_weight()
-        assert trained.shape == initial.shape and not torch.equal(trained, initial), "tables not handed back"
+    if shape == "fit-spawn":  # this is the main process: rank 0 handed back exactly the full tables it trained
+        trained = torch.load(trained_path, weights_only=True)
+        assert not torch.equal(trained["users"], ExitModel().users.full_weight()), "the fit must train the table"
+        handed = {"users": model.users.full_weight(), "item": model.features.tables["item"].full_weight()}
+        for name, table in trained.items():
+            assert torch.equal(handed[name], table), f"{name}: the table handed back is not the one rank 0 trained"
     if shape == "fit-destroy":
         torch.distributed.destroy_process_group()
     print(f"rank {trainer.global_rank}: done", flush=True)

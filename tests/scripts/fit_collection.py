@@ -103,9 +103,11 @@ def main() -> None:
     trainer = lm.trainer(args.devices, num_nodes=args.num_nodes, max_epochs=args.epochs, callbacks=callbacks,
                          enable_checkpointing=bool(args.checkpoints),
                          strategy=ls.SparseDDPStrategy(timeout=timedelta(seconds=args.timeout)))  # fmt: skip
+    # When this rank began to join the job and when it learned of a loss: on the clock every process of the machine shares.
+    print(f"fit started at monotonic {time.monotonic():.3f}", flush=True)
     try:
         trainer.fit(module, ckpt_path="last" if args.resume else None)
-    except ls.PeerFailure:  # when this rank learned of the loss, on the clock every process of the machine shares
+    except ls.PeerFailure:
         print(f"PeerFailure raised at monotonic {time.monotonic():.3f}", flush=True)
         raise
     state = lm.state(module)  # collective: every rank takes part

@@ -1,8 +1,8 @@
 """Fit with sparse_ddp on 2 CPU ranks launched by Lightning; rank 1 hangs at step 3.
 
-Usage: hang_one_rank.py PID_FILE stop|sleep. Rank 1 writes its pid to PID_FILE, then stops itself
-(SIGSTOP) or sleeps for ten minutes. Rank 0 fails after the group's timeout (10 s) and the
-strategy kills the rank it launched. Run by tests/test_exits.py, which checks that the hung rank
+Usage: hang_one_rank.py PID_FILE stop|sleep [TIMEOUT_S]. Rank 1 writes its pid to PID_FILE, then
+stops itself (SIGSTOP) or sleeps for ``HANG_S``. Rank 0 fails after the group's timeout (TIMEOUT_S,
+default 10 s) and the strategy kills the rank it launched. Run by tests/test_exits.py, which checks that the hung rank
 does not outlive the program.
 """
 
@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -19,6 +20,8 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_sparse as ls  # noqa: E402
+
+HANG_S = 600  # how long the hung rank sleeps: far longer than the test waits
 
 
 class StopAt(pl.Callback):
@@ -32,7 +35,22 @@ class StopAt(pl.Callback):
             if sys.argv[2] == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
-                time.sleep(600)
+                time.sleep(HANG_S)
+
+
+class JoinOnceAllAreUp(ls.SparseDDPStrategy):
+    """Joins the rendezvous once every rank has started: on a busy machine rank 1's imports alone can outlast the
+    10 s timeout meant for the hung collective (files in the working directory, which both ranks share)."""
+
+    def setup_distributed(self) -> None:
+        environment = self.cluster_environment
+        Path(f"up-{environment.global_rank()}").touch()
+        deadline = time.monotonic() + HANG_S
+        while not all(Path(f"up-{rank}").exists() for rank in range(environment.world_size())):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the other rank never started")
+            time.sleep(0.05)
+        super().setup_distributed()
 
 
 class Model(pl.LightningModule):
@@ -54,8 +72,9 @@ class Model(pl.LightningModule):
 
 def main() -> int:
     torch.set_num_threads(1)
+    timeout_s = float(sys.argv[3]) if len(sys.argv) > 3 else 10.0
     data = TensorDataset(torch.randint(0, 1000, (256,)), torch.randn(256))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ls.SparseDDPStrategy(timeout=timedelta(seconds=10)),
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=JoinOnceAllAreUp(timeout=timedelta(seconds=timeout_s)),
                          max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[StopAt(sys.argv[1])])  # fmt: skip
     trainer.fit(Model(), DataLoader(data, batch_size=8))

@@ -69,15 +69,15 @@ def _cases(both: list[tuple], cuda_only: list[tuple]) -> list:
 
 # ---------------------------------------------------------------- parity
 TABLE_CASES = [("sgd-wd", "mod", 2), ("adagrad", "range", 3), ("rowwise-adagrad", "mod", 3), ("adam-row", "range", 2)]
-MORE_TABLE_CASES = [(case, scheme, world) for case in test_optim_parity.CASES for scheme in ("mod", "range") for world in (2, 3)
-                    if (case, scheme, world) not in TABLE_CASES]  # fmt: skip
+MORE_TABLE_CASES = [(case, scheme, world) for case in [*test_optim_parity.CASES, "sgd-wd"] for scheme in ("mod", "range")
+                    for world in (2, 3) if (case, scheme, world) not in TABLE_CASES]  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case, scheme, world_size", _cases(TABLE_CASES, MORE_TABLE_CASES))
 def test_tables_train_as_one_process(rank_pools, device, case, scheme, world_size):
     """Every optimizer, both sharding schemes, 2 and 3 ranks: as nn.Embedding(sparse=True) and torch's optimizer."""
-    name, kwargs = test_optim_parity.CASES[case]
+    name, kwargs = {**test_optim_parity.CASES, **test_optim_parity.SETTINGS}[case]
     batches = test_optim_parity.make_batches()
     initial = ls.init.normal()(torch.arange(test_optim_parity.N), test_optim_parity.D, test_optim_parity.SEED)
     expected = reference_train(name, kwargs, initial, batches)

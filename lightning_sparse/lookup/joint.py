@@ -29,7 +29,7 @@ from lightning_sparse.kernels import uses_triton
 from lightning_sparse.kernels.bags import Feature, gather_bags, verdict_size
 from lightning_sparse.kernels.host import KeptValues
 from lightning_sparse.kernels.rounding import HALF
-from lightning_sparse.kernels.runs import table_entries
+from lightning_sparse.kernels.runs import RuleState, table_entries
 from lightning_sparse.lookup.engine import Round
 from lightning_sparse.lookup.features import ID_DTYPES, ID_SOURCE_DTYPES, JaggedIds, as_feature_dict, code_of
 from lightning_sparse.lookup.pending import Bags
@@ -195,9 +195,9 @@ def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str
 
 
 def _gather_entries(collection: SparseEmbeddingCollection, kept: KeptValues) -> Tensor:
-    """The tables' addresses for the gather (``[T, 8]``, as a TableSet's), kept while the shards stay where they are."""
+    """The tables' addresses for the gather (a TableSet's entries), kept while the shards stay where they are."""
     shards, none = [t.shard for t in collection.table_list], [None] * len(collection.table_list)
-    return table_entries(shards, [(None, None, None)] * len(shards), none, [(0.0, 0.0, 1.0)] * len(shards), kept=kept)
+    return table_entries(shards, [RuleState()] * len(shards), none, [(0.0, 0.0, 1.0)] * len(shards), kept=kept)
 
 
 class KeptDeviceTables:

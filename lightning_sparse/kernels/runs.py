@@ -190,7 +190,7 @@ def update_rows(
     """Apply ``rule`` to the table row of each run (its key) with the run's summed values as gradient. Triton only.
 
     ``table``: one table, or a :class:`TableSet` (keys name table and row; each table's scalars
-    come from its entry, the rest of ``rule`` is shared; no stochastic rounding).
+    and counter come from its entry, the rest of ``rule`` is shared; no stochastic rounding).
 
     The gradient of a row is the sum of its run's ``values`` (``[n, dim]``; times ``weights``, one
     per sorted position, if given: a pooled bag's gradient reaches each of its ids so), divided by the
@@ -198,7 +198,7 @@ def update_rows(
     ``counts`` sum to 0 (placeholders of ranks without a gradient) leaves its row and state alone.
     ``verdict`` (``[2]`` int64, the min and max id looked up; see :mod:`lightning_sparse.kernels.rows`):
     when it shows an id out of range, nothing is updated. ``unique`` (int64 scalar) gains the
-    number of runs. No host read.
+    number of runs (a TableSet's tables: each its own, when the set has a ``counter``). No host read.
     """
     from lightning_sparse.kernels.triton_runs import Target
     from lightning_sparse.kernels.triton_update import FAMILIES

@@ -149,7 +149,7 @@ def _methods(rows: int, dim: int, device: torch.device):
 
 def _update_bandwidth(rows: int, dim: int, batch: torch.Tensor, steps: int, device: torch.device) -> list[dict]:
     """The fused update kernel alone on one batch's prepared runs, against a device copy of the bytes it moves."""
-    from lightning_sparse.kernels import UpdateRule, sort_runs, update_rows
+    from lightning_sparse.kernels import RuleState, UpdateRule, sort_runs, update_rows
 
     runs = sort_runs(batch, rows)
     values = torch.randn(len(batch), dim, device=device)
@@ -157,9 +157,9 @@ def _update_bandwidth(rows: int, dim: int, batch: torch.Tensor, steps: int, devi
     table = torch.zeros(rows, dim, device=device)
     state = torch.zeros(rows, dim, device=device)
     rules = {
-        "adagrad": UpdateRule("adagrad", 0.1, state=(state, None, None), eps=1e-10),
-        "rowwise_adagrad": UpdateRule("rowwise_adagrad", 0.1, state=(None, None, state[:, 0].contiguous()), eps=1e-10),
-        "adam": UpdateRule("adam", 1e-3, state=(state, torch.zeros_like(state), None), eps=1e-8, betas=(0.9, 0.999),
+        "adagrad": UpdateRule("adagrad", 0.1, state=RuleState(first=state), eps=1e-10),
+        "rowwise_adagrad": UpdateRule("rowwise_adagrad", 0.1, state=RuleState(per_row=state[:, 0].contiguous()), eps=1e-10),
+        "adam": UpdateRule("adam", 1e-3, state=RuleState(state, torch.zeros_like(state)), eps=1e-8, betas=(0.9, 0.999),
                            step_size=1e-3),
     }  # fmt: skip
     out = []

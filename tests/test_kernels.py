@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_sparse.kernels import Runs, StochasticRounding, UpdateRule, backend, segment_sum, sort_runs, update_rows
+from lightning_sparse.kernels import RuleState, Runs, StochasticRounding, UpdateRule, backend, segment_sum, sort_runs, update_rows
 from lightning_sparse.kernels import rows as kernel_rows
 from lightning_sparse.kernels import runs as kernel_runs
 from lightning_sparse.kernels.rounding import noise_salt, rounding_noise, stochastic_round
@@ -94,21 +94,23 @@ def _case(name: str, dim: int):
     if name == "sgd_decay":
         return UpdateRule("sgd", 0.3, weight_decay=0.1), lambda t, r, g, lr=0.3: F.sgd_(t, r, g, lr=lr, weight_decay=0.1)
     if name == "adagrad":
-        rule = UpdateRule("adagrad", 0.2, state=(v, None, None), eps=1e-10, weight_decay=0.05)
+        rule = UpdateRule("adagrad", 0.2, state=RuleState(first=v), eps=1e-10, weight_decay=0.05)
         v = v.clone()
         return rule, lambda t, r, g, lr=0.2: F.adagrad_(t, v, r, g, clr=lr, weight_decay=0.05, eps=1e-10)
     if name == "rowwise_adagrad":
-        rule = UpdateRule("rowwise_adagrad", 0.2, state=(None, None, row_sum), eps=1e-10)
+        rule = UpdateRule("rowwise_adagrad", 0.2, state=RuleState(per_row=row_sum), eps=1e-10)
         row_sum = row_sum.clone()
         return rule, lambda t, r, g, lr=0.2: F.rowwise_adagrad_(t, row_sum, r, g, lr=lr, weight_decay=0.0, eps=1e-10)
     adam = dict(eps=1e-8, weight_decay=0.1)
     if name == "adam_row":
-        rule = UpdateRule("adam", 0.01, state=(m, v, steps), eps=1e-8, betas=(0.9, 0.999), row_bias=True, weight_decay=0.1)
+        rule = UpdateRule(
+            "adam", 0.01, state=RuleState(m, v, steps), eps=1e-8, betas=(0.9, 0.999), row_bias=True, weight_decay=0.1
+        )
         m, v, steps = m.clone(), v.clone(), steps.clone()
         return rule, lambda t, r, g, lr=0.01: F.adam_(t, m, v, r, g, step=steps.index_select(0, r).add_(1), beta1=0.9,
                                                       beta2=0.999, decoupled_weight_decay=False, lr=lr, **adam)  # fmt: skip
     assert name == "adamw_global"
-    rule = UpdateRule("adam", 0.01, state=(m, v, None), eps=1e-8, betas=(0.8, 0.99), weight_decay=0.1,
+    rule = UpdateRule("adam", 0.01, state=RuleState(m, v), eps=1e-8, betas=(0.8, 0.99), weight_decay=0.1,
                       decoupled_weight_decay=True, step_size=F.adam_step_size(0.01, 0.8, 0.99, 4))  # fmt: skip
     m, v = m.clone(), v.clone()
     return rule, lambda t, r, g, lr=0.01: F.adam_(t, m, v, r, g, step=4, beta1=0.8, beta2=0.99, decoupled_weight_decay=True,
@@ -125,7 +127,9 @@ def test_fused_update_matches_the_sum_then_the_functional_update(triton_kernels,
     counts = torch.randint(1, 4, (300,), generator=torch.Generator().manual_seed(6)).float()
     table = torch.randn(40, dim, generator=torch.Generator().manual_seed(7))
     rule, reference = _case(case, dim)
-    on_device = UpdateRule(**{**rule.__dict__, "state": tuple(s.to(device) if s is not None else None for s in rule.state)})
+    on_device = UpdateRule(
+        **{**rule.__dict__, "state": RuleState(*(s.to(device) if s is not None else None for s in rule.state))}
+    )
     fused = table.to(device, copy=True)
     update_rows(sort_runs(keys.to(device), 40), values.to(device), fused, on_device,
                 counts=counts.to(device) if scaling == "mean" else None, mean=scaling == "mean",
@@ -152,13 +156,15 @@ def test_one_launch_updates_many_tables_as_each_table_alone(triton_kernels, devi
     values, weights = torch.randn(250, dim, generator=gen), torch.rand(250, generator=gen)
     rules, references = zip(*(_case(case, dim) for _ in sizes))  # per table: its own state tensors
     fused = [t.to(device, copy=True) for t in tables]
-    states = [tuple(x[:n].to(device, copy=True) if x is not None else None for x in rule.state) for rule, n in zip(rules, sizes)]
+    states = [
+        RuleState(*(x[:n].to(device, copy=True) if x is not None else None for x in rule.state)) for rule, n in zip(rules, sizes)
+    ]
     counters = [torch.zeros((), dtype=torch.int64, device=device) for _ in sizes]
     lrs = (0.2, 0.05, 0.1)
     entries = table_entries(fused, states, counters, [(lr, 0.0, 1.0) for lr in lrs])
     runs = sort_runs((table_ids << shift | rows).to(device), 3 << shift)
     order = runs.perm.cpu()
-    update_rows(Runs(runs.keys, runs.perm), values.to(device), TableSet(entries, shift, (fused[0], *states[0], counters[0])),
+    update_rows(Runs(runs.keys, runs.perm), values.to(device), TableSet(entries, shift, fused[0], states[0], counters[0]),
                 rules[0], weights=weights.index_select(0, order).to(device))  # fmt: skip
     for t, (table, reference, lr) in enumerate(zip(tables, references, lrs)):
         mine = table_ids == t

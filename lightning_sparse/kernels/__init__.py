@@ -2,6 +2,7 @@
 
 from lightning_sparse.kernels.backend import gpu_path, launches, uses_triton
 from lightning_sparse.kernels.runs import (
+    RuleState,
     Runs,
     StochasticRounding,
     TableSet,
@@ -13,6 +14,7 @@ from lightning_sparse.kernels.runs import (
 )
 
 __all__ = [
+    "RuleState",
     "Runs",
     "StochasticRounding",
     "TableSet",

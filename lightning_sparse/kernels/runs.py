@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,6 @@ from lightning_sparse.kernels.hashes import ROW_MULTIPLIER
 from lightning_sparse.kernels.host import KeptValues, host_tensor
 
 _INT32_LIMIT = 2**31 - 1
-FAMILIES = ("sum", "sgd", "adagrad", "rowwise_adagrad", "adam")
 
 
 @dataclass(frozen=True)
@@ -55,23 +55,31 @@ def sort_runs(keys: Tensor, bound: int | None = None) -> Runs:
     return Runs(ordered, perm)
 
 
+class RuleState(NamedTuple):
+    """The state tensors an update family reads and writes, ``None`` where it has none."""
+
+    first: Tensor | None = None  # per element: Adagrad's sum, Adam's exp_avg
+    second: Tensor | None = None  # per element: Adam's exp_avg_sq
+    per_row: Tensor | None = None  # one per row: row-wise Adagrad's sum, Adam's row_step (per-row bias correction)
+
+
 @dataclass(frozen=True)
 class UpdateRule:
-    """One optimizer family's step, as :func:`update_rows` applies it (see :mod:`lightning_sparse.optim.functional`).
+    """One step of an optimizer family (``"sgd"``, ``"adagrad"``, ``"rowwise_adagrad"``, ``"adam"``) on a table's rows:
+    by :func:`update_rows`, or by torch ops (:func:`lightning_sparse.optim.update.torch_update`).
 
-    ``lr`` is the step's learning rate (Adagrad's decayed ``clr``); ``step_size`` is global-bias
-    Adam's ``lr * sqrt(1 - beta2^t) / (1 - beta1^t)``. ``state`` holds the state tensors the
-    family reads: (per-element 1, per-element 2, per-row), ``None`` where unused.
+    The step's scalars: ``lr`` (Adagrad's decayed ``clr``) and ``step_size`` (global-bias Adam's ``lr * sqrt(1 -
+    beta2^t) / (1 - beta1^t)``), numbers or (capturable) device tensors, which a :class:`TableSet`'s entries carry.
     """
 
     family: str
-    lr: float
-    state: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)
+    lr: float | Tensor
+    state: RuleState = RuleState()
     weight_decay: float = 0.0
     decoupled_weight_decay: bool = False
     eps: float = 0.0
     betas: tuple[float, float] = (0.0, 0.0)
-    step_size: float = 0.0
+    step_size: float | Tensor = 0.0
     row_bias: bool = False
 
 
@@ -92,37 +100,49 @@ class StochasticRounding:
 class TableSet:
     """Several tables that one launch of :func:`update_rows` updates: each key is ``table << shift | row``.
 
-    ``entries``: an int64 ``[T, 8]`` on the device, per table the addresses of its rows, of its
-    state tensors (as :attr:`UpdateRule.state` orders them; 0 where unused) and of its unique-id
-    counter, then the float64 bits of its learning rate, step size and decay (``1 - lr * weight_decay``),
-    which differ per table with its step count (:func:`table_entries` makes it). ``like``: one
-    table's tensors in the same order, for their dtypes.
+    ``entries``: an int64 ``[T, 8]`` on the device, per table its columns (``kernels.triton_runs.ENTRY``): the
+    addresses of its rows, of its state tensors (``first``, ``second``, ``per_row`` as in :class:`RuleState`; 0 where
+    unused) and of its unique-id counter, then the float64 bits of its step's scalars: learning rate, step size and
+    decay (``1 - lr * weight_decay``), which differ per table with its step count (:func:`table_entries` makes it).
+    ``rows``, ``state`` and ``counter``: one table's, for their dtypes.
     """
 
     entries: Tensor
     shift: int
-    like: tuple[Tensor | None, ...]
+    rows: Tensor
+    state: RuleState = RuleState()
+    counter: Tensor | None = None
 
 
 def table_entries(
     tables: list[Tensor],
-    states: list[tuple[Tensor | None, Tensor | None, Tensor | None]],
+    states: list[RuleState],
     counters: list[Tensor | None],
     scalars: list[tuple[float, float, float]],
     kept: KeptValues | None = None,
 ) -> Tensor:
     """The ``[T, 8]`` entries of a :class:`TableSet` on the tables' device (one copy from pinned host memory, no wait).
 
-    ``kept``: made once and kept while the tables, their state and scalars stay the same (what a captured step reads).
+    Per table: its rows, the state its rule reads, its unique-id counter (``None``: none) and its step's scalars
+    ``(lr, step_size, decay)``. ``kept``: made once and kept while the tables, their state and scalars stay the same
+    (what a captured step reads).
     """
+    from lightning_sparse.kernels.triton_runs import ENTRY
+
     rows = []
-    for table, state, counter, numbers in zip(tables, states, counters, scalars):
-        addresses = [table.data_ptr(), *(t.data_ptr() if t is not None else 0 for t in state)]
-        addresses.append(counter.data_ptr() if counter is not None else 0)
-        rows.append(addresses + [struct.unpack("<q", struct.pack("<d", float(x)))[0] for x in numbers])
+    for table, state, counter, (lr, step_size, decay) in zip(tables, states, counters, scalars):
+        entry = {name: t.data_ptr() if t is not None else 0 for name, t in state._asdict().items()}
+        entry.update(rows=table.data_ptr(), counter=counter.data_ptr() if counter is not None else 0,
+                     lr=_bits(lr), step_size=_bits(step_size), decay=_bits(decay))  # fmt: skip
+        rows.append([entry[name] for name in ENTRY])
     values, device = [value for row in rows for value in row], tables[0].device
     entries = kept.get(values, device) if kept is not None else host_tensor(values, torch.int64, device)
-    return entries.view(len(rows), 8)
+    return entries.view(len(rows), len(ENTRY))
+
+
+def _bits(number: float) -> int:
+    """A float64's bits as an int64 (an entry's scalar columns)."""
+    return struct.unpack("<q", struct.pack("<d", float(number)))[0]
 
 
 def segment_sum(
@@ -142,7 +162,9 @@ def segment_sum(
     if uses_triton(values):
         out = values.new_zeros(num_out, values.shape[1], dtype=torch.float32 if values.dtype != torch.float64 else values.dtype)
         if len(runs):
-            _launch(runs, values, family="sum", out=out, shift=shift, weights=weights)
+            from lightning_sparse.kernels.triton_runs import Target
+
+            _launch(_Sums(runs, values, weights), Target(out=out, stride_o=out.stride(0), shift=shift), UpdateRule("sum", 0.0))
         return out.to(values.dtype) if out.dtype != values.dtype else out
     if offsets is None:
         wanted = torch.arange(-shift, num_out - shift, device=values.device, dtype=runs.keys.dtype)
@@ -168,7 +190,7 @@ def update_rows(
     """Apply ``rule`` to the table row of each run (its key) with the run's summed values as gradient. Triton only.
 
     ``table``: one table, or a :class:`TableSet` (keys name table and row; each table's scalars
-    come from its entry, the rest of ``rule`` is shared; no stochastic rounding).
+    and counter come from its entry, the rest of ``rule`` is shared; no stochastic rounding).
 
     The gradient of a row is the sum of its run's ``values`` (``[n, dim]``; times ``weights``, one
     per sorted position, if given: a pooled bag's gradient reaches each of its ids so), divided by the
@@ -176,13 +198,22 @@ def update_rows(
     ``counts`` sum to 0 (placeholders of ranks without a gradient) leaves its row and state alone.
     ``verdict`` (``[2]`` int64, the min and max id looked up; see :mod:`lightning_sparse.kernels.rows`):
     when it shows an id out of range, nothing is updated. ``unique`` (int64 scalar) gains the
-    number of runs. No host read.
+    number of runs (a TableSet's tables: each its own, when the set has a ``counter``). No host read.
     """
+    from lightning_sparse.kernels.triton_runs import Target
+    from lightning_sparse.kernels.triton_update import FAMILIES
+
     if rule.family not in FAMILIES[1:]:
         raise ValueError(f"Invalid update family: {rule.family!r}. HINT: use one of {FAMILIES[1:]}.")
+    many = table if isinstance(table, TableSet) else None
+    if many is not None and rounding is not None:
+        raise ValueError("update_rows: stochastic rounding takes one table at a time.")
+    rows, state = (many.rows, many.state) if many is not None else (table, rule.state)
+    to = Target(shift=many.shift if many else 0, table=rows, stride_t=rows.stride(0), state_first=state.first,
+                state_second=state.second, state_per_row=state.per_row, tables=many.entries if many else None)  # fmt: skip
     if len(runs):
-        _launch(runs, values, family=rule.family, table=table, rule=rule, counts=counts, weights=weights, mean=mean,
-                divisor=divisor, rounding=rounding, verdict=verdict, unique=unique)  # fmt: skip
+        _launch(_Sums(runs, values, weights, counts, mean, divisor, verdict, num_rows=1 if many else rows.shape[0],
+                      unique=many.counter if many else unique), to, rule, rounding)  # fmt: skip
 
 
 def cold_tile(dim: int, family: str, many: bool) -> tuple[int, int]:
@@ -214,50 +245,56 @@ def _log2_float32(beta: float) -> float:
     return math.log2(beta) if beta > 0 else -math.inf
 
 
-def _launch(runs: Runs, values: Tensor, *, family: str, out: Tensor | None = None, shift: int = 0,
-            weights: Tensor | None = None, counts: Tensor | None = None, mean: bool = False, divisor: float = 1.0,
-            table: Tensor | None = None, rule: UpdateRule | None = None, rounding: StochasticRounding | None = None,
-            verdict: Tensor | None = None, unique: Tensor | None = None) -> None:  # fmt: skip
-    from lightning_sparse.kernels import triton_runs as k
-    from lightning_sparse.kernels.triton_update import NEAREST, STOCHASTIC_BF16
+@dataclass(frozen=True)
+class _Sums:
+    """The runs, how each run's values are summed and scaled, the input's verdict (bad input: no update; ids below
+    ``num_rows``) and the counter of distinct keys (see :func:`update_rows`)."""
 
-    many = table if isinstance(table, TableSet) else None
-    if many is not None:
-        table, state1, state2, state_row, unique = many.like
-        rule = UpdateRule(**{**rule.__dict__, "state": (state1, state2, state_row)})
-        if rounding is not None:
-            raise ValueError("update_rows: stochastic rounding takes one table at a time.")
-    n, dim = len(runs), (table.shape[1] if table is not None else values.shape[1])
+    runs: Runs
+    values: Tensor
+    weights: Tensor | None = None
+    counts: Tensor | None = None
+    mean: bool = False
+    divisor: float = 1.0
+    verdict: Tensor | None = None
+    num_rows: int = 0
+    unique: Tensor | None = None
+
+
+def _launch(sums: _Sums, to: Any, rule: UpdateRule, rounding: StochasticRounding | None = None) -> None:
+    """Both kernels over the runs (``runs_cold``, then ``runs_hot``), every argument by the kernels' name for it.
+
+    ``to``: where each run's sum goes (``triton_runs.Target``); ``rule``: what it does there (its scalars are unused
+    when ``to.tables`` hold each table's own).
+    """
+    from lightning_sparse.kernels import triton_runs as k
+    from lightning_sparse.kernels import triton_update as u
+
+    runs, values, many = sums.runs, sums.values, to.tables is not None
+    n, dim = len(runs), (to.table.shape[1] if to.table is not None else values.shape[1])
     if values.stride(1) != 1:
         values = values.contiguous()
-    rule = rule or UpdateRule("sum", 0.0)
-    beta1, beta2 = rule.betas
-    state1, state2, state_row = rule.state
-    scalars = dict(
-        lr=rule.lr, step_size=rule.step_size, weight_decay=rule.weight_decay, decay=1.0 - rule.lr * rule.weight_decay,
-        eps=rule.eps, beta1=beta1, beta2=beta2, one_minus_beta1=1.0 - beta1, one_minus_beta2=1.0 - beta2,
-        log2_beta1=_log2_float32(beta1), log2_beta2=_log2_float32(beta2),
-        salt=rounding.salt if rounding else 0, row_multiplier=ROW_MULTIPLIER, global_mul=rounding.global_mul if rounding else 1,
-        global_add=rounding.global_add if rounding else 0,
+    (beta1, beta2), counts = rule.betas, sums.counts
+    lr, step_size = (0.0, 0.0) if many else (rule.lr, rule.step_size)
+    arguments = dict(
+        keys=runs.keys, perm=runs.perm, n=n, values=values, stride_v=values.stride(0), weights=sums.weights, counts=counts,
+        stride_c=counts.stride(0) if counts is not None else 0, dim=dim, dim_f=float(dim), divisor=float(sums.divisor),
+        verdict=sums.verdict, num_rows=sums.num_rows, unique=sums.unique, **to._asdict(),
+        **u.StepScalars(lr=lr, step_size=step_size, decay=1.0 - lr * rule.weight_decay)._asdict(),
+        **u.Hyper(weight_decay=rule.weight_decay, eps=rule.eps, beta1=beta1, beta2=beta2, one_minus_beta1=1.0 - beta1,
+                  one_minus_beta2=1.0 - beta2, log2_beta1=_log2_float32(beta1), log2_beta2=_log2_float32(beta2))._asdict(),
+        **u.Draws(salt=rounding.salt if rounding else 0, row_multiplier=ROW_MULTIPLIER,
+                  global_mul=rounding.global_mul if rounding else 1, global_add=rounding.global_add if rounding else 0)._asdict(),
+        **u.UpdateFlags(FAMILY=u.FAMILIES.index(rule.family), WEIGHT_DECAY=rule.weight_decay != 0.0,
+                        DECOUPLED=rule.decoupled_weight_decay, ROW_BIAS=rule.row_bias, LERP_FROM_END=1.0 - beta1 >= 0.5,
+                        ROUNDING=(u.STOCHASTIC_BF16 if rounding is not None else u.NEAREST).value)._asdict(),
+        HAS_PERM=runs.perm is not None, HAS_WEIGHTS=sums.weights is not None, HAS_COUNTS=counts is not None, MEAN=sums.mean,
+        DIVIDE=(not sums.mean) and sums.divisor != 1.0, CHECK=sums.verdict is not None,
+        COUNT_UNIQUE=sums.unique is not None, MANY=many, HOT_RUN=k.HOT,
     )  # fmt: skip
-    flags = dict(
-        FAMILY=FAMILIES.index(family), HAS_PERM=runs.perm is not None, HAS_WEIGHTS=weights is not None,
-        HAS_COUNTS=counts is not None, MEAN=mean, DIVIDE=(not mean) and divisor != 1.0, CHECK=verdict is not None,
-        COUNT_UNIQUE=unique is not None, WEIGHT_DECAY=rule.weight_decay != 0.0, DECOUPLED=rule.decoupled_weight_decay,
-        ROW_BIAS=rule.row_bias, LERP_FROM_END=1.0 - beta1 >= 0.5,
-        ROUNDING=STOCHASTIC_BF16 if rounding is not None else NEAREST, MANY=many is not None, HOT_RUN=k.HOT,
-    )  # fmt: skip
-    args = (runs.keys, runs.perm, n, values, values.stride(0), weights, counts, counts.stride(0) if counts is not None else 0,
-            dim, float(dim), out, out.stride(0) if out is not None else 0, many.shift if many else shift, float(divisor),
-            table, table.stride(0) if table is not None else 0, state1, state2, state_row,
-            many.entries if many else None, 1 if many else (table.shape[0] if table is not None else 0), verdict, unique)  # fmt: skip
-    block_s, block_d = cold_tile(dim, family, many is not None)
+    block_s, block_d = cold_tile(dim, rule.family, many)
     with launches.launch(values.device):
-        k.runs_cold[(-(-n // block_s),)](
-            *args, **scalars, **flags, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False
-        )
+        k.runs_cold[(-(-n // block_s),)](**arguments, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False)
     block_n, _ = hot_tile(dim)
     with launches.launch(values.device):
-        k.runs_hot[(-(-n // k.HOT),)](
-            *args, **scalars, **flags, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=HOT_WARPS, enable_fp_fusion=False
-        )
+        k.runs_hot[(-(-n // k.HOT),)](**arguments, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=HOT_WARPS, enable_fp_fusion=False)

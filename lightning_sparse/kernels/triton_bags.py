@@ -14,6 +14,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lightning_sparse.kernels.triton_runs import ENTRY_WIDTH
+from lightning_sparse.kernels.triton_runs import ROWS as ENTRY_ROWS
+
 # The columns of a feature's entry (int64), in order; the kernel's names for them are constexprs (a kernel reads no
 # other globals).
 LAYOUT = ("ids", "offsets", "weights", "per_bag", "first_id", "first_bag", "table", "rows", "mean", "num_ids", "num_bags",
@@ -48,7 +51,7 @@ def gather_bags(
 ):  # fmt: skip
     """``out[b]`` = the (pooled) rows of bag ``b`` of all features; with ``STORE``, each id's key, bag and weight.
 
-    ``entries``: the tables' ``[T, 8]`` entries (slot 0: the table's address; see ``triton_runs._finish``),
+    ``entries``: the tables' ``[T, ENTRY_WIDTH]`` entries (column ROWS: the table's address; see ``triton_runs.ENTRY``),
     ``table``: one of them, for the type. Keys are ``table << shift | row``.
     """
     bag = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -79,7 +82,7 @@ def gather_bags(
     start = tl.minimum(tl.maximum(start, 0), num_ids)
     end = tl.minimum(tl.maximum(end, start), num_ids)
     count = end - start
-    base = tl.load(entries + index * 8, mask=lane, other=0).to(tl.pointer_type(table.dtype.element_ty))
+    base = tl.load(entries + index * ENTRY_WIDTH + ENTRY_ROWS, mask=lane, other=0).to(tl.pointer_type(table.dtype.element_ty))
     first_id = _column(features, feature, FIRST_ID, lane)
     mean = _column(features, feature, MEAN, lane) != 0
     cols = tl.arange(0, BLOCK_D)

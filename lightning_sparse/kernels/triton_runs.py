@@ -24,79 +24,105 @@ torch would use (computed on the host in double precision, then float32).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import triton
 import triton.language as tl
 
-from lightning_sparse.kernels.triton_update import apply_rows
+from lightning_sparse.kernels.triton_update import (
+    ADAGRAD,
+    ADAM,
+    ROWWISE_ADAGRAD,
+    SUM,
+    Draws,
+    Hyper,
+    RowPointers,
+    StepScalars,
+    apply_rows,
+)
 
-SUM, SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = 0, 1, 2, 3, 4
 HOT = 32  # runs longer than this take a program of their own (runs_hot)
+# A TableSet entry's columns (int64), in order: addresses (0 where unused), then float64 bits (kernels.runs.table_entries
+# writes them by these names); the kernels' names for them are constexprs.
+ENTRY = ("rows", "first", "second", "per_row", "counter", "lr", "step_size", "decay")
+ENTRY_WIDTH = tl.constexpr(len(ENTRY))
+ROWS, FIRST, SECOND, PER_ROW, COUNTER, LR, STEP_SIZE, DECAY = (tl.constexpr(column) for column in range(len(ENTRY)))
+
+
+class Target(NamedTuple):
+    """Where a run's sum goes: ``out[key + shift]`` (SUM), or table row ``key`` (``tables``: a TableSet's entries, whose
+    keys are ``table << shift | row``; ``table`` and the state pointers are then one table's, for their types)."""
+
+    out: Any = None
+    stride_o: Any = 0
+    shift: Any = 0
+    table: Any = None
+    stride_t: Any = 0
+    state_first: Any = None
+    state_second: Any = None
+    state_per_row: Any = None
+    tables: Any = None
 
 
 @triton.jit
-def _address(entry, slot, like, lane):
-    """The address in slot ``slot`` of each lane's table entry (see ``_finish``), typed like the pointer ``like``."""
-    return tl.load(entry + slot, mask=lane, other=0).to(tl.pointer_type(like.dtype.element_ty))
+def _address(entry, column, like, lane):
+    """The address in column ``column`` of each lane's table entry, typed like the pointer ``like``."""
+    return tl.load(entry + column, mask=lane, other=0).to(tl.pointer_type(like.dtype.element_ty))
 
 
 @triton.jit
-def _scalar(entry, slot, lane):
-    """The float64 in slot ``slot`` of each lane's table entry, as float32 (torch's scalar arguments are so too)."""
-    return tl.load(entry + slot, mask=lane, other=0).to(tl.float64, bitcast=True).to(tl.float32)
+def _scalar(entry, column, lane):
+    """The float64 in column ``column`` of each lane's table entry, as float32 (torch's scalar arguments are so too)."""
+    return tl.load(entry + column, mask=lane, other=0).to(tl.float64, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _finish(
-    key, lane, acc, count, cols, col_ok, dim, dim_f, out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row,
-    tables, lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
-    salt, row_multiplier, global_mul, global_add,
-    FAMILY: tl.constexpr, MEAN: tl.constexpr, DIVIDE: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
-    ROW_BIAS: tl.constexpr, LERP_FROM_END: tl.constexpr, ROUNDING: tl.constexpr, MANY: tl.constexpr,
+    key, lane, acc, count, cols, col_ok, dim, dim_f, divisor, to, scalars, hyper, draws,
+    FAMILY: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, ROW_BIAS: tl.constexpr,
+    LERP_FROM_END: tl.constexpr, ROUNDING: tl.constexpr, MEAN: tl.constexpr, DIVIDE: tl.constexpr, MANY: tl.constexpr,
 ):  # fmt: skip
     """A run's sum (``acc``, ``count`` values) scaled, then written out (SUM) or applied to table row ``key``.
 
-    ``MANY``: the keys are ``table << shift | row`` over several tables, and ``tables`` points to
-    an int64 ``[T, 8]``: per table the addresses of its rows, of its three state tensors and of
-    its unique-id counter, then (as float64 bits) its learning rate, step size and decay, the
-    scalars of its own step; ``table``, ``state1``, ... are then one table's tensors, for their types.
+    ``to``: the :class:`Target`. ``MANY``: the keys are ``table << shift | row`` over several tables, and ``to.tables``
+    points to the int64 ``[T, ENTRY_WIDTH]`` entries: per table its columns (see ``ENTRY``), its step's scalars among
+    them; else ``scalars`` (:class:`~lightning_sparse.kernels.triton_update.StepScalars`) are the launch's. The
+    constexprs come one by one (a tuple made in a kernel holds values): the update's (``UpdateFlags``), then the sum's.
     """
     if MEAN:  # duplicate_grads="mean": divide by the occurrences
         acc = tl.div_rn(acc, tl.where(lane, count, 1.0)[:, None])
     elif DIVIDE:  # duplicate_grads="sum" on several ranks: divide by their number
         acc = tl.div_rn(acc, divisor)
-    if FAMILY == 0:
-        at = (key + shift).to(tl.int64)[:, None] * stride_o + cols[None, :]
-        tl.store(out + at, acc.to(out.dtype.element_ty), mask=lane[:, None] & col_ok[None, :])
+    if FAMILY == SUM:
+        at = (key + to.shift).to(tl.int64)[:, None] * to.stride_o + cols[None, :]
+        tl.store(to.out + at, acc.to(to.out.dtype.element_ty), mask=lane[:, None] & col_ok[None, :])
     else:
         if MANY:
-            index = key >> shift
-            local = (key - (index << shift)).to(tl.int64)
-            entry = tables + index.to(tl.int64) * 8
-            row = _address(entry, 0, table, lane) + local * stride_t
-            lr_here = _scalar(entry, 5, lane)[:, None]
-            step_here = _scalar(entry, 6, lane)[:, None]
-            decay_here = _scalar(entry, 7, lane)[:, None]
+            index = key >> to.shift
+            local = (key - (index << to.shift)).to(tl.int64)
+            entry = to.tables + index.to(tl.int64) * ENTRY_WIDTH
+            row = _address(entry, ROWS, to.table, lane) + local * to.stride_t
+            scalars = StepScalars(_scalar(entry, LR, lane)[:, None], _scalar(entry, STEP_SIZE, lane)[:, None],
+                                  _scalar(entry, DECAY, lane)[:, None])  # fmt: skip
         else:
             local = key.to(tl.int64)
-            row = table + local * stride_t
-            lr_here, step_here, decay_here = lr, step_size, decay
-        first, second, one = row, row, row  # the state a family does not read stays unused
-        if FAMILY == 2 or FAMILY == 4:
-            first = (_address(entry, 1, state1, lane) if MANY else state1) + local * stride_t
-        if FAMILY == 4:
-            second = (_address(entry, 2, state2, lane) if MANY else state2) + local * stride_t
-        if FAMILY == 3 or ROW_BIAS:
-            one = (_address(entry, 3, state_row, lane) if MANY else state_row) + local
-        apply_rows(row, first, second, one, local * global_mul + global_add, lane, acc, cols, col_ok, dim, dim_f,
-                   table.dtype.element_ty, lr_here, step_here, weight_decay, decay_here, eps, beta1, beta2,
-                   one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2, salt, row_multiplier,
-                   FAMILY, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING)  # fmt: skip
+            row = to.table + local * to.stride_t
+        first, second, per_row = row, row, row  # the state a family does not read stays unused
+        if FAMILY == ADAGRAD or FAMILY == ADAM:
+            first = (_address(entry, FIRST, to.state_first, lane) if MANY else to.state_first) + local * to.stride_t
+        if FAMILY == ADAM:
+            second = (_address(entry, SECOND, to.state_second, lane) if MANY else to.state_second) + local * to.stride_t
+        if FAMILY == ROWWISE_ADAGRAD or ROW_BIAS:
+            per_row = (_address(entry, PER_ROW, to.state_per_row, lane) if MANY else to.state_per_row) + local
+        apply_rows(RowPointers(row, first, second, per_row), local * draws.global_mul + draws.global_add, lane, acc, cols,
+                   col_ok, dim, dim_f, scalars, hyper, draws, FAMILY, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END,
+                   ROUNDING)  # fmt: skip
 
 
 @triton.jit
 def runs_cold(
     keys, perm, n, values, stride_v, weights, counts, stride_c, dim, dim_f,
-    out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row, tables, num_rows, verdict, unique,
+    out, stride_o, shift, divisor, table, stride_t, state_first, state_second, state_per_row, tables, num_rows, verdict, unique,
     lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
     salt, row_multiplier, global_mul, global_add,
     FAMILY: tl.constexpr, HAS_PERM: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_COUNTS: tl.constexpr,
@@ -114,7 +140,7 @@ def runs_cold(
     ):  # bad input since the verdict was cleared: no row is updated, no key is trusted (lightning_sparse.lookup.range_check)
         starts = tl.where((tl.load(verdict) >= 0) & (tl.load(verdict + 1) < num_rows), starts, False)
     if COUNT_UNIQUE and MANY:  # distinct keys per table, for SparseStatsMonitor: on the device
-        counter = _address(tables + (key >> shift).to(tl.int64) * 8, 4, unique, starts)
+        counter = _address(tables + (key >> shift).to(tl.int64) * ENTRY_WIDTH, COUNTER, unique, starts)
         tl.atomic_add(counter, tl.full([BLOCK_S], 1, tl.int64), mask=starts)
     elif COUNT_UNIQUE:  # one atomic per program
         tl.atomic_add(unique, tl.sum(starts.to(tl.int64), axis=0))
@@ -145,16 +171,18 @@ def runs_cold(
         going = going & (tl.load(keys + p + step, mask=going & (p + step < n), other=-1) == key)
     if HAS_COUNTS:  # a run of placeholders only (counts 0: ranks without a gradient) updates nothing
         lane = lane & (count > 0)
-    _finish(key, lane, acc, count, cols, col_ok, dim, dim_f, out, stride_o, shift, divisor, table, stride_t, state1, state2,
-            state_row, tables, lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
-            log2_beta1, log2_beta2, salt, row_multiplier, global_mul, global_add,
-            FAMILY, MEAN, DIVIDE, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING, MANY)  # fmt: skip
+    to = Target(out, stride_o, shift, table, stride_t, state_first, state_second, state_per_row, tables)
+    scalars = StepScalars(lr, step_size, decay)
+    hyper = Hyper(weight_decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2)
+    draws = Draws(salt, row_multiplier, global_mul, global_add)
+    _finish(key, lane, acc, count, cols, col_ok, dim, dim_f, divisor, to, scalars, hyper, draws,
+            FAMILY, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING, MEAN, DIVIDE, MANY)  # fmt: skip
 
 
 @triton.jit
 def runs_hot(
     keys, perm, n, values, stride_v, weights, counts, stride_c, dim, dim_f,
-    out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row, tables, num_rows, verdict, unique,
+    out, stride_o, shift, divisor, table, stride_t, state_first, state_second, state_per_row, tables, num_rows, verdict, unique,
     lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
     salt, row_multiplier, global_mul, global_add,
     FAMILY: tl.constexpr, HAS_PERM: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_COUNTS: tl.constexpr,
@@ -202,8 +230,9 @@ def runs_hot(
         live = one == 0
         if HAS_COUNTS:  # as in runs_cold
             live = live & (total > 0)
-        _finish(key + one, live, tl.sum(acc, axis=0)[None, :], total,
-                cols, col_ok, dim, dim_f, out, stride_o, shift, divisor, table, stride_t, state1, state2, state_row,
-                tables, lr, step_size, weight_decay, decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
-                log2_beta1, log2_beta2, salt, row_multiplier, global_mul, global_add,
-                FAMILY, MEAN, DIVIDE, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING, MANY)  # fmt: skip
+        to = Target(out, stride_o, shift, table, stride_t, state_first, state_second, state_per_row, tables)
+        scalars = StepScalars(lr, step_size, decay)
+        hyper = Hyper(weight_decay, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2)
+        draws = Draws(salt, row_multiplier, global_mul, global_add)
+        _finish(key + one, live, tl.sum(acc, axis=0)[None, :], total, cols, col_ok, dim, dim_f, divisor, to, scalars, hyper,
+                draws, FAMILY, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END, ROUNDING, MEAN, DIVIDE, MANY)  # fmt: skip

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ from lightning_sparse.kernels import uses_triton
 from lightning_sparse.kernels.bags import Feature, gather_bags, verdict_size
 from lightning_sparse.kernels.host import KeptValues
 from lightning_sparse.kernels.rounding import HALF
-from lightning_sparse.kernels.runs import table_entries
+from lightning_sparse.kernels.runs import RuleState, table_entries
 from lightning_sparse.lookup.engine import Round
 from lightning_sparse.lookup.features import ID_DTYPES, ID_SOURCE_DTYPES, JaggedIds, as_feature_dict, code_of
 from lightning_sparse.lookup.pending import Bags
@@ -92,9 +92,17 @@ def key_shift(collection: SparseEmbeddingCollection) -> int:
     return max(t.shard.shape[0] for t in collection.table_list).bit_length()
 
 
-def read(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -> list[tuple[str, Feature, tuple, int]] | None:
-    """Each given feature as the kernel reads it, its output shape and its ids' dtype code; ``None`` for anything the
-    engine must judge (it names the problem)."""
+class ReadFeature(NamedTuple):
+    """A given feature as the gather reads it (:func:`read`)."""
+
+    name: str
+    feature: Feature  # what the kernel reads
+    shape: tuple[int, ...]  # its output's shape
+    dtype_code: int  # its ids' dtype, as the range check reports it
+
+
+def read(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -> list[ReadFeature] | None:
+    """Each given feature as the kernel reads it; ``None`` for anything the engine must judge (it names the problem)."""
     device = collection.table_list[0].device
     read_in = []
     for name, given in features.items():
@@ -131,7 +139,7 @@ def read(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -> 
         flat = ids.reshape(-1)
         flat = flat.view(torch.int64) if flat.dtype == torch.uint64 else flat.to(torch.int64)
         feature = Feature(flat.contiguous(), offsets, weights, per_bag, bags, t, table.shard.shape[0], mode == "mean", index)
-        read_in.append((name, feature, shape, code_of(ids.dtype, ID_SOURCE_DTYPES)))
+        read_in.append(ReadFeature(name, feature, shape, code_of(ids.dtype, ID_SOURCE_DTYPES)))
     return read_in
 
 
@@ -177,27 +185,27 @@ def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str
     raise_failed(collection, check.failed(1))
     verdict = check.verdict(first.device, verdict_size(len(collection.feature_names)))
     recording = torch.is_grad_enabled()
-    out, keys, sources, scales = gather_bags([f for _, f, _, _ in read_in], _gather_entries(collection, kept.entries),
+    out, keys, sources, scales = gather_bags([r.feature for r in read_in], _gather_entries(collection, kept.entries),
                                              first.shard, first.output_dtype or first.dtype, shift, verdict,
                                              store=recording, kept=kept.features)  # fmt: skip
-    check.sent({f.report_as: code for _, f, _, code in read_in})
-    for _, f, _, _ in read_in:
-        tables[f.table].stats.ids_looked_up += len(f.ids)
-    splits, shapes = [f.num_bags for _, f, _, _ in read_in], [shape for _, _, shape, _ in read_in]
+    check.sent({r.feature.report_as: r.dtype_code for r in read_in})
+    for r in read_in:
+        tables[r.feature.table].stats.ids_looked_up += len(r.feature.ids)
+    splits, shapes = [r.feature.num_bags for r in read_in], [r.shape for r in read_in]
     if not recording:
         raise_failed(collection, check.failed(1, wait=True))
-        return {name: piece.view(*shape) for (name, _, shape, _), piece in zip(read_in, out.split(splits))}
-    touched = sorted({f.table for _, f, _, _ in read_in if len(f.ids)})
+        return {r.name: piece.view(*r.shape) for r, piece in zip(read_in, out.split(splits))}
+    touched = sorted({r.feature.table for r in read_in if len(r.feature.ids)})
     record = collection.pending.new_record(None, keys, bags=Bags(sources, scales, touched))
     token = torch.empty(0, device=first.device, requires_grad=True)
     outputs = _RecordedBags.apply(token, out, record, splits, shapes)
-    return {name: output for (name, _, _, _), output in zip(read_in, outputs)}
+    return {r.name: output for r, output in zip(read_in, outputs)}
 
 
 def _gather_entries(collection: SparseEmbeddingCollection, kept: KeptValues) -> Tensor:
-    """The tables' addresses for the gather (``[T, 8]``, as a TableSet's), kept while the shards stay where they are."""
+    """The tables' addresses for the gather (a TableSet's entries), kept while the shards stay where they are."""
     shards, none = [t.shard for t in collection.table_list], [None] * len(collection.table_list)
-    return table_entries(shards, [(None, None, None)] * len(shards), none, [(0.0, 0.0, 1.0)] * len(shards), kept=kept)
+    return table_entries(shards, [RuleState()] * len(shards), none, [(0.0, 0.0, 1.0)] * len(shards), kept=kept)
 
 
 class KeptDeviceTables:

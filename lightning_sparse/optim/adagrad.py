@@ -8,9 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels import UpdateRule
-from lightning_sparse.kernels.rounding import RowWriter, compute_dtype
-from lightning_sparse.optim import functional as F
+from lightning_sparse.kernels import RuleState, UpdateRule
+from lightning_sparse.kernels.rounding import compute_dtype
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.tables.embedding import SparseEmbedding
 
@@ -68,19 +67,10 @@ class SparseAdagrad(SparseOptimizer):
             "sum": torch.full_like(table.shard, group["initial_accumulator_value"], dtype=compute_dtype(table.dtype)),
         }
 
-    def step_scalars(self, step: int | Tensor, group: dict[str, Any]) -> tuple[float | Tensor, float]:
-        """torch's decayed learning rate ``clr = lr / (1 + (step - 1) * lr_decay)``."""
-        return group["lr"] / (1 + (step - 1) * group["lr_decay"]), 0.0
-
-    def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule:
-        return UpdateRule("adagrad", group["lr"], state=(state["sum"], None, None), weight_decay=group["weight_decay"],
-                          eps=group["eps"])  # fmt: skip
-
-    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
-               write: RowWriter | None = None) -> None:  # fmt: skip
-        clr, _ = self.step_scalars(int(state["step"]), group)
-        F.adagrad_(shard, state["sum"], rows, grad, clr=clr, weight_decay=group["weight_decay"],
-                   eps=group["eps"], write=write)  # fmt: skip
+    def rule(self, state: dict[str, Tensor], group: dict[str, Any], step: int | Tensor) -> UpdateRule:
+        """torch's Adagrad with the decayed learning rate ``clr = lr / (1 + (step - 1) * lr_decay)``; ``sum`` per element."""
+        clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
+        return UpdateRule("adagrad", clr, RuleState(first=state["sum"]), weight_decay=group["weight_decay"], eps=group["eps"])
 
 
 class SparseRowWiseAdagrad(SparseOptimizer):
@@ -123,12 +113,7 @@ class SparseRowWiseAdagrad(SparseOptimizer):
             ),
         }
 
-    def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule:
-        return UpdateRule("rowwise_adagrad", group["lr"], state=(None, None, state["sum"]),
-                          weight_decay=group["weight_decay"], eps=group["eps"])  # fmt: skip
-
-    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
-               write: RowWriter | None = None) -> None:  # fmt: skip
-        F.rowwise_adagrad_(
-            shard, state["sum"], rows, grad, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], write=write
-        )
+    def rule(self, state: dict[str, Tensor], group: dict[str, Any], step: int | Tensor) -> UpdateRule:
+        """Row-wise Adagrad: one ``sum`` per row."""
+        return UpdateRule("rowwise_adagrad", group["lr"], RuleState(per_row=state["sum"]), weight_decay=group["weight_decay"],
+                          eps=group["eps"])  # fmt: skip

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels import UpdateRule
-from lightning_sparse.kernels.rounding import RowWriter, compute_dtype
+from lightning_sparse.kernels import RuleState, UpdateRule
+from lightning_sparse.kernels.rounding import compute_dtype
 from lightning_sparse.optim import functional as F
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.tables.embedding import SparseEmbedding
@@ -75,29 +75,12 @@ class SparseAdam(SparseOptimizer):
             state["row_step"] = torch.zeros(shard.shape[0], dtype=torch.int64, device=shard.device)
         return state
 
-    def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule:
+    def rule(self, state: dict[str, Tensor], group: dict[str, Any], step: int | Tensor) -> UpdateRule:
+        """Lazy Adam on ``exp_avg`` and ``exp_avg_sq``; per-row bias correction counts each row's steps in ``row_step`` (in the
+        update), global bias correction has the step size ``lr * sqrt(1 - b2^t) / (1 - b1^t)`` of the table's ``step``."""
+        lr, per_row = group["lr"], group["bias_correction"] == "row"
         return UpdateRule(
-            "adam", group["lr"], state=(state["exp_avg"], state["exp_avg_sq"], state.get("row_step")),
+            "adam", lr, RuleState(state["exp_avg"], state["exp_avg_sq"], state.get("row_step")),
             weight_decay=group["weight_decay"], decoupled_weight_decay=group["decoupled_weight_decay"], eps=group["eps"],
-            betas=tuple(group["betas"]), row_bias=group["bias_correction"] == "row",
-        )  # fmt: skip
-
-    def step_scalars(self, step: int | Tensor, group: dict[str, Any]) -> tuple[float, float | Tensor]:
-        """Global bias correction's step size ``lr * sqrt(1 - b2^t) / (1 - b1^t)`` (per-row: each row's own, in the kernel)."""
-        if group["bias_correction"] == "row":
-            return group["lr"], 0.0
-        return group["lr"], F.adam_step_size(group["lr"], *group["betas"], step)
-
-    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
-               write: RowWriter | None = None) -> None:  # fmt: skip
-        if group["bias_correction"] == "row":
-            step = state["row_step"].index_select(0, rows).add_(1)
-            state["row_step"].index_copy_(0, rows, step)
-        else:
-            step = int(state["step"])
-        beta1, beta2 = group["betas"]
-        F.adam_(
-            shard, state["exp_avg"], state["exp_avg_sq"], rows, grad, step=step,
-            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-            decoupled_weight_decay=group["decoupled_weight_decay"], write=write,
+            betas=tuple(group["betas"]), row_bias=per_row, step_size=0.0 if per_row else F.adam_step_size(lr, *group["betas"], step),
         )  # fmt: skip

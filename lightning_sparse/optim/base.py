@@ -1,8 +1,9 @@
 """SparseOptimizer: the one place that exchanges pending row gradients, sums them per row and updates.
 
 Subclasses declare their hyperparameters (validated in ``__init__``), the state of one table
-(``init_state``), the arithmetic for the touched rows (``update``) and, for a GPU, the same
-step as the fused kernel applies it (``update_rule``). ``step()`` here:
+(``init_state``) and, once, what their step is (``rule``: an :class:`~lightning_sparse.kernels.UpdateRule`, the
+family, the state it reads, the step's scalars), which :func:`~lightning_sparse.optim.update.update_table` applies
+on a GPU or a CPU alike. ``step()`` here:
 
 1. takes each table's pending gradients (:mod:`lightning_sparse.lookup.pending`);
 2. with several ranks, sends them to the rows' owners, all tables of the optimizer at once
@@ -15,7 +16,7 @@ step as the fused kernel applies it (``update_rule``). ``step()`` here:
 4. updates only the touched rows and their state. On a GPU, steps 3 and 4 are one sort and
    one fused kernel (:func:`lightning_sparse.kernels.update_rows`): each row's gradient is
    summed and applied in registers, with no host read; elsewhere, one sort and a segment sum,
-   then ``update``.
+   then the rule's torch ops (:mod:`lightning_sparse.optim.functional`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_sparse.kernels import UpdateRule
-from lightning_sparse.kernels.rounding import HALF, compute_dtype, writer_for
+from lightning_sparse.kernels.rounding import HALF, compute_dtype
 from lightning_sparse.kernels.rows import put as rows_put
 from lightning_sparse.optim import checks, fused, joint, row_grads
 from lightning_sparse.optim.row_grads import TableGrads
+from lightning_sparse.optim.update import update_table
 from lightning_sparse.tables.embedding import SparseEmbedding
 from lightning_sparse.wire.alltoall import ExchangeStats
 from lightning_sparse.wire.grads_exchange import grads_to_owners, only_routed
@@ -87,8 +89,13 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         """State of one table: tensors whose first dim is the table's local rows, or 0-d counters."""
 
     @abc.abstractmethod
-    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any]) -> None:
-        """Apply one step to ``shard[rows]`` (local row indices, unique) given their gradients."""
+    def rule(self, state: dict[str, Tensor], group: dict[str, Any], step: int | Tensor) -> UpdateRule:
+        """The update of a table with ``state`` at its ``step``-th step (counted already), as the fused kernel and the torch
+        ops apply it alike (:mod:`lightning_sparse.optim.update`).
+
+        ``step``: an int, or (``capturable``) a float64 tensor on the device, where the rule's scalars are then
+        computed (one per table for a tensor of several tables' steps).
+        """
 
     # ------------------------------------------------------------------ torch.optim API
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -116,7 +123,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         group = self.param_groups[-1]
         for table in tables:
             if group["capturable"]:
-                fused.check_capturable(type(self).__name__, table, self.has_fused_update)
+                fused.check_capturable(type(self).__name__, table)
             self.state[table.shard] = self.init_state(table, group)
             if group["capturable"] and "step" in self.state[table.shard]:
                 self.state[table.shard]["step"] = self.state[table.shard]["step"].to(table.device)
@@ -150,29 +157,9 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         """The shards this optimizer steps, to their tables."""
         return self._tables
 
-    @property
-    def has_fused_update(self) -> bool:
-        """Whether this optimizer says how the fused GPU kernel applies its step (:meth:`update_rule`)."""
-        return type(self).update_rule is not SparseOptimizer.update_rule
-
     def group_of(self, shard: Tensor) -> dict[str, Any]:
         """The param group that holds ``shard``."""
         return next(group for group in self.param_groups if any(p is shard for p in group["params"]))
-
-    def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule | None:
-        """This step's update as the fused GPU kernel applies it (:class:`~lightning_sparse.kernels.UpdateRule`).
-
-        ``None`` (the default, e.g. for a subclass of one's own): the step sums the gradient rows
-        and calls :meth:`update`. Called after ``state["step"]`` has counted this step. The rule's
-        ``lr`` and ``step_size`` are this step's :meth:`step_scalars`, filled in by the caller.
-        """
-        return None
-
-    def step_scalars(self, step: int | Tensor, group: dict[str, Any]) -> tuple[float | Tensor, float | Tensor]:
-        """(learning rate, step size) of a table's ``step``-th update (``group["lr"]``, 0 unless overridden).
-
-        ``step``: an int, or (``capturable``) a float64 tensor on the device, where the same arithmetic then runs."""
-        return group["lr"], 0.0
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -212,20 +199,14 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         return loss
 
     def _apply(self, table: SparseEmbedding, state: dict[str, Tensor], group: dict[str, Any], grads: TableGrads) -> None:
-        """Sum the table's gradient rows per row and update those rows: one fused kernel on a GPU, else sum then update."""
-        mean = group["duplicate_grads"] == "mean"
-        rule = self.update_rule(state, group) if fused.applies(table) else None
-        if rule is None:
-            rows, grad = row_grads.summed(table, grads, mean)
-            write = writer_for(table, int(state.get("step", 0)))  # a half table's rows: rounded
-            self.update(table.shard, rows, grad, state, group, **({"write": write} if write is not None else {}))
-            return
-        if group["capturable"]:  # the step count on the device, the scalars computed there
-            step = state["step"].double() if "step" in state else 0
-            fused.update(table, grads, rule, self.step_scalars(step, group), mean, table_sets=self.table_sets)
+        """Sum the table's gradient rows per row and update those rows by this step's :meth:`rule`."""
+        use_fused = fused.applies(table)
+        if use_fused and group["capturable"]:  # the step count on the device, the scalars computed there
+            step, table_sets = (state["step"].double() if "step" in state else 0), self.table_sets
         else:
-            step = int(state.get("step", 0))
-            fused.update(table, grads, rule, self.step_scalars(step, group), mean, step=step)
+            step, table_sets = int(state.get("step", 0)), None
+        update_table(table, grads, self.rule(state, group, step), mean=group["duplicate_grads"] == "mean", step=step,
+                     use_fused=use_fused, table_sets=table_sets)  # fmt: skip
 
     def _grads_to_owners(self, entries: list[tuple[dict[str, Any], Tensor]]) -> list[TableGrads]:
         """Per table: its gradient rows on this rank, their owner (not summed yet)."""

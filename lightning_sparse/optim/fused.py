@@ -1,7 +1,7 @@
-"""How an optimizer step reaches the fused GPU update (:func:`~lightning_sparse.kernels.update_rows`) for one table.
+"""A table's step through the fused GPU update (:func:`~lightning_sparse.kernels.update_rows`).
 
-The optimizer gives the table's :class:`~lightning_sparse.kernels.UpdateRule` (which kernel, which
-state) and this step's scalars (learning rate, step size). Two ways to hand the scalars over:
+The optimizer's :class:`~lightning_sparse.kernels.UpdateRule` says which family, which state and the step's scalars
+(learning rate, step size). Two ways to hand the scalars over:
 
 * as kernel arguments, computed on the host from the host's step count (the default);
 * ``capturable=True``: computed on the device from a device step count and written into the
@@ -15,7 +15,6 @@ state) and this step's scalars (learning rate, step size). Two ways to hand the 
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.kernels import (
+    RuleState,
     Runs,
     StochasticRounding,
     TableSet,
@@ -48,11 +48,11 @@ def applies(table: SparseEmbedding) -> bool:
     return fusable and uses_triton(table.shard)
 
 
-def check_capturable(optimizer: str, table: SparseEmbedding, has_fused_update: bool) -> None:
+def check_capturable(optimizer: str, table: SparseEmbedding) -> None:
     """``capturable=True`` on a GPU needs the fused update without stochastic rounding, which read no host value."""
     if table.device.type != "cuda" and not uses_triton(table.shard):
         return  # elsewhere the step counts on the table's device too, and its host reads are no GPU's
-    if not (has_fused_update and applies(table) and rounding(table, 0) is None):
+    if not (applies(table) and rounding(table, 0) is None):
         raise ValueError(
             f"{optimizer}(capturable=True) cannot step {table.name} ({table.dtype}) without reading the host: it needs "
             f"the fused update (float32, bf16 or fp16 tables with Triton), and no stochastic rounding, whose draws are "
@@ -77,39 +77,40 @@ class KeptTableSets:
     def __init__(self) -> None:
         self._kept: weakref.WeakKeyDictionary[object, KeptValues] = weakref.WeakKeyDictionary()
 
-    def table_set(self, owner: object, tables: list[SparseEmbedding], rules: list[UpdateRule], shift: int,
-                  like: tuple[Tensor | None, ...], lr: float | Tensor, step_size: float | Tensor) -> TableSet:  # fmt: skip
-        """``tables`` as one set (keys ``table << shift | row``), their scalars written by device ops (a fill or a copy each).
+    def table_set(self, owner: object, tables: list[SparseEmbedding], rule: UpdateRule, states: list[RuleState], shift: int,
+                  *, like: int = 0, counted: bool = True) -> TableSet:  # fmt: skip
+        """``tables`` as one set (keys ``table << shift | row``), each with its ``states``; ``rule``'s scalars written by
+        device ops (a fill or a copy each): one value for every table, or (a tensor) one per table.
 
-        ``owner``: the table or collection the entry belongs to. ``lr`` and ``step_size``: one value
-        for every table, or (a tensor) one per table.
+        ``owner``: the table or collection the entry belongs to. ``like``: the table whose tensors give the dtypes;
+        ``counted``: whether the launch counts each table's distinct keys (its counter is in its entry).
         """
+        from lightning_sparse.kernels.triton_runs import ENTRY
+
         counters = [t.stats.on_device("unique_ids", t.device) for t in tables]
         kept = self._kept.setdefault(owner, KeptValues())  # made anew when its state is loaded anew
-        entry = table_entries([t.shard for t in tables], [rule.state for rule in rules], counters,
-                              [(0.0, 0.0, 1.0)] * len(tables), kept=kept)  # fmt: skip
-        scalars = entry.view(torch.float64)
-        for slot, value in ((5, lr), (6, step_size), (7, 1.0 - lr * rules[0].weight_decay)):
-            scalars[:, slot].copy_(value) if isinstance(value, Tensor) else scalars[:, slot].fill_(value)
-        return TableSet(entry, shift, like)
+        entries = table_entries([t.shard for t in tables], states, counters, [(0.0, 0.0, 1.0)] * len(tables), kept=kept)
+        scalars = entries.view(torch.float64)
+        for name, value in (("lr", rule.lr), ("step_size", rule.step_size), ("decay", 1.0 - rule.lr * rule.weight_decay)):
+            column = scalars[:, ENTRY.index(name)]
+            column.copy_(value) if isinstance(value, Tensor) else column.fill_(value)
+        return TableSet(entries, shift, tables[like].shard, states[like], counters[like] if counted else None)
 
 
-def update(table: SparseEmbedding, grads: TableGrads, rule: UpdateRule, scalars: tuple[float | Tensor, float | Tensor],
-           mean: bool, *, step: int = 0, table_sets: KeptTableSets | None = None) -> None:  # fmt: skip
-    """Sum each row's gradient and apply ``rule`` with ``scalars`` (learning rate, step size): one sort, one fused launch.
+def update(table: SparseEmbedding, grads: TableGrads, rule: UpdateRule, mean: bool, *, step: int = 0,
+           table_sets: KeptTableSets | None = None) -> None:  # fmt: skip
+    """Sum each row's gradient and apply ``rule``: one sort, one fused launch.
 
     ``step``: the table's host step count (for a bf16 table's rounding draws); ``table_sets``: the
-    optimizer's, when it is capturable (``scalars`` are then tensors on the device, or constants).
+    optimizer's, when it is capturable (``rule``'s scalars are then tensors on the device, or constants).
     """
     runs = Runs(grads.rows) if grads.distinct else sort_runs(grads.rows, table.sharding.key_bound)
     unique = table.stats.on_device("unique_ids", table.device) if grads.per_id else None
-    lr, step_size = scalars
     if table_sets is not None:
-        shift, like = max(1, table.shard.shape[0].bit_length()), (table.shard, *rule.state, unique)
-        target, draws = table_sets.table_set(table, [table], [rule], shift, like, lr, step_size), None
+        shift = max(1, table.shard.shape[0].bit_length())
+        target, draws = table_sets.table_set(table, [table], rule, [rule.state], shift, counted=grads.per_id), None
     else:
         target, draws = table.shard, rounding(table, step)
-        rule = dataclasses.replace(rule, lr=lr, step_size=step_size)
     update_rows(
         runs, grads.values, target, rule, counts=grads.counts, mean=mean, divisor=table.world_size * table.replicas,
         rounding=draws, verdict=table.range_check.device_verdict if grads.per_id else None, unique=unique,

@@ -5,9 +5,8 @@ its bag, its weight, and the bags' gradient. The step sorts the keys of the coll
 once and updates every table in one fused launch (:func:`~lightning_sparse.kernels.update_rows`
 with a :class:`~lightning_sparse.kernels.runs.TableSet`): each table with its own step count and
 learning rate, its own state and unique-id counter. A round the fused launch cannot take (a table
-of the collection with gradients of its own, tables in several optimizers or param groups, an
-optimizer without a fused rule) is split into each table's gradient rows first (one host read),
-and the tables step as usual.
+of the collection with gradients of its own, tables in several optimizers or param groups) is
+split into each table's gradient rows first (one host read), and the tables step as usual.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels import Runs, TableSet, sort_runs, table_entries, update_rows
+from lightning_sparse.kernels import RuleState, Runs, TableSet, UpdateRule, sort_runs, table_entries, update_rows
 from lightning_sparse.lookup.joint import holders
 
 if TYPE_CHECKING:
@@ -67,8 +66,7 @@ def in_one_launch(unit: SparseEmbeddingCollection, optimizer: Any) -> bool:
     shards = [t.shard for t in tables]
     if any(s not in optimizer.tracked_shards for s in shards) or any(t.pending.received for t in tables):
         return False
-    groups = {id(optimizer.group_of(s)) for s in shards}
-    return len(groups) == 1 and optimizer.has_fused_update
+    return len({id(optimizer.group_of(s)) for s in shards}) == 1
 
 
 def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer: Any, mean: bool, check_finite: bool) -> None:
@@ -99,34 +97,28 @@ def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer
     runs = sort_runs(keys, len(tables) << shift)
     by_bag = _cat(sources).index_select(0, runs.perm)
     sorted_weights = weights.index_select(0, runs.perm) if weights is not None else None
-    first = touched[0]
-    rule = optimizer.update_rule(optimizer.state[tables[first].shard], group)
-    like = (tables[first].shard, *rule.state, tables[first].stats.on_device("unique_ids", tables[first].device))
-    update_rows(Runs(runs.keys, by_bag), values, _table_set(unit, optimizer, group, touched, shift, like), rule,
-                weights=sorted_weights, mean=mean, verdict=unit.range_check.device_verdict)  # fmt: skip
+    table_set, rule = _table_set(unit, optimizer, group, touched, shift)
+    update_rows(Runs(runs.keys, by_bag), values, table_set, rule, weights=sorted_weights, mean=mean,
+                verdict=unit.range_check.device_verdict)  # fmt: skip
 
 
-def _table_set(unit: SparseEmbeddingCollection, optimizer: Any, group: dict[str, Any], touched: list[int], shift: int,
-               like: tuple[Tensor | None, ...]) -> TableSet:  # fmt: skip
-    """The collection's tables as one set: an entry made from the host's step counts, or (capturable) kept, with scalars
-    computed on the device from the tables' device counts (:class:`~lightning_sparse.optim.fused.KeptTableSets`)."""
-    tables, states = unit.table_list, [optimizer.state[t.shard] for t in unit.table_list]
-    if group["capturable"]:
-        rules = [optimizer.update_rule(state, group) for state in states]
-        lr, step_size = optimizer.step_scalars(torch.stack([state["step"] for state in states]).double(), group)
-        return optimizer.table_sets.table_set(unit, tables, rules, shift, like, lr, step_size)
-    rules = {i: optimizer.update_rule(states[i], group) for i in touched}  # no key reaches the others
+def _table_set(unit: SparseEmbeddingCollection, optimizer: Any, group: dict[str, Any], touched: list[int], shift: int
+               ) -> tuple[TableSet, UpdateRule]:  # fmt: skip
+    """The collection's tables as one set, and the first touched table's rule (what the tables share): an entry made from
+    the host's step counts, or (capturable) kept, with scalars computed on the device from the tables' device counts
+    (:class:`~lightning_sparse.optim.fused.KeptTableSets`)."""
+    tables, states, first = unit.table_list, [optimizer.state[t.shard] for t in unit.table_list], touched[0]
+    if group["capturable"]:  # one rule for all tables: their steps in one tensor give one lr and step size per table
+        rule = optimizer.rule(states[first], group, torch.stack([state["step"] for state in states]).double())
+        keys = [next((k for k, v in states[first].items() if v is t), None) for t in rule.state]  # its state's names
+        table_states = [RuleState(*(state[k] if k is not None else None for k in keys)) for state in states]
+        return optimizer.table_sets.table_set(unit, tables, rule, table_states, shift, like=first), rule
+    rules = {i: optimizer.rule(states[i], group, int(states[i].get("step", 0))) for i in touched}  # no key reaches the others
     counters = [t.stats.on_device("unique_ids", t.device) if i in rules else None for i, t in enumerate(tables)]
-    entries = table_entries([t.shard for t in tables], [rules[i].state if i in rules else (None,) * 3 for i in range(len(tables))],
-                            counters, [_scalars(optimizer, tables[i], group) if i in rules else (0.0, 0.0, 1.0)
+    entries = table_entries([t.shard for t in tables], [rules[i].state if i in rules else RuleState() for i in range(len(tables))],
+                            counters, [(r.lr, r.step_size, 1.0 - r.lr * r.weight_decay) if (r := rules.get(i)) else (0.0, 0.0, 1.0)
                                        for i in range(len(tables))])  # fmt: skip
-    return TableSet(entries, shift, like)
-
-
-def _scalars(optimizer: Any, table: SparseEmbedding, group: dict[str, Any]) -> tuple[float, float, float]:
-    """A touched table's learning rate, step size and decay for its entry, as its step count has them."""
-    lr, step_size = optimizer.step_scalars(int(optimizer.state[table.shard].get("step", 0)), group)
-    return lr, step_size, 1.0 - lr * group["weight_decay"]
+    return TableSet(entries, shift, tables[first].shard, rules[first].state, counters[first]), rules[first]
 
 
 def _cat(pieces: list[Tensor]) -> Tensor:

@@ -9,8 +9,6 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.kernels import UpdateRule
-from lightning_sparse.kernels.rounding import RowWriter
-from lightning_sparse.optim import functional as F
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.tables.embedding import SparseEmbedding
 
@@ -42,9 +40,6 @@ class SparseSGD(SparseOptimizer):
     def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
         return {"step": torch.zeros((), dtype=torch.int64)}
 
-    def update_rule(self, state: dict[str, Tensor], group: dict[str, Any]) -> UpdateRule:
+    def rule(self, state: dict[str, Tensor], group: dict[str, Any], step: int | Tensor) -> UpdateRule:
+        """``row -= lr * (grad + weight_decay * row)``; no state read."""
         return UpdateRule("sgd", group["lr"], weight_decay=group["weight_decay"])
-
-    def update(self, shard: Tensor, rows: Tensor, grad: Tensor, state: dict[str, Tensor], group: dict[str, Any],
-               write: RowWriter | None = None) -> None:  # fmt: skip
-        F.sgd_(shard, rows, grad, lr=group["lr"], weight_decay=group["weight_decay"], write=write)

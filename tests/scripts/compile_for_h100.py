@@ -30,21 +30,24 @@ from lightning_sparse.kernels import rows as kernel_rows
 from lightning_sparse.kernels import runs as kernel_runs
 from lightning_sparse.kernels import triton_bags, triton_rows, triton_slots
 from lightning_sparse.kernels import triton_runs as k
+from lightning_sparse.kernels.triton_update import FAMILIES, NEAREST, STOCHASTIC_BF16, Hyper, StepScalars
 from lightning_sparse.tables import slot_map
 
-FLOATS = {"dim_f", "divisor", "lr", "step_size", "weight_decay", "decay", "eps", "beta1", "beta2", "one_minus_beta1",
-          "one_minus_beta2", "log2_beta1", "log2_beta2"}  # fmt: skip
+FLOATS = {"dim_f", "divisor", *StepScalars._fields, *Hyper._fields}
+NO_STATE = {"state_first": None, "state_second": None, "state_per_row": None}
 CASES = {  # family, the flags that change the code, the pointers' types (None: not passed)
-    "sgd": (1, {}, {"state1": None, "state2": None, "state_row": None}),
-    "adagrad": (2, {}, {"state2": None, "state_row": None}),
-    "adagrad, bf16, stochastic": (2, {"ROUNDING": 1}, {"table": "*bf16", "state2": None, "state_row": None}),
-    "rowwise_adagrad, mean": (3, {"MEAN": True, "HAS_COUNTS": True}, {"state1": None, "state2": None}),
-    "adam, per-row bias": (4, {"ROW_BIAS": True, "WEIGHT_DECAY": True}, {"state_row": "*i64"}),
-    "adamw, global bias": (4, {"WEIGHT_DECAY": True, "DECOUPLED": True}, {"state_row": None}),
-    "segment sum, weighted": (0, {"HAS_WEIGHTS": True, "CHECK": False, "COUNT_UNIQUE": False},
-                              {"table": None, "state1": None, "state2": None, "state_row": None, "verdict": None, "unique": None}),
-    "many tables, row-wise Adagrad": (3, {"MANY": True, "HAS_WEIGHTS": True}, {"state1": None, "state2": None, "tables": "*i64"}),
-    "many tables, Adam, per-row bias": (4, {"MANY": True, "ROW_BIAS": True}, {"state_row": "*i64", "tables": "*i64"}),
+    "sgd": ("sgd", {}, NO_STATE),
+    "adagrad": ("adagrad", {}, {"state_second": None, "state_per_row": None}),
+    "adagrad, bf16, stochastic": ("adagrad", {"ROUNDING": STOCHASTIC_BF16.value},
+                                  {"table": "*bf16", "state_second": None, "state_per_row": None}),
+    "rowwise_adagrad, mean": ("rowwise_adagrad", {"MEAN": True, "HAS_COUNTS": True}, {"state_first": None, "state_second": None}),
+    "adam, per-row bias": ("adam", {"ROW_BIAS": True, "WEIGHT_DECAY": True}, {"state_per_row": "*i64"}),
+    "adamw, global bias": ("adam", {"WEIGHT_DECAY": True, "DECOUPLED": True}, {"state_per_row": None}),
+    "segment sum, weighted": ("sum", {"HAS_WEIGHTS": True, "CHECK": False, "COUNT_UNIQUE": False},
+                              {"table": None, **NO_STATE, "verdict": None, "unique": None}),
+    "many tables, row-wise Adagrad": ("rowwise_adagrad", {"MANY": True, "HAS_WEIGHTS": True},
+                                      {"state_first": None, "state_second": None, "tables": "*i64"}),
+    "many tables, Adam, per-row bias": ("adam", {"MANY": True, "ROW_BIAS": True}, {"state_per_row": "*i64", "tables": "*i64"}),
 }  # fmt: skip
 
 
@@ -91,16 +94,16 @@ def main() -> dict:
     for dim in (64, 128):
         block_n, block_d = kernel_runs.hot_tile(dim)
         for case, (family, flags, pointers) in CASES.items():
-            block_s, _ = kernel_runs.cold_tile(dim, kernel_runs.FAMILIES[family], flags.get("MANY", False))
+            block_s, _ = kernel_runs.cold_tile(dim, family, flags.get("MANY", False))
             if dim == 128 and case.startswith(("segment sum", "many")):
                 continue  # the same code at a wider tile; keeps the run short
-            constexprs = dict(FAMILY=family, HAS_PERM=True, HAS_WEIGHTS=False, HAS_COUNTS=False, MEAN=False, DIVIDE=False,
+            constexprs = dict(FAMILY=FAMILIES.index(family), HAS_PERM=True, HAS_WEIGHTS=False, HAS_COUNTS=False, MEAN=False, DIVIDE=False,
                               CHECK=True, COUNT_UNIQUE=True, WEIGHT_DECAY=False, DECOUPLED=False, ROW_BIAS=False,
-                              LERP_FROM_END=False, ROUNDING=0, MANY=False, HOT_RUN=k.HOT, BLOCK_D=block_d)  # fmt: skip
+                              LERP_FROM_END=False, ROUNDING=NEAREST.value, MANY=False, HOT_RUN=k.HOT, BLOCK_D=block_d)  # fmt: skip
             constexprs.update(flags)
             types = {"keys": "*i32", "perm": "*i64", "values": "*fp32", "weights": "*fp32" if flags.get("HAS_WEIGHTS") else None,
-                     "counts": "*fp32" if flags.get("HAS_COUNTS") else None, "out": "*fp32" if family == 0 else None,
-                     "table": "*fp32", "state1": "*fp32", "state2": "*fp32", "state_row": "*fp32", "verdict": "*i64",
+                     "counts": "*fp32" if flags.get("HAS_COUNTS") else None, "out": "*fp32" if family == "sum" else None,
+                     "table": "*fp32", "state_first": "*fp32", "state_second": "*fp32", "state_per_row": "*fp32", "verdict": "*i64",
                      "unique": "*i64", "tables": None, **pointers}  # fmt: skip
             if dim == 64:
                 builds[f"{case}, dim {dim}, hot"] = build(k.runs_hot, {**constexprs, "BLOCK_N": block_n}, types,

@@ -21,7 +21,7 @@ Narrow overrides, each calling ``super()``:
 - ``optimizer_step``: a sparse optimizer exchanges and applies its pending row gradients;
 - ``clip_gradients_*``: dense optimizers only (row gradients are not in ``.grad``);
 - ``save_checkpoint`` / ``load_checkpoint``: the Trainer's sharded format
-  (:mod:`lightning_sparse.lightning.checkpoint_format`), so checkpoints move between the two
+  (:mod:`lightning_sparse.lightning.checkpoints`), so checkpoints move between the two
   and load on any number of ranks.
 
 ``fabric.no_backward_sync`` accumulates as with DDP: row gradients always wait on their rank
@@ -44,7 +44,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse import checkpoint
-from lightning_sparse.lightning import checkpoint_format as lightning_format
+from lightning_sparse.lightning import checkpoints as lightning_format
 from lightning_sparse.lightning import compat
 from lightning_sparse.lightning.placement import STRATEGY_NAME, place_tables, register, shard_in_dense_optimizer
 from lightning_sparse.optim.base import SparseOptimizer

@@ -1,0 +1,164 @@
+"""Trainer(strategy="sparse_ddp_captured"): the training step captured in a CUDA graph, against the eager fit.
+
+On CPU the Lightning side runs with a test double of the graph maker (tests/graph_double.py: a
+capture keeps the step, a replay calls it again): what is captured, the static batch, the eager
+step or the drop of a last batch of another shape, the checks before a capture, the log calls
+made again after each replay. Where CUDA is present, the same fits run with real CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import lightning_models as lm
+import pytest
+import torch
+from graph_double import CallAgainGraphs
+from lightning.pytorch.loggers import Logger
+from torch.utils.data import DataLoader
+
+import lightning_sparse as ls
+from lightning_sparse.lightning.capture import CaptureRefused
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class Recorded(Logger):
+    """Every metric a logger is given, by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[tuple[int, dict]] = []
+
+    name, version = "recorded", 0
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.metrics.append((step, {k: float(v) for k, v in metrics.items() if k != "epoch"}))
+
+
+class Seen(pl.Callback):
+    """Per batch: the progress bar's metrics and the loss of ``outputs``."""
+
+    def __init__(self) -> None:
+        self.bar, self.losses = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.bar.append(dict(trainer.progress_bar_metrics))
+        self.losses.append(None if not outputs else float(outputs["loss"]))
+
+
+class Logged(lm.TwoTower):
+    """TwoTower logging a tensor to the progress bar and a number, and returning an extra output."""
+
+    def __init__(self, problem: str = "", **kwargs) -> None:
+        kwargs.setdefault("sparse_kwargs", {"lr": 0.2, "capturable": True})
+        super().__init__(batch_size=5, **kwargs)
+        self.problem = problem
+
+    def training_step(self, batch, batch_idx):
+        users, items, target = batch
+        if self.problem == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                prediction = self(users, items).float()
+        else:
+            prediction = self(users, items).float()
+        loss = torch.nn.functional.mse_loss(prediction, target)
+        if self.problem == "host read" and loss.item() > 1e9:
+            return None
+        self.log("loss", loss, prog_bar=True)
+        self.log("constant", 3.0)
+        return {"loss": loss, "mean_prediction": prediction.detach().mean()}
+
+
+class AfterBackward(pl.Callback):
+    def on_after_backward(self, trainer, pl_module) -> None:
+        pass
+
+
+def _fit(captured: dict | None, module_kwargs: dict = {}, trainer_kwargs: dict = {}, loader=None, device="cpu"):  # noqa: B006
+    lm.lightning_env(0, 1)
+    module, logger, seen = Logged(**module_kwargs), Recorded(), Seen()
+    strategy = ls.CapturedSparseDDPStrategy(**captured) if captured is not None else "sparse_ddp"
+    trainer = lm.trainer(1, strategy=strategy, logger=logger, log_every_n_steps=1, callbacks=[seen, *trainer_kwargs.pop("callbacks", [])],
+                         accelerator=device, **trainer_kwargs)  # fmt: skip
+    trainer.fit(module, loader)
+    counts = dict(strategy.captures) if captured is not None else None
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.state_dict()
+    return lm.state(module), logger.metrics, seen, counts, progress, trainer.global_step
+
+
+def _compare(rank_pools, captured: dict, eager_trainer: dict, trainer_kwargs: dict = {}) -> tuple:  # noqa: B006
+    graphs = CallAgainGraphs()
+    [(state, metrics, seen, counts, progress, steps)] = rank_pools(1).run(
+        _fit, {**captured, "graphs": graphs}, {}, trainer_kwargs
+    )
+    [(twin, twin_metrics, twin_seen, _, twin_progress, twin_steps)] = rank_pools(1).run(
+        _fit, None, {}, {**trainer_kwargs, **eager_trainer}
+    )
+    for key, value in twin.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+    return metrics, seen, counts, progress, steps, twin_metrics, twin_seen, twin_progress, twin_steps
+
+
+def test_a_captured_fit_trains_logs_and_counts_as_the_eager_fit(rank_pools):
+    """10 batches an epoch (the last of 3 runs eagerly), 2 epochs: 2 warm-ups, a capture and 7 replays each."""
+    metrics, seen, counts, progress, steps, *twin = _compare(rank_pools, {}, {}, dict(max_epochs=2))
+    twin_metrics, twin_seen, twin_progress, twin_steps = twin
+    assert counts == {"warm-up": 4, "captured": 2, "replayed": 14, "eager": 2, "dropped": 0}
+    assert metrics == twin_metrics and len(metrics) == 20  # each step's loss and constant reach the logger
+    assert seen.bar == twin_seen.bar and seen.losses == twin_seen.losses and all("loss" in bar for bar in seen.bar)
+    assert progress == twin_progress and steps == twin_steps == 20
+
+
+def test_the_last_batch_of_another_shape_is_dropped_when_asked(rank_pools):
+    """Dropped as a step whose training_step returns None: it trains nothing, and the loop counts it."""
+    metrics, seen, counts, _, steps, twin_metrics, _, _, twin_steps = _compare(
+        rank_pools, {"other_shapes": "drop"}, {"limit_train_batches": 9}, dict(max_epochs=1)
+    )
+    assert counts == {"warm-up": 2, "captured": 1, "replayed": 7, "eager": 0, "dropped": 1}
+    # (Lightning logs the last values again at a step that logged nothing, as for any skipped step)
+    assert seen.losses[-1] is None and metrics[:9] == twin_metrics and steps == twin_steps + 1 == 10
+
+
+def _refusal(captured: dict, module_kwargs: dict, trainer_kwargs: dict, loader=None) -> tuple[str, int]:
+    graphs = CallAgainGraphs()
+    try:
+        _fit({**captured, "graphs": graphs}, module_kwargs, trainer_kwargs, loader)
+    except CaptureRefused as err:
+        return str(err), len(graphs.captured)
+    raise AssertionError("no CaptureRefused")
+
+
+def test_what_cannot_be_replayed_is_refused_by_name_before_any_capture(rank_pools):
+    many = dict(dense="Adagrad", scheduler=True, sparse_kwargs={"lr": 0.2})
+    message, captures = rank_pools(1).run(_refusal, {}, many, dict(accumulate_grad_batches=2, callbacks=[AfterBackward()]))[0]
+    for expected in ("- Adagrad has no capturable step", "- SparseAdagrad(capturable=False)", "- StepLR schedules SparseAdagrad",
+                     "- accumulate_grad_batches=2", "- the callback AfterBackward overrides on_after_backward"):  # fmt: skip
+        assert expected in message, message
+    assert message.rstrip().split("\n")[-1].startswith("HINT: ") and captures == 0
+    message, captures = rank_pools(1).run(_refusal, {}, dict(problem="host read"), {})[0]
+    assert (
+        "reads a tensor on the host (item) at " in message and "test_captured_strategy.py" in message and "loss.item()" in message
+    )
+    assert "HINT: keep the value on the device" in message and captures == 0
+    message, captures = rank_pools(1).run(_refusal, {}, dict(problem="autocast"), {})[0]
+    assert (
+        "under torch.autocast with cache_enabled=True at " in message
+        and "HINT: torch.autocast(..., cache_enabled=False)" in message
+    )
+
+
+def test_a_batch_of_another_shape_in_the_middle_of_an_epoch_is_refused_by_name(rank_pools):
+    data = lm.dataset()
+    batches = [[t[i : i + size] for t in data.tensors] for i, size in ((0, 5), (5, 5), (10, 5), (15, 4), (19, 5))]
+    message, captures = rank_pools(1).run(_refusal, {}, {}, {}, DataLoader(batches, batch_size=None))[0]
+    assert "batch[0] has shape [4] torch.int64 where the captured step took shape [5] torch.int64" in message, message
+    assert "in the middle of an epoch" in message and captures == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where there is no CUDA")
+def test_without_cuda_the_captured_strategy_refuses_with_a_hint(rank_pools):
+    with pytest.raises(AssertionError, match=r"no CUDA device\. HINT: run on one GPU"):
+        rank_pools(1).run(_fit, {}, {}, dict(max_steps=1))

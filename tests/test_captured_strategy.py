@@ -52,10 +52,15 @@ class Seen(pl.Callback):
 class Logged(lm.TwoTower):
     """TwoTower logging a tensor to the progress bar and a number, and returning an extra output."""
 
-    def __init__(self, problem: str = "", **kwargs) -> None:
+    def __init__(self, problem: str = "", tensor_lr: bool = False, **kwargs) -> None:
         kwargs.setdefault("sparse_kwargs", {"lr": 0.2, "capturable": True})
         super().__init__(batch_size=5, **kwargs)
-        self.problem = problem
+        self.problem, self.tensor_lr = problem, tensor_lr
+
+    def configure_sparse_optimizers(self):
+        if self.tensor_lr:  # a scheduler fills it (a new tensor per module: fills must not reach another fit)
+            self.sparse_kwargs = {**self.sparse_kwargs, "lr": torch.tensor(float(self.sparse_kwargs["lr"]), device=self.device)}
+        return super().configure_sparse_optimizers()
 
     def training_step(self, batch, batch_idx):
         users, items, target = batch
@@ -162,3 +167,54 @@ def test_a_batch_of_another_shape_in_the_middle_of_an_epoch_is_refused_by_name(r
 def test_without_cuda_the_captured_strategy_refuses_with_a_hint(rank_pools):
     with pytest.raises(AssertionError, match=r"no CUDA device\. HINT: run on one GPU"):
         rank_pools(1).run(_fit, {}, {}, dict(max_steps=1))
+
+
+def _losses(metrics: list[tuple[int, dict]]) -> list[tuple[int, float]]:
+    return [(step, values["loss"]) for step, values in metrics if "loss" in values]
+
+
+def _fit_resume(captured: dict | None, device: str, epochs: int, at: int, path: str, module_kwargs: dict) -> tuple:
+    """A fit of ``epochs`` epochs; with ``at``, stopped after that many (a checkpoint) and resumed by a new Trainer and module."""
+    if not at:
+        state, metrics, *_ = _fit(captured, module_kwargs, dict(max_epochs=epochs, limit_val_batches=2), device=device)
+        return state, _losses(metrics), None
+    lm.lightning_env(0, 1)
+    first, logger = Logged(**module_kwargs), Recorded()
+    strategy = ls.CapturedSparseDDPStrategy(**captured) if captured is not None else "sparse_ddp"
+    trainer = lm.trainer(1, strategy=strategy, logger=logger, log_every_n_steps=1, max_epochs=at,
+                         accelerator=device, limit_val_batches=2)  # fmt: skip
+    trainer.fit(first)
+    trainer.save_checkpoint(path)
+    resumed, second = Logged(**module_kwargs), Recorded()
+    strategy = ls.CapturedSparseDDPStrategy(**captured) if captured is not None else "sparse_ddp"
+    trainer = lm.trainer(1, strategy=strategy, logger=second, log_every_n_steps=1, max_epochs=epochs,
+                         accelerator=device, limit_val_batches=2)  # fmt: skip
+    trainer.fit(resumed, ckpt_path=path)
+    counts = dict(strategy.captures) if captured is not None else None
+    return lm.state(resumed), _losses(logger.metrics) + _losses(second.metrics), counts
+
+
+def test_a_captured_fit_stopped_and_resumed_from_its_checkpoint_equals_the_eager_fit(rank_pools, tmp_path):
+    """2 epochs of 10 steps (validation after each), a checkpoint after the first: bitwise the eager fit, the same losses."""
+    module = dict(scheduler=True, tensor_lr=True)  # the scheduler fills a tensor lr
+    [(state, losses, counts)] = rank_pools(1).run(
+        _fit_resume, {"graphs": CallAgainGraphs()}, "cpu", 2, 1, str(tmp_path / "c"), module
+    )
+    [(twin, twin_losses, _)] = rank_pools(1).run(_fit_resume, None, "cpu", 2, 0, "", module)
+    for key, value in twin.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+    assert losses == twin_losses and len(losses) == 20
+    assert counts == {"warm-up": 2, "captured": 1, "replayed": 7, "eager": 1, "dropped": 0}  # the resumed fit's
+
+
+@CUDA
+def test_fifty_captured_steps_with_a_checkpoint_and_a_resume_are_bitwise_the_eager_steps_cuda(rank_pools, tmp_path):
+    """On a GPU, real CUDA graphs: 50 steps (10 an epoch, the last batch of each eager, validation after each epoch),
+    stopped after 20 and resumed from the checkpoint; the tables, the MLP and every logged loss equal the eager fit's."""
+    module = dict(sparse_kwargs={"lr": 0.2, "capturable": True})
+    [(state, losses, counts)] = rank_pools(1, "cuda").run(_fit_resume, {}, "gpu", 5, 2, str(tmp_path / "c"), module)
+    [(twin, twin_losses, _)] = rank_pools(1, "cuda").run(_fit_resume, None, "gpu", 5, 0, "", module)
+    for key, value in twin.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+    assert losses == twin_losses and len(losses) == 50
+    assert counts["captured"] == 3 and counts["replayed"] == 21  # 3 epochs after the resume: 7 replays each

@@ -1,7 +1,7 @@
 """Replays: a training step captured in a CUDA graph once, then replayed on each batch copied into static buffers.
 
 torch's CUDA-graph recipe (docs/guide/gpu.md), held once for the Trainer's captured step
-(:mod:`~lightning_sparse.lightning.captured_step`) and Fabric's (``fabric.strategy.captured(step)``):
+(:mod:`~lightning_sparse.lightning.captured_strategy`) and Fabric's (``fabric.strategy.captured(step)``):
 
 1. the first batch is cloned into a **static batch**, which the step reads instead of its batch;
 2. ``warmup_steps`` **warm-up** steps run on a side stream (they train: each is its batch's step), the

@@ -18,7 +18,7 @@ What a replay does not run is done on the host after it, from the graph's static
 
 Everything else the step runs in Python (conditions, counters of one's own) runs at the capture
 only. ``on_train_start`` refuses, by name and before any capture, what would not replay as it runs
-eagerly (:func:`problems`). One process is not wrapped in DDP (it would sum nothing).
+eagerly (:func:`problems`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -38,17 +37,16 @@ from typing_extensions import override
 
 from lightning_sparse.lightning import compat
 from lightning_sparse.lightning.capture import CaptureRefused, CudaGraphs, Replays
+from lightning_sparse.lightning.placement import collection_problems, fingerprint, optimizer_problems
 from lightning_sparse.lightning.precision import SparseMixedPrecision
 from lightning_sparse.lightning.strategy import SparseDDPStrategy
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.tables.collection import SparseEmbeddingCollection
-from lightning_sparse.tables.dynamic import DynamicEmbedding
 
 NAME = "sparse_ddp_captured"
 # Hooks Lightning calls inside the captured step: a callback's would run at the capture only.
 INSIDE_THE_STEP = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
 CAPTURABLE_PRECISION = (Precision, MixedPrecision, SparseMixedPrecision, HalfPrecision)  # types, with no GradScaler
-STEPS_WITHOUT_STATE = (torch.optim.SGD,)  # torch optimizers without a step count: capturable without the flag
 
 
 class CapturedSparseDDPStrategy(SparseDDPStrategy):
@@ -83,11 +81,6 @@ class CapturedSparseDDPStrategy(SparseDDPStrategy):
         if trainer.training:
             self._replays.graphs.check_device(self.root_device, type(self).__name__)
         super().setup(trainer)
-
-    @override
-    def configure_ddp(self) -> None:
-        if self.world_size > 1:
-            super().configure_ddp()  # on_train_start refuses it
 
     @override
     def on_train_start(self) -> None:
@@ -217,50 +210,6 @@ def _recorded(fx: str, name: str, value: Any, args: tuple, kwargs: dict) -> tupl
 
 def _copied(value: Any) -> Any:
     return value.clone() if isinstance(value, Tensor) else value
-
-
-def optimizer_problems(optimizers: list[Optimizer], scheduler_configs: list[Any]) -> list[tuple[str, str]]:
-    problems = []
-    for optimizer in optimizers:
-        groups, name = optimizer.param_groups, type(optimizer).__name__
-        if isinstance(optimizer, compat.MockOptimizer) or not groups:
-            continue
-        if all("capturable" in g for g in groups) and not all(g["capturable"] for g in groups):
-            problems.append((f"{name}(capturable=False) steps with host values", f"{name}(..., capturable=True)"))
-        elif not all("capturable" in g for g in groups) and not isinstance(optimizer, STEPS_WITHOUT_STATE):
-            problems.append((f"{name} has no capturable step (its step count is read on the host)",
-                             "a torch optimizer with capturable=True (Adam, AdamW), or SGD"))  # fmt: skip
-    for config in scheduler_configs:
-        optimizer = config.scheduler.optimizer
-        if not all(isinstance(g["lr"], Tensor) for g in optimizer.param_groups):
-            problems.append((f"{type(config.scheduler).__name__} schedules {type(optimizer).__name__}'s learning rate, a "
-                             f"float, which the graph would keep", "give that optimizer lr=torch.tensor(lr) (on the "
-                             "optimizer's device for torch's): schedulers then fill the tensor"))  # fmt: skip
-    return problems
-
-
-def collection_problems(collection: SparseEmbeddingCollection) -> list[tuple[str, str]]:
-    tables = collection.table_list
-    kinds = {(t.embedding_dim, t.dtype) for t in tables}
-    fix = "one collection per (dim, dtype) of static tables, or leave capture off"
-    if any(isinstance(t, DynamicEmbedding) for t in tables):
-        return [(f"the collection of {', '.join(t.name for t in tables)} holds dynamic tables: it steps table by table "
-                 f"after a host read", fix)]  # fmt: skip
-    if len(kinds) > 1:
-        return [(f"the collection of {', '.join(t.name for t in tables)} mixes dims or dtypes {sorted(map(str, kinds))}: "
-                 f"it steps table by table after a host read", fix)]  # fmt: skip
-    return []
-
-
-def fingerprint(optimizers: list[Optimizer]) -> tuple:
-    """Where the optimizers' tensors are and their hyperparameters: what a captured step has baked in."""
-    parts: list[Any] = []
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            parts += [(k, v.data_ptr() if isinstance(v, Tensor) else v) for k, v in group.items() if k != "params"]
-            parts += [p.data_ptr() for p in group["params"]]
-        parts += [v.data_ptr() for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
-    return tuple(parts)
 
 
 CapturedSparseDDPStrategy.register_strategies(StrategyRegistry)

@@ -28,6 +28,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_sparse import checkpoint
@@ -178,3 +179,48 @@ class TrainerCheckpoints:
                 f"checkpoint written by Trainer(strategy='sparse_ddp') or by `python -m lightning_sparse export`."
             )
         return False
+
+
+# ---------------------------------------------------------------- Fabric's state, as the Trainer's checkpoint numbers it
+def fabric_module(state: dict[str, Any], verb: str) -> tuple[str, nn.Module]:
+    """(key, module) of the one module of a Fabric ``state`` (unwrapped from DDP), for ``fabric.<verb>``."""
+    modules = [(name, unwrapped(obj)) for name, obj in state.items() if isinstance(obj, nn.Module)]
+    if len(modules) != 1:
+        raise ValueError(
+            f"fabric.{verb} with strategy='sparse_ddp' takes exactly one module in its state, got {len(modules)} "
+            f"({', '.join(name for name, _ in modules) or 'none'}). HINT: hold the models in one nn.Module "
+            f"(e.g. an nn.ModuleDict) and set that up."
+        )
+    return modules[0]
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (or the module)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def fabric_optimizers(state: dict[str, Any]) -> dict[str, Optimizer]:
+    """The optimizers of ``state`` by key, dense ones first, then sparse ones: the Trainer's numbering."""
+    optimizers = [(name, obj) for name, obj in state.items() if isinstance(obj, Optimizer)]
+    return dict(sorted(optimizers, key=lambda item: isinstance(item[1], SparseOptimizer)))
+
+
+def saved_indices(meta: dict[str, Any], optimizers: dict[str, Optimizer], path: Path) -> list[int]:
+    """The saved index of each optimizer of ``optimizers`` (in its order)."""
+    if not optimizers:
+        return []
+    saved = (meta.get("fabric") or {}).get("optimizers")
+    if saved is not None and set(optimizers) <= set(saved):
+        return [saved.index(name) for name in optimizers]
+    count = len(meta.get("optimizer_states_rest") or [])
+    sparse = sparse_indices(meta)
+    dense = [i for i in range(count) if i not in sparse]
+    want_sparse = [name for name, opt in optimizers.items() if isinstance(opt, SparseOptimizer)]
+    want_dense = [name for name in optimizers if name not in want_sparse]
+    if len(want_dense) != len(dense) or len(want_sparse) != len(sparse):
+        raise ValueError(
+            f"Checkpoint {path} holds {len(dense)} dense and {len(sparse)} sparse optimizers; the state to restore has "
+            f"{len(want_dense)} dense ({', '.join(want_dense) or 'none'}) and {len(want_sparse)} sparse "
+            f"({', '.join(want_sparse) or 'none'}). HINT: pass the same optimizers as when it was saved."
+        )
+    return [*dense, *sparse]

@@ -3,15 +3,18 @@
 Placing a module's tables when a strategy sets it up, the strategies' registration, the check
 that refuses any other strategy, the one that finds a table's shard in a dense optimizer, and the
 process groups of 2-D sharding (:class:`ShardingGroups`, held by the Trainer's strategy), and the
-placed tables beside Lightning's model summary (:func:`summarize`: rows, dim, dtype, sharding, what a rank holds).
+placed tables beside Lightning's model summary (:func:`summarize`: rows, dim, dtype, sharding, what a rank holds);
+what a captured step needs of the optimizers and collections (:func:`optimizer_problems`, :func:`collection_problems`,
+:func:`fingerprint`), for the Trainer's and Fabric's captured steps.
 """
 
 from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
@@ -19,6 +22,7 @@ from torch.optim import Optimizer
 
 from lightning_sparse.lightning import compat
 from lightning_sparse.tables.collection import SparseEmbeddingCollection
+from lightning_sparse.tables.dynamic import DynamicEmbedding
 from lightning_sparse.tables.embedding import SparseEmbedding
 from lightning_sparse.wire.replicas import sharding_groups
 
@@ -178,3 +182,53 @@ def _size(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+# ---------------------------------------------------------------- what a captured step needs of optimizers and tables
+STEPS_WITHOUT_STATE = (torch.optim.SGD,)  # torch optimizers without a step count: capturable without the flag
+
+
+def optimizer_problems(optimizers: list[Optimizer], scheduler_configs: list[Any]) -> list[tuple[str, str]]:
+    """(what, fix) of each optimizer whose step a graph cannot replay, and of each scheduler of a float learning rate."""
+    problems = []
+    for optimizer in optimizers:
+        groups, name = optimizer.param_groups, type(optimizer).__name__
+        if isinstance(optimizer, compat.MockOptimizer) or not groups:
+            continue
+        if all("capturable" in g for g in groups) and not all(g["capturable"] for g in groups):
+            problems.append((f"{name}(capturable=False) steps with host values", f"{name}(..., capturable=True)"))
+        elif not all("capturable" in g for g in groups) and not isinstance(optimizer, STEPS_WITHOUT_STATE):
+            problems.append((f"{name} has no capturable step (its step count is read on the host)",
+                             "a torch optimizer with capturable=True (Adam, AdamW), or SGD"))  # fmt: skip
+    for config in scheduler_configs:
+        optimizer = config.scheduler.optimizer
+        if not all(isinstance(g["lr"], Tensor) for g in optimizer.param_groups):
+            problems.append((f"{type(config.scheduler).__name__} schedules {type(optimizer).__name__}'s learning rate, a "
+                             f"float, which the graph would keep", "give that optimizer lr=torch.tensor(lr) (on the "
+                             "optimizer's device for torch's): schedulers then fill the tensor"))  # fmt: skip
+    return problems
+
+
+def collection_problems(collection: SparseEmbeddingCollection) -> list[tuple[str, str]]:
+    """(what, fix) of a collection that steps table by table after a host read (mixed dims or dtypes, dynamic tables)."""
+    tables = collection.table_list
+    kinds = {(t.embedding_dim, t.dtype) for t in tables}
+    fix = "one collection per (dim, dtype) of static tables, or leave capture off"
+    if any(isinstance(t, DynamicEmbedding) for t in tables):
+        return [(f"the collection of {', '.join(t.name for t in tables)} holds dynamic tables: it steps table by table "
+                 f"after a host read", fix)]  # fmt: skip
+    if len(kinds) > 1:
+        return [(f"the collection of {', '.join(t.name for t in tables)} mixes dims or dtypes {sorted(map(str, kinds))}: "
+                 f"it steps table by table after a host read", fix)]  # fmt: skip
+    return []
+
+
+def fingerprint(optimizers: list[Optimizer]) -> tuple:
+    """Where the optimizers' tensors are and their hyperparameters: what a captured step has baked in."""
+    parts: list[Any] = []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            parts += [(k, v.data_ptr() if isinstance(v, Tensor) else v) for k, v in group.items() if k != "params"]
+            parts += [p.data_ptr() for p in group["params"]]
+        parts += [v.data_ptr() for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
+    return tuple(parts)

@@ -136,10 +136,10 @@ class SparseDDPStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        if any(p.requires_grad for p in self.lightning_module.parameters()):
+        if self.world_size > 1 and any(p.requires_grad for p in self.lightning_module.parameters()):
             return super().configure_ddp()
-        # Only tables (DDP refuses a module without trainable parameters, and would have nothing to all-reduce).
-        log.debug("%s: no dense parameter needs a gradient; the module is not wrapped in DDP", type(self).__name__)
+        # One process (DDP would sum nothing) or only tables (DDP refuses a module without trainable parameters).
+        log.debug("%s: one process, or no dense parameter needs a gradient: not wrapped in DDP", type(self).__name__)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:

@@ -1,4 +1,4 @@
-"""Trainer(strategy="sparse_ddp_captured"): the training step captured in a CUDA graph, against the eager fit.
+"""Captured steps: Trainer(strategy="sparse_ddp_captured") and Fabric's captured step functions, against the eager ones.
 
 On CPU the Lightning side runs with a test double of the graph maker (tests/graph_double.py: a
 capture keeps the step, a replay calls it again): what is captured, the static batch, the eager
@@ -144,9 +144,7 @@ def test_what_cannot_be_replayed_is_refused_by_name_before_any_capture(rank_pool
         assert expected in message, message
     assert message.rstrip().split("\n")[-1].startswith("HINT: ") and captures == 0
     message, captures = rank_pools(1).run(_refusal, {}, dict(problem="host read"), {})[0]
-    assert (
-        "reads a tensor on the host (item) at " in message and "test_captured_strategy.py" in message and "loss.item()" in message
-    )
+    assert "reads a tensor on the host (item) at " in message and "test_captured_steps.py" in message and "loss.item()" in message
     assert "HINT: keep the value on the device" in message and captures == 0
     message, captures = rank_pools(1).run(_refusal, {}, dict(problem="autocast"), {})[0]
     assert (
@@ -218,3 +216,57 @@ def test_fifty_captured_steps_with_a_checkpoint_and_a_resume_are_bitwise_the_eag
         torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
     assert losses == twin_losses and len(losses) == 50
     assert counts["captured"] == 3 and counts["replayed"] == 21  # 3 epochs after the resume: 7 replays each
+
+
+# ---------------------------------------------------------------- Fabric: a captured step function
+def _fabric_steps(captured: bool, dense: str = "SGD") -> tuple:
+    import lightning as L
+
+    lm.lightning_env(0, 1)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="sparse_ddp")
+    fabric.launch()
+    module = lm.TwoTower()
+    model, dense_opt, sparse_opt = fabric.setup(module, getattr(torch.optim, dense)(module.mlp.parameters(), lr=0.05),
+                                                ls.SparseAdagrad([module.users, module.items], lr=0.2, capturable=True))  # fmt: skip
+
+    def step(batch):
+        users, items, target = batch
+        loss = torch.nn.functional.mse_loss(model(users, items), target)
+        fabric.backward(loss)
+        dense_opt.step()
+        sparse_opt.step()
+        dense_opt.zero_grad()
+        sparse_opt.zero_grad()
+        return {"loss": loss.detach()}
+
+    graphs = CallAgainGraphs()
+    run = fabric.strategy.captured(step, graphs=graphs) if captured else step
+    data = lm.dataset(23)
+    losses = []
+    for start in range(0, 23, 5):  # 4 batches of 5, then 3
+        batch = [t[start : start + 5] for t in data.tensors]
+        out = run(batch, last=start + 5 >= 23) if captured else run(batch)
+        losses.append(float(out["loss"]))
+    return lm.state(module), losses, dict(run.counts) if captured else None, len(graphs.captured)
+
+
+def test_a_captured_fabric_step_trains_and_returns_as_the_eager_step(rank_pools):
+    [(state, losses, counts, captures)] = rank_pools(1).run(_fabric_steps, True)
+    [(twin, twin_losses, _, _)] = rank_pools(1).run(_fabric_steps, False)
+    for key, value in twin.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+    assert losses == twin_losses and captures == 1
+    assert counts == {"warm-up": 2, "captured": 1, "replayed": 2, "eager": 1, "dropped": 0}
+
+
+def _fabric_refusal() -> str:
+    try:
+        _fabric_steps(True, dense="Adagrad")
+    except CaptureRefused as err:
+        return str(err)
+    raise AssertionError("no CaptureRefused")
+
+
+def test_a_fabric_step_that_cannot_replay_is_refused_by_name(rank_pools):
+    message = rank_pools(1).run(_fabric_refusal)[0]
+    assert "- Adagrad has no capturable step" in message and message.split("\n")[-1].startswith("HINT: ")

@@ -140,3 +140,26 @@ def test_gpu_benchmark_runs_the_gpu_path_and_reports_every_target(monkeypatch):
     cases = gpu_host.run(500, 8, 64, steps=2, device="cpu", profiled_steps=2)["cases"]
     assert set(cases) == {"ours/adagrad", "torch_sparse/adagrad", "ours/dynamic_adagrad"}
     assert all(case["step_ms"] > 0 and case["host_ms"] > 0 for case in cases.values())
+
+
+def test_the_trainer_benchmark_fits_every_way_at_tiny_sizes(monkeypatch):
+    """benchmarks/gpu_trainer.py on CPU at tiny sizes (the captured fit with tests/graph_double.py; timings
+    meaningless): every workload fit each way, the ratios and the captures written."""
+    from graph_double import CallAgainGraphs
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_trainer
+
+    workloads = {"dlrm": dict(tables=3, rows=200, dim=8, batch=32), "recommender": dict(users=300, items=50, dim=8, batch=32)}
+    doc = gpu_trainer.run(workloads, steps=2, warmup=3, device="cpu", graphs=CallAgainGraphs())
+    for name, found in doc["workloads"].items():
+        assert found["errors"] == {} and set(found["fits"]) == set(gpu_trainer.WAYS), (name, found["errors"])
+        assert set(found["ratios"]) == {"ours captured / torch ddp", "ours eager / torch ddp", "ours captured / ours eager"}
+        assert all(fit["samples_per_s"] > 0 for fit in found["fits"].values())
+        assert found["fits"]["ours captured"]["captures"] == {
+            "warm-up": 2,
+            "captured": 1,
+            "replayed": 3,
+            "eager": 0,
+            "dropped": 0,
+        }

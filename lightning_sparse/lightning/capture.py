@@ -68,9 +68,10 @@ class CudaGraphs:
         return output
 
     def capture(self, run: Callable[[], Any]) -> Any:
-        """A graph of ``run()``, captured and not run; its ``replay()`` runs it."""
+        """A graph of ``run()``, captured and not run; its ``replay()`` runs it. Other threads may use CUDA meanwhile
+        (a loader's pin-memory thread): only this thread's calls that a capture forbids raise."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             run()
         return graph
 

@@ -270,3 +270,68 @@ def _fabric_refusal() -> str:
 def test_a_fabric_step_that_cannot_replay_is_refused_by_name(rank_pools):
     message = rank_pools(1).run(_fabric_refusal)[0]
     assert "- Adagrad has no capturable step" in message and message.split("\n")[-1].startswith("HINT: ")
+
+
+class MixedCollection(lm.CollectionTower):
+    """Its collection holds a float32 and a bf16 table (it steps table by table); optimized by hand when ``manual``."""
+
+    def __init__(self, **kwargs) -> None:
+        lm.TwoTower.__init__(self, sparse_kwargs={"lr": 0.2, "capturable": True}, **kwargs)
+        users, _ = self._modules.pop("users"), self._modules.pop("items")
+        items = ls.SparseEmbedding(lm.ITEMS, lm.DIM, seed=2, dtype=torch.bfloat16, stochastic_rounding=False)
+        self.embeddings = ls.SparseEmbeddingCollection({"users": users, "items": items},
+                                                       features={"user": "users", "first": "items", "second": "items"})  # fmt: skip
+
+
+def _refused_configuration() -> str:
+    lm.lightning_env(0, 1)
+    trainer = lm.trainer(1, strategy=ls.CapturedSparseDDPStrategy(graphs=CallAgainGraphs()), max_steps=1)
+    try:
+        trainer.fit(MixedCollection(manual=True))
+    except CaptureRefused as err:
+        return str(err)
+    raise AssertionError("no CaptureRefused")
+
+
+def test_manual_optimization_and_a_collection_that_steps_table_by_table_are_refused(rank_pools):
+    message = rank_pools(1).run(_refused_configuration)[0]
+    assert "- manual optimization" in message and "mixes dims or dtypes" in message and "embeddings.tables.items" in message
+    assert message.split("\n")[-1].startswith("HINT: ")
+
+
+def test_user_host_reads_names_the_users_line_and_passes_over_the_librarys_own():
+    from lightning_sparse.lightning.capture import UserHostReads
+
+    x = torch.arange(4.0)
+    for step, what in [(lambda: x.sum().item(), r"reads a tensor on the host \(item\)"),
+                       (lambda: x.nonzero(), r"sizes an output by values \(nonzero\)"),
+                       (lambda: x[x > 1], r"sizes an output by values \(__getitem__ with a boolean mask\)"),
+                       (lambda: torch.tensor([1.0], device="cpu"), r"copies host data to the device \(tensor\)")]:  # fmt: skip
+        with pytest.raises(CaptureRefused, match=what + r" at .*test_captured_steps\.py:\d+ .*HINT: "):
+            with UserHostReads("cpu"):
+                step()
+    with pytest.raises(CaptureRefused, match=r"under torch\.autocast with cache_enabled=True"):
+        with UserHostReads("cpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.functional.linear(x, torch.ones(2, 4, requires_grad=True))
+    table = ls.SparseEmbedding(10, 2, seed=0)
+    with UserHostReads("cpu"):  # the CPU lookup reads the host in lightning_sparse's code: not the user's
+        table(torch.tensor([1, 2]))
+    with UserHostReads("cuda"):  # a CPU tensor's values are the host's already
+        x.sum().item()
+
+
+class Reload(pl.Callback):
+    """Loads every optimizer's state anew (new tensors) before the 6th batch: what the graph read is gone."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 5:
+            import copy
+
+            for optimizer in trainer.optimizers:
+                optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+
+
+def test_optimizer_state_loaded_anew_is_captured_again(rank_pools):
+    """Before batch 5 the state moves: that batch and the next warm up again, the next captures (10 batches, the last eager)."""
+    _, _, counts, *_ = _compare(rank_pools, {}, {}, dict(max_epochs=1, callbacks=[Reload()]))
+    assert counts == {"warm-up": 4, "captured": 2, "replayed": 5, "eager": 1, "dropped": 0}

@@ -199,7 +199,8 @@ def fit(workload: str, way: str, sizes: dict[str, int], steps: int, warmup: int,
 
 
 def run(workloads: dict[str, dict[str, int]] = WORKLOADS, steps: int = 40, warmup: int = 8, device: str = "cuda",
-        graphs: Any = None) -> dict[str, Any]:  # fmt: skip
+        graphs: Any = None, out: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """Every workload fit every way; ``out``: written after each fit too (a run stopped by its time limit keeps those)."""
     device = torch.device(device)
     doc: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
                            "lightning": lightning.__version__, "steps": steps, "warmup": warmup, "workloads": {}}  # fmt: skip
@@ -213,6 +214,9 @@ def run(workloads: dict[str, dict[str, int]] = WORKLOADS, steps: int = 40, warmu
                 _release(device)
                 if way == "torch ddp":
                     found["fits"]["torch single-device"] = fit(workload, "torch single-device", sizes, steps, warmup, device)
+            doc["workloads"][workload] = found
+            if out is not None:
+                out.write_text(json.dumps(doc, indent=1))
         rate = {way: fit_["samples_per_s"] for way, fit_ in found["fits"].items()}
         baseline = "torch ddp" if "torch ddp" in rate else "torch single-device"
         found["baseline"] = baseline
@@ -222,6 +226,8 @@ def run(workloads: dict[str, dict[str, int]] = WORKLOADS, steps: int = 40, warmu
         if "ours captured" in rate and "ours eager" in rate:
             found["ratios"]["ours captured / ours eager"] = rate["ours captured"] / rate["ours eager"]
         doc["workloads"][workload] = found
+    if out is not None:
+        out.write_text(json.dumps(doc, indent=1))
     return doc
 
 
@@ -234,11 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=list(WORKLOADS), help="one workload")
     args = parser.parse_args(argv)
     workloads = {args.only: WORKLOADS[args.only]} if args.only else WORKLOADS
-    doc = run(workloads, args.steps, args.warmup)
-    text = json.dumps(doc, indent=1)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    doc = run(workloads, args.steps, args.warmup, out=Path(args.out) if args.out else None)
+    print(json.dumps(doc, indent=1))
     failed = [f"{name}: {way}" for name, found in doc["workloads"].items() for way in found["errors"] if way != "torch ddp"]
     return 1 if failed else 0
 

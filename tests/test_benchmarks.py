@@ -142,7 +142,7 @@ def test_gpu_benchmark_runs_the_gpu_path_and_reports_every_target(monkeypatch):
     assert all(case["step_ms"] > 0 and case["host_ms"] > 0 for case in cases.values())
 
 
-def test_the_trainer_benchmark_fits_every_way_at_tiny_sizes(monkeypatch):
+def test_the_trainer_benchmark_fits_every_way_at_tiny_sizes(monkeypatch, tmp_path):
     """benchmarks/gpu_trainer.py on CPU at tiny sizes (the captured fit with tests/graph_double.py; timings
     meaningless): every workload fit each way, the ratios and the captures written."""
     from graph_double import CallAgainGraphs
@@ -151,7 +151,8 @@ def test_the_trainer_benchmark_fits_every_way_at_tiny_sizes(monkeypatch):
     import gpu_trainer
 
     workloads = {"dlrm": dict(tables=3, rows=200, dim=8, batch=32), "recommender": dict(users=300, items=50, dim=8, batch=32)}
-    doc = gpu_trainer.run(workloads, steps=2, warmup=3, device="cpu", graphs=CallAgainGraphs())
+    doc = gpu_trainer.run(workloads, steps=2, warmup=3, device="cpu", graphs=CallAgainGraphs(), out=tmp_path / "trainer.json")
+    assert json.loads((tmp_path / "trainer.json").read_text()) == json.loads(json.dumps(doc))
     for name, found in doc["workloads"].items():
         assert found["errors"] == {} and set(found["fits"]) == set(gpu_trainer.WAYS), (name, found["errors"])
         assert set(found["ratios"]) == {"ours captured / torch ddp", "ours eager / torch ddp", "ours captured / ours eager"}

@@ -8,7 +8,13 @@ The folders follow the data path, each importing only those before it: ``faults`
 """
 
 from lightning_sparse.faults import PeerFailure, exits
-from lightning_sparse.lightning import FabricSparseDDPStrategy, SparseDDPStrategy, SparseMixedPrecision, SparseStatsMonitor
+from lightning_sparse.lightning import (
+    CapturedSparseDDPStrategy,
+    FabricSparseDDPStrategy,
+    SparseDDPStrategy,
+    SparseMixedPrecision,
+    SparseStatsMonitor,
+)
 from lightning_sparse.lookup import JaggedIds, serve_lookups
 from lightning_sparse.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseRowWiseAdagrad, SparseSGD
 from lightning_sparse.tables import DynamicEmbedding, SparseEmbedding, SparseEmbeddingCollection, full_state_dict, init
@@ -19,6 +25,7 @@ __version__ = "0.1.0"
 exits.install()
 
 __all__ = [
+    "CapturedSparseDDPStrategy",
     "DynamicEmbedding",
     "FabricSparseDDPStrategy",
     "JaggedIds",

@@ -166,3 +166,38 @@ def test_the_gpu_checks_fail_when_a_test_fails_or_runs_out_of_time(tmp_path, tes
             and run.stdout.count("== FAILED") == 1
             and re.search(rf"== FAILED: CUDA tests \({why}", run.stdout)
         ), run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_the_trainer_benchmark_fits_every_way_at_tiny_sizes(monkeypatch, tmp_path):
+    """benchmarks/gpu_trainer.py on CPU at tiny sizes (the captured fit with tests/graph_double.py; timings
+    meaningless): every workload fit each way, the ratios and the captures written."""
+    from graph_double import CallAgainGraphs
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_trainer
+
+    workloads = {"dlrm": dict(tables=3, rows=200, dim=8, batch=32), "recommender": dict(users=300, items=50, dim=8, batch=32)}
+    doc = gpu_trainer.run(workloads, steps=2, warmup=3, device="cpu", graphs=CallAgainGraphs(), out=tmp_path / "trainer.json")
+    assert json.loads((tmp_path / "trainer.json").read_text()) == json.loads(json.dumps(doc))
+    for name, found in doc["workloads"].items():
+        assert found["errors"] == {} and set(found["fits"]) == set(gpu_trainer.WAYS), (name, found["errors"])
+        assert set(found["ratios"]) == {"ours captured / torch ddp", "ours eager / torch ddp", "ours captured / ours eager"}
+        assert all(fit["samples_per_s"] > 0 for fit in found["fits"].values())
+        assert found["fits"]["ours captured"]["captures"] == {
+            "warm-up": 2,
+            "captured": 1,
+            "replayed": 3,
+            "eager": 0,
+            "dropped": 0,
+        }
+
+
+@pytest.mark.subprocesses
+def test_the_shared_gpu_benchmark_runs_its_ranks(monkeypatch):
+    """benchmarks/gpu_ranks.py on CPU with tiny sizes (torch kernels, no syncs to count): the script a GPU run relies on."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_ranks
+
+    doc = gpu_ranks.run(300, 8, 64, steps=2, warmup=1, sync_steps=1, device="cpu")
+    assert set(doc["step_ms"]) == {"1 rank", "2 ranks sharing the device"} and all(ms > 0 for ms in doc["step_ms"].values())
+    assert doc["ratio_2_ranks_to_1"] > 0 and doc["host_syncs_per_step"] == {"1 rank": 0, "2 ranks, rank 0": 0}

@@ -242,3 +242,32 @@ def test_a_handle_holds_its_value_exactly_as_long_as_a_graph_saves_it():
     gc.collect()
     assert alive() is None, "the value dies with the graph"
     assert torch_compat.held_by(torch.zeros(())) is None
+
+
+@checked
+def test_the_captured_steps_shims_record_logs_set_the_hook_the_closure_result_and_count_zero_grad():
+    """logs_recorded shadows LightningModule.log (log_dict goes through it), logging_as sets the hook's name,
+    the closure's result is read and set where the loop consumes it, zero_grad is counted where the loop counts it."""
+    from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
+
+    module, calls = pl.LightningModule(), []
+    module._current_fx_name = "training_step"
+    with compat.logs_recorded(module, lambda *call: calls.append(call)):
+        module.log_dict({"a": 1.0, "b": torch.tensor(2.0)}, prog_bar=True)
+    assert [(fx, name, args, kwargs["prog_bar"]) for fx, name, _, args, kwargs in calls] == [
+        ("training_step", "a", (), True), ("training_step", "b", (), True)]  # fmt: skip
+    assert "log" not in vars(module) and type(module).log is pl.LightningModule.log
+    with compat.logging_as(module, "on_train_batch_end"):
+        assert module._current_fx_name == "on_train_batch_end"
+    assert module._current_fx_name == "training_step"
+    closure = Closure(step_fn=lambda: ClosureResult(torch.tensor(3.0, requires_grad=True)))
+    closure()
+    assert float(compat.closure_result(closure).loss) == 3.0
+    loss = torch.tensor(4.0)
+    compat.set_closure_result(closure, loss, {"extra": 1})
+    result = closure.consume_result()
+    assert float(result.loss) == 4.0 and result.loss is not loss and result.extra == {"extra": 1}
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+    compat.count_zero_grad(trainer)
+    assert progress.optimizer.zero_grad.total.completed == progress.optimizer.zero_grad.total.ready == 1

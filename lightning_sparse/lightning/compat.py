@@ -1,8 +1,9 @@
 """Every reach into Lightning's (and GradScaler's) private API, in one place, patches included.
 
-The strategies need a few things Lightning and torch do not export, and two places where
-Lightning offers no hook: a skipped evaluation loop (:func:`after_skipped_run` wraps its ``run``)
-and the weights a spawned rank 0 hands back (:class:`SparseMultiProcessingLauncher`). Each is
+The strategies need a few things Lightning and torch do not export, and three places where
+Lightning offers no hook: a skipped evaluation loop (:func:`after_skipped_run` wraps its ``run``),
+the weights a spawned rank 0 hands back (:class:`SparseMultiProcessingLauncher`), and the
+``self.log`` calls of a captured training step (:func:`logs_recorded`). Each is
 named here once, with what it is for; ``tests/test_compat.py`` checks each assumption (one test
 per shim), so an upgrade that breaks one fails there, by name, instead of deep inside a fit, and
 names the versions below. ``tests/test_layout.py`` fails on a patch anywhere else. Checked
@@ -12,7 +13,8 @@ against lightning 2.6.6 (and 2.6.0) and torch 2.13.0.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from lightning.pytorch.core.optimizer import (
     _MockOptimizer,
     _validate_scheduler_api,
 )
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.strategies import Strategy as TrainerStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import Tensor
@@ -164,3 +167,51 @@ def update_scale(scaler: torch.amp.GradScaler, found_inf: Tensor) -> None:
         scaler._backoff_factor,
         scaler._growth_interval,
     )
+
+
+# The Trainer's captured step (lightning_sparse.lightning.captured_step): what a replay does not run, done by hand.
+@contextmanager
+def logs_recorded(module: Any, record: Callable[..., None]) -> Iterator[None]:
+    """Route the module's ``self.log`` (and ``log_dict``, which calls it) to ``record(fx, name, value, args, kwargs)``.
+
+    ``fx``: the hook that logged (``module._current_fx_name``). Patch: an instance attribute shadows
+    the module's ``log`` meanwhile (Lightning has no hook for the log calls of a step).
+    """
+
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        record(module._current_fx_name, name, value, args, kwargs)
+
+    module.log = log
+    try:
+        yield
+    finally:
+        del module.log
+
+
+@contextmanager
+def logging_as(module: Any, fx: str) -> Iterator[None]:
+    """``self.log`` calls made meanwhile count as made by the hook ``fx`` (``module._current_fx_name``)."""
+    previous, module._current_fx_name = module._current_fx_name, fx
+    try:
+        yield
+    finally:
+        module._current_fx_name = previous
+
+
+def closure_result(closure: Any) -> ClosureResult | None:
+    """What the training-step closure's last call returned (``Closure._result``), without consuming it."""
+    return closure._result
+
+
+def set_closure_result(closure: Any, loss: Tensor | None, extra: dict[str, Any]) -> None:
+    """Make the loop's ``closure.consume_result()`` return ``loss`` (cloned, as Lightning does) and ``extra``."""
+    closure._result = ClosureResult(loss, extra=extra)
+
+
+def count_zero_grad(trainer: Any) -> None:
+    """Count one ``zero_grad`` in the loop's progress, as ``_AutomaticOptimization._on_before_zero_grad`` and
+    ``_optimizer_zero_grad`` do (their counters go into checkpoints)."""
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
+    progress.increment_ready()
+    progress.increment_started()
+    progress.increment_completed()

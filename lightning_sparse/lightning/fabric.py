@@ -20,11 +20,12 @@ Narrow overrides, each calling ``super()``:
 - ``setup_optimizer``: a sparse optimizer's state follows its tables to the device Fabric moved them to;
 - ``optimizer_step``: a sparse optimizer exchanges and applies its pending row gradients;
 - ``clip_gradients_*``: dense optimizers only (row gradients are not in ``.grad``);
+- ``captured(step)``: on one GPU, a step function captured in a CUDA graph and replayed per batch;
 - ``save_checkpoint`` / ``load_checkpoint``: the Trainer's sharded format
-  (:mod:`lightning_sparse.lightning.checkpoint_format`), so checkpoints move between the two
+  (:mod:`lightning_sparse.lightning.checkpoints`), so checkpoints move between the two
   and load on any number of ranks.
 
-``fabric.no_backward_sync`` accumulates as with DDP: row gradients always wait on their rank
+One process is not wrapped in DDP (it would sum nothing). ``fabric.no_backward_sync`` accumulates as with DDP: row gradients always wait on their rank
 until the sparse optimizer's ``step()``.
 """
 
@@ -44,10 +45,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sparse import checkpoint
-from lightning_sparse.lightning import checkpoint_format as lightning_format
+from lightning_sparse.lightning import checkpoints as lightning_format
 from lightning_sparse.lightning import compat
-from lightning_sparse.lightning.placement import STRATEGY_NAME, place_tables, register, shard_in_dense_optimizer
+from lightning_sparse.lightning.capture import CaptureRefused, CudaGraphs, Replays
+from lightning_sparse.lightning.placement import (
+    STRATEGY_NAME,
+    collection_problems,
+    fingerprint,
+    optimizer_problems,
+    place_tables,
+    register,
+    shard_in_dense_optimizer,
+)
 from lightning_sparse.optim.base import SparseOptimizer
+from lightning_sparse.tables.collection import SparseEmbeddingCollection
 from lightning_sparse.tables.embedding import SparseEmbedding
 
 
@@ -60,24 +71,33 @@ class FabricSparseDDPStrategy(DDPStrategy):
         super().__init__(*args, **kwargs)
         self._backward_sync_control = _TablesOnlySyncControl()
         self._tables: list[SparseEmbedding] = []
+        self._collections: list[SparseEmbeddingCollection] = []
+        self._optimizers: list[Optimizer] = []
 
     @property
     def sparse_tables(self) -> list[SparseEmbedding]:
         """The tables of the modules set up so far."""
         return self._tables
 
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """The optimizers set up so far, dense and sparse."""
+        return self._optimizers
+
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        tables, _ = place_tables(module)
+        tables, collections = place_tables(module)
         self._tables.extend(t for t in tables if all(t is not known for known in self._tables))
-        if any(p.requires_grad for p in module.parameters()):
+        self._collections.extend(c for c in collections if all(c is not known for known in self._collections))
+        if self.world_size > 1 and any(p.requires_grad for p in module.parameters()):
             return super().setup_module(module)
-        return module  # only tables: DDP would refuse it, and would have nothing to all-reduce
+        return module  # one process or only tables: DDP would have nothing to all-reduce (and refuses a module of tables)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if not isinstance(optimizer, SparseOptimizer):
             _refuse_shards(optimizer, self._tables)
+            self._optimizers.append(optimizer)
             return super().setup_optimizer(optimizer)
         if isinstance(self.precision, MixedPrecision) and self.precision.scaler is not None:
             raise ValueError(
@@ -92,7 +112,20 @@ class FabricSparseDDPStrategy(DDPStrategy):
                     f"HINT: set up the module first or in the same call: fabric.setup(model, dense_opt, sparse_opt)."
                 )
             _follow_table(optimizer, table)
+        self._optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
+
+    def captured(self, step: Callable[[Any], Any], *, other_shapes: str = "eager", warmup_steps: int = 2,
+                 graphs: Any = None) -> CapturedStep:  # fmt: skip
+        """``step(batch)`` (forward, ``fabric.backward``, the optimizers' steps and zero_grad), captured in a CUDA graph.
+
+        ``captured(batch)`` then warms up, captures and replays it as the Trainer's captured step does
+        (:mod:`~lightning_sparse.lightning.capture`), and returns its outputs: the graph's static tensors,
+        which the next call overwrites (clone what you keep). ``captured(batch, last=True)``: a last batch of
+        another shape, run eagerly or dropped (``other_shapes``); ``graphs``: tests pass a stand-in.
+        """
+        graphs = graphs if graphs is not None else CudaGraphs()
+        return CapturedStep(self, step, Replays(graphs, other_shapes, warmup_steps, getattr(graphs, "device_type", "cuda")))
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -119,8 +152,8 @@ class FabricSparseDDPStrategy(DDPStrategy):
         if storage_options is not None or filter:
             raise ValueError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter: it writes "
                              f"every table with DCP. HINT: call fabric.save(path, state) without them.")  # fmt: skip
-        key, module = _the_module(state, "save")
-        optimizers = _ordered_optimizers(state)
+        key, module = lightning_format.fabric_module(state, "save")
+        optimizers = lightning_format.fabric_optimizers(state)
         contents: dict[str, Any] = {
             "state_dict": checkpoint.dense_module_state(module),
             "optimizer_states": [lightning_format.optimizer_state(module, opt) for opt in optimizers.values()],
@@ -155,10 +188,10 @@ class FabricSparseDDPStrategy(DDPStrategy):
                              f"HINT: fabric.load(path, {{'model': model, 'optimizer': optimizer, ...}}).")  # fmt: skip
         checkpoint.verify(path)
         meta = checkpoint.load_meta(path, weights_only=True if weights_only is None else weights_only)
-        key, module = _the_module(state, "load")
+        key, module = lightning_format.fabric_module(state, "load")
         checkpoint.load_module(path, module, strict=strict, meta=meta)
-        optimizers = _ordered_optimizers(state)
-        for index, optimizer in zip(_saved_indices(meta, optimizers, path), optimizers.values()):
+        optimizers = lightning_format.fabric_optimizers(state)
+        for index, optimizer in zip(lightning_format.saved_indices(meta, optimizers, path), optimizers.values()):
             lightning_format.read_optimizer(path, index, module, optimizer, meta)
         remainder = {k: v for k, v in meta.items() if k not in lightning_format.RESERVED}
         for name, obj in state.items():
@@ -177,6 +210,42 @@ class FabricSparseDDPStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: compat.StrategyRegistry) -> None:
         register(cls, strategy_registry)
+
+
+class CapturedStep:
+    """A Fabric step function captured in a CUDA graph (:meth:`FabricSparseDDPStrategy.captured`)."""
+
+    def __init__(self, strategy: FabricSparseDDPStrategy, step: Callable[[Any], Any], replays: Replays) -> None:
+        self._strategy, self._step, self._replays = strategy, step, replays
+        self._checked = False
+        self._fingerprint: tuple | None = None
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """How many calls warmed up, were captured, replayed, ran eagerly or were dropped."""
+        return self._replays.counts
+
+    def __call__(self, batch: Any, *, last: bool = False) -> Any:
+        strategy = self._strategy
+        if not self._checked:  # before the first warm-up: what would not replay as it runs eagerly, by name
+            self._replays.graphs.check_device(strategy.root_device, "fabric.strategy.captured")
+            found = optimizer_problems(strategy.optimizers, [])
+            found += [problem for collection in strategy._collections for problem in collection_problems(collection)]
+            if strategy.world_size > 1:
+                found.append((f"{strategy.world_size} processes: the all-to-all sizes each message on the host", "one GPU"))
+            if getattr(strategy.precision, "scaler", None) is not None:
+                found.append(("a loss scale: GradScaler decides on the host whether to step", "precision='bf16-mixed'"))
+            if found:
+                raise CaptureRefused("fabric.strategy.captured cannot capture this step:\n" + "\n".join(f"- {w}" for w, _ in found)
+                                     + f"\nHINT: {'; '.join(dict.fromkeys(fix for _, fix in found))}.")  # fmt: skip
+            self._checked = True
+        if self._replays.captured and fingerprint(strategy.optimizers) != self._fingerprint:
+            self._replays.invalidate()  # a load or a new hyperparameter: what the graph read is gone
+        static = lambda: self._step(self._replays.static_batch)  # noqa: E731
+        how, outputs = self._replays.step(batch, static, lambda: self._step(batch), last, "the captured step's batch")
+        if how == "warm-up":
+            self._fingerprint = fingerprint(strategy.optimizers)
+        return outputs
 
 
 class _TablesOnlySyncControl(compat.DDPBackwardSyncControl):
@@ -217,48 +286,6 @@ def _refuse_sparse_clipping(optimizer: Optimizer) -> None:
             f"fabric.clip_gradients clips the .grad of dense parameters; {type(optimizer).__name__}'s row gradients "
             f"wait on their ranks until step(). HINT: pass the dense optimizer: fabric.clip_gradients(model, dense_opt, ...)."
         )
-
-
-def _the_module(state: dict[str, Any], verb: str) -> tuple[str, nn.Module]:
-    modules = [(name, _unwrapped(obj)) for name, obj in state.items() if isinstance(obj, nn.Module)]
-    if len(modules) != 1:
-        raise ValueError(
-            f"fabric.{verb} with strategy='sparse_ddp' takes exactly one module in its state, got {len(modules)} "
-            f"({', '.join(name for name, _ in modules) or 'none'}). HINT: hold the models in one nn.Module "
-            f"(e.g. an nn.ModuleDict) and set that up."
-        )
-    return modules[0]
-
-
-def _unwrapped(module: nn.Module) -> nn.Module:
-    return module.module if isinstance(module, DistributedDataParallel) else module
-
-
-def _ordered_optimizers(state: dict[str, Any]) -> dict[str, Optimizer]:
-    """The optimizers of ``state`` by key, dense ones first, then sparse ones: the Trainer's numbering."""
-    optimizers = [(name, obj) for name, obj in state.items() if isinstance(obj, Optimizer)]
-    return dict(sorted(optimizers, key=lambda item: isinstance(item[1], SparseOptimizer)))
-
-
-def _saved_indices(meta: dict[str, Any], optimizers: dict[str, Optimizer], path: Path) -> list[int]:
-    """The saved index of each optimizer of ``optimizers`` (in its order)."""
-    if not optimizers:
-        return []
-    saved = (meta.get("fabric") or {}).get("optimizers")
-    if saved is not None and set(optimizers) <= set(saved):
-        return [saved.index(name) for name in optimizers]
-    count = len(meta.get("optimizer_states_rest") or [])
-    sparse = lightning_format.sparse_indices(meta)
-    dense = [i for i in range(count) if i not in sparse]
-    want_sparse = [name for name, opt in optimizers.items() if isinstance(opt, SparseOptimizer)]
-    want_dense = [name for name in optimizers if name not in want_sparse]
-    if len(want_dense) != len(dense) or len(want_sparse) != len(sparse):
-        raise ValueError(
-            f"Checkpoint {path} holds {len(dense)} dense and {len(sparse)} sparse optimizers; the state to restore has "
-            f"{len(want_dense)} dense ({', '.join(want_dense) or 'none'}) and {len(want_sparse)} sparse "
-            f"({', '.join(want_sparse) or 'none'}). HINT: pass the same optimizers as when it was saved."
-        )
-    return [*dense, *sparse]
 
 
 FabricSparseDDPStrategy.register_strategies(STRATEGY_REGISTRY)

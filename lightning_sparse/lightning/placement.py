@@ -2,23 +2,32 @@
 
 Placing a module's tables when a strategy sets it up, the strategies' registration, the check
 that refuses any other strategy, the one that finds a table's shard in a dense optimizer, and the
-process groups of 2-D sharding (:class:`ShardingGroups`, held by the Trainer's strategy).
+process groups of 2-D sharding (:class:`ShardingGroups`, held by the Trainer's strategy), and the
+placed tables beside Lightning's model summary (:func:`summarize`: rows, dim, dtype, sharding, what a rank holds);
+what a captured step needs of the optimizers and collections (:func:`optimizer_problems`, :func:`collection_problems`,
+:func:`fingerprint`), for the Trainer's and Fabric's captured steps.
 """
 
 from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_sparse.lightning import compat
 from lightning_sparse.tables.collection import SparseEmbeddingCollection
+from lightning_sparse.tables.dynamic import DynamicEmbedding
 from lightning_sparse.tables.embedding import SparseEmbedding
 from lightning_sparse.wire.replicas import sharding_groups
+
+if TYPE_CHECKING:
+    from lightning_sparse.optim.base import SparseOptimizer
 
 log = logging.getLogger("lightning_sparse.lightning.strategy")
 
@@ -114,3 +123,112 @@ def shard_in_dense_optimizer(optimizer: Optimizer, tables: list[SparseEmbedding]
     """The name of a table whose shard ``optimizer`` (a dense one) was given, if any: each strategy raises its own error."""
     shards = {id(t.shard): t.name for t in tables}
     return next((shards[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in shards), None)
+
+
+# ---------------------------------------------------------------- the tables beside Lightning's model summary
+HEADER = ("", "Table", "Rows", "Dim", "Dtype", "Sharding", "Rows per rank", "Bytes per rank", "Optimizer state per rank")
+
+
+def summarize(tables: list[SparseEmbedding], optimizers: list[SparseOptimizer]) -> str:
+    """The tables as a table, with this rank's share (materializes them), then the totals.
+
+    Logged on rank 0 by the Trainer's strategy when the Trainer has a model summary (``enable_model_summary``),
+    right before Lightning's own table, which counts parameters only (a table's shard is not one):
+
+    >>> import lightning_sparse as ls
+    >>> print(summarize([ls.SparseEmbedding(1000, 8, name="users")], []))  # doctest: +NORMALIZE_WHITESPACE
+      | Table | Rows  | Dim | Dtype   | Sharding        | Rows per rank | Bytes per rank | Optimizer state per rank
+    ---------------------------------------------------------------------------------------------------------------
+    0 | users | 1.0 K | 8   | float32 | mod over 1 rank | 1.0 K         | 32.0 KB        | 0 B
+    ---------------------------------------------------------------------------------------------------------------
+    Sparse tables: 1.0 K rows, 32.0 KB per rank, 0 B of optimizer state per rank
+    """
+    rows, total_rows, total_bytes, total_state = [], 0, 0, 0
+    for index, table in enumerate(tables):
+        shard = table.shard
+        state = sum(_bytes(value) for optimizer in optimizers if shard in optimizer.tracked_shards
+                    for value in optimizer.state.get(shard, {}).values() if isinstance(value, Tensor) and value.dim())  # fmt: skip
+        ranks = f"{table.world_size} rank{'s' if table.world_size > 1 else ''}"
+        rows.append((str(index), table.name, _count(table.num_embeddings), str(table.embedding_dim), str(table.dtype).removeprefix("torch."),
+                     f"{table.sharding_scheme} over {ranks}", _count(shard.shape[0]), _size(_bytes(shard)), _size(state)))  # fmt: skip
+        total_rows, total_bytes, total_state = total_rows + table.num_embeddings, total_bytes + _bytes(shard), total_state + state
+    widths = [max(len(row[i]) for row in [HEADER, *rows]) for i in range(len(HEADER))]
+    line = "-" * (sum(widths) + 3 * (len(widths) - 1))
+    lines = [_row(HEADER, widths), line, *(_row(row, widths) for row in rows), line]
+    lines.append(f"Sparse tables: {_count(total_rows)} rows, {_size(total_bytes)} per rank, {_size(total_state)} of optimizer "
+                 f"state per rank")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _row(cells: tuple[str, ...], widths: list[int]) -> str:
+    return " | ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
+
+
+def _bytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _count(n: int) -> str:
+    """Like Lightning's parameter counts: 1.0 K, 2.5 M, 3.0 B."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return str(n)
+
+
+def _size(n: int) -> str:
+    """Decimal units, as Lightning's model size in MB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------- what a captured step needs of optimizers and tables
+STEPS_WITHOUT_STATE = (torch.optim.SGD,)  # torch optimizers without a step count: capturable without the flag
+
+
+def optimizer_problems(optimizers: list[Optimizer], scheduler_configs: list[Any]) -> list[tuple[str, str]]:
+    """(what, fix) of each optimizer whose step a graph cannot replay, and of each scheduler of a float learning rate."""
+    problems = []
+    for optimizer in optimizers:
+        groups, name = optimizer.param_groups, type(optimizer).__name__
+        if isinstance(optimizer, compat.MockOptimizer) or not groups:
+            continue
+        if all("capturable" in g for g in groups) and not all(g["capturable"] for g in groups):
+            problems.append((f"{name}(capturable=False) steps with host values", f"{name}(..., capturable=True)"))
+        elif not all("capturable" in g for g in groups) and not isinstance(optimizer, STEPS_WITHOUT_STATE):
+            problems.append((f"{name} has no capturable step (its step count is read on the host)",
+                             "a torch optimizer with capturable=True (Adam, AdamW), or SGD"))  # fmt: skip
+    for config in scheduler_configs:
+        optimizer = config.scheduler.optimizer
+        if not all(isinstance(g["lr"], Tensor) for g in optimizer.param_groups):
+            problems.append((f"{type(config.scheduler).__name__} schedules {type(optimizer).__name__}'s learning rate, a "
+                             f"float, which the graph would keep", "give that optimizer lr=torch.tensor(lr) (on the "
+                             "optimizer's device for torch's): schedulers then fill the tensor"))  # fmt: skip
+    return problems
+
+
+def collection_problems(collection: SparseEmbeddingCollection) -> list[tuple[str, str]]:
+    """(what, fix) of a collection that steps table by table after a host read (mixed dims or dtypes, dynamic tables)."""
+    tables = collection.table_list
+    kinds = {(t.embedding_dim, t.dtype) for t in tables}
+    fix = "one collection per (dim, dtype) of static tables, or leave capture off"
+    if any(isinstance(t, DynamicEmbedding) for t in tables):
+        return [(f"the collection of {', '.join(t.name for t in tables)} holds dynamic tables: it steps table by table "
+                 f"after a host read", fix)]  # fmt: skip
+    if len(kinds) > 1:
+        return [(f"the collection of {', '.join(t.name for t in tables)} mixes dims or dtypes {sorted(map(str, kinds))}: "
+                 f"it steps table by table after a host read", fix)]  # fmt: skip
+    return []
+
+
+def fingerprint(optimizers: list[Optimizer]) -> tuple:
+    """Where the optimizers' tensors are and their hyperparameters: what a captured step has baked in."""
+    parts: list[Any] = []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            parts += [(k, v.data_ptr() if isinstance(v, Tensor) else v) for k, v in group.items() if k != "params"]
+            parts += [p.data_ptr() for p in group["params"]]
+        parts += [v.data_ptr() for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
+    return tuple(parts)

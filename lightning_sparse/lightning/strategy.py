@@ -14,7 +14,7 @@ Narrow overrides, each calling ``super()``:
   (:mod:`~lightning_sparse.lightning.uneven_evaluation`);
 - checkpoint hooks: sharded checkpoints through torch.distributed.checkpoint; each rank writes and reads
   only its rows, and a checkpoint loads on any number of ranks (the helper object
-  :class:`~lightning_sparse.lightning.checkpoint_hooks.TrainerCheckpoints`);
+  :class:`~lightning_sparse.lightning.checkpoints.TrainerCheckpoints`);
 - ``setup_distributed``, ``backward``, ``barrier``, ``broadcast``, ``reduce``, ``on_exception``: ranks that
   cannot meet, and lost peers in DDP's and Lightning's collectives, raise ``PeerFailure``; the ranks this
   process launched are killed after one (:mod:`~lightning_sparse.lightning.lost_peers`).
@@ -41,12 +41,11 @@ from typing_extensions import override
 
 from lightning_sparse import checkpoint
 from lightning_sparse.faults.peers import collective, rendezvous_failure
-from lightning_sparse.lightning import checkpoint_format, compat, lost_peers, uneven_evaluation
-from lightning_sparse.lightning.checkpoint_hooks import TrainerCheckpoints, optimizer_state
-from lightning_sparse.lightning.placement import STRATEGY_NAME, ShardingGroups, place_tables, register
+from lightning_sparse.lightning import checkpoints, compat, lost_peers, uneven_evaluation
+from lightning_sparse.lightning.checkpoints import TrainerCheckpoints, trainer_optimizer_state
+from lightning_sparse.lightning.placement import STRATEGY_NAME, ShardingGroups, place_tables, register, summarize
 from lightning_sparse.lightning.precision import SparseMixedPrecision, step_after_dense, step_alone
 from lightning_sparse.lightning.sparse_optimizers import check_dense_optimizers, configure_sparse_optimizers
-from lightning_sparse.lightning.table_summary import summarize
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.tables.collection import SparseEmbeddingCollection
 from lightning_sparse.tables.embedding import SparseEmbedding
@@ -137,10 +136,10 @@ class SparseDDPStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        if any(p.requires_grad for p in self.lightning_module.parameters()):
+        if self.world_size > 1 and any(p.requires_grad for p in self.lightning_module.parameters()):
             return super().configure_ddp()
-        # Only tables (DDP refuses a module without trainable parameters, and would have nothing to all-reduce).
-        log.debug("%s: no dense parameter needs a gradient; the module is not wrapped in DDP", type(self).__name__)
+        # One process (DDP would sum nothing) or only tables (DDP refuses a module without trainable parameters).
+        log.debug("%s: one process, or no dense parameter needs a gradient: not wrapped in DDP", type(self).__name__)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -251,14 +250,14 @@ class SparseDDPStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return optimizer_state(self.lightning_module, optimizer)
+        return trainer_optimizer_state(self.lightning_module, optimizer)
 
     @override
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: compat.PATH, storage_options: Any | None = None) -> None:
         """Write a sharded checkpoint (see ``lightning_sparse/checkpoint``). Collective."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options: it writes with DCP.")
-        checkpoint_format.write(Path(self.broadcast(filepath)), self.lightning_module, self.optimizers, checkpoint_dict)
+        checkpoints.write(Path(self.broadcast(filepath)), self.lightning_module, self.optimizers, checkpoint_dict)
 
     @override
     def load_checkpoint(self, checkpoint_path: compat.PATH, weights_only: bool | None = None) -> dict[str, Any]:

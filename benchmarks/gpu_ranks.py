@@ -8,8 +8,9 @@ for one SparseEmbedding with SparseAdagrad (each rank with its own batch of ``ba
 * ``step_ms``: the median step (forward, backward, step, zero_grad) of 1 rank and of 2 ranks
   sharing the device (a step ends when the slower rank ends it), and their ratio;
 * ``host_syncs``: per step, what ``torch.cuda.set_sync_debug_mode("warn")`` reports on rank 0 (each
-  warning is a host read that waits for the GPU). The one read the design allows is the lookup's
-  split sizes (docs/design.md, "Host reads on several ranks").
+  warning is a host read that waits for the GPU), and the Python line of each (``host_syncs_at``). The
+  one read the design allows is the lookup's split sizes (docs/design.md, "Host reads on several
+  ranks"). Gloo's own waits for its staging copies, on its worker thread, raise no Python warning.
 
 Run on a GPU: ``python benchmarks/gpu_ranks.py [rows dim batch]``; prints one JSON object. On a
 CPU (``device="cpu"``) it runs the same steps with plain torch kernels and counts no syncs: how the
@@ -83,7 +84,7 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
             end = torch.tensor([time.perf_counter() - begin])
             dist.all_reduce(end, op=dist.ReduceOp.MAX)  # the slower rank's step
             times.append(1e3 * float(end))
-        syncs = 0
+        at: dict[str, int] = {}
         if device.type == "cuda":
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -93,8 +94,12 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
                         step(i)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            syncs = sum("synchroniz" in str(w.message) for w in caught) / cfg["sync_steps"]
-        Path(out, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(times), "host_syncs": syncs}))
+            for w in caught:
+                if "synchroniz" in str(w.message):
+                    where = f"{Path(w.filename).name}:{w.lineno}"
+                    at[where] = at.get(where, 0) + 1
+        syncs = sum(at.values()) / cfg["sync_steps"]
+        Path(out, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(times), "host_syncs": syncs, "at": at}))
     finally:
         dist.destroy_process_group()
 
@@ -116,6 +121,7 @@ def run(rows: int = 1_000_000, dim: int = 64, batch: int = 65_536, steps: int = 
         "step_ms": {"1 rank": one["step_ms"], "2 ranks sharing the device": two[0]["step_ms"]},
         "ratio_2_ranks_to_1": two[0]["step_ms"] / one["step_ms"],
         "host_syncs_per_step": {"1 rank": one["host_syncs"], "2 ranks, rank 0": two[0]["host_syncs"]},
+        "host_syncs_at": {"1 rank": one["at"], "2 ranks, rank 0": two[0]["at"]},  # the Python line of each, over sync_steps
     }
 
 

@@ -201,3 +201,4 @@ def test_the_shared_gpu_benchmark_runs_its_ranks(monkeypatch):
     doc = gpu_ranks.run(300, 8, 64, steps=2, warmup=1, sync_steps=1, device="cpu")
     assert set(doc["step_ms"]) == {"1 rank", "2 ranks sharing the device"} and all(ms > 0 for ms in doc["step_ms"].values())
     assert doc["ratio_2_ranks_to_1"] > 0 and doc["host_syncs_per_step"] == {"1 rank": 0, "2 ranks, rank 0": 0}
+    assert doc["host_syncs_at"] == {"1 rank": {}, "2 ranks, rank 0": {}}

@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 import torch
-from host_reads import HostReads
+from host_reads import DeviceSyncs, HostReads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rank_pool import DEVICES
@@ -103,18 +103,25 @@ def _count_per_stage(accumulate: bool, device: str = "cpu"):
             sum(out.sum() for out in outs).backward()
         with HostReads(ignore=[opt.state[emb.shard]["step"]], follows=backward_reads) as step_reads:
             opt.step()
-        if device == "cuda":  # the GPU itself: a step of ranks sharing it over gloo never waits for it
-            emb(ids).sum().backward()
+        syncs = None
+        if device == "cuda":  # the GPU's own count of the same step's host syncs (gloo's waits are its own)
             torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with DeviceSyncs() as forward_syncs:
+                outs = [emb(ids + i) for i in range(lookups)]
+            with DeviceSyncs() as backward_syncs:
+                sum(out.sum() for out in outs).backward()
+            with DeviceSyncs() as step_syncs:
                 opt.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            syncs = (forward_syncs.calls, backward_syncs.calls, step_syncs.calls)
     finally:
         del os.environ[backend.ENV]
     return (emb.stats.collectives, opt.stats.collectives, forward_reads.calls, backward_reads.calls, step_reads.calls,
-            opt.stats.bytes_sent)  # fmt: skip
+            opt.stats.bytes_sent, syncs)  # fmt: skip
+
+
+def _same_count(syncs: tuple[list[str], ...] | None, *reads: list[str]) -> bool:
+    """On a GPU, each phase syncs as often as the CPU harness counted its host reads (``syncs`` None: no GPU)."""
+    return syncs is None or [len(calls) for calls in syncs] == [len(calls) for calls in reads]
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -124,17 +131,19 @@ def test_collectives_and_host_reads_per_stage(rank_pools, device):
     word about other gradients, no host read. With accumulation the routed round's control codes say whether a
     general round follows, and the general round reads its header."""
     # One lookup: headers with ids, then rows; the step sends the gradients back along the lookup's route.
-    for lookup_collectives, step_collectives, forward_reads, backward_reads, step_reads, _sent in rank_pools(2, device).run(
-        _count_per_stage, False, device
-    ):
+    for lookup_collectives, step_collectives, forward_reads, backward_reads, step_reads, _sent, syncs in rank_pools(
+        2, device
+    ).run(_count_per_stage, False, device):
         assert (lookup_collectives, step_collectives) == (2, 1)
         assert (forward_reads, backward_reads, step_reads) == (["cpu"], [], [])
+        assert _same_count(syncs, forward_reads, backward_reads, step_reads), syncs
     # Two lookups before a step: the first lookup's gradients take the general round (header + values).
-    for lookup_collectives, step_collectives, forward_reads, _backward_reads, step_reads, _sent in rank_pools(2, device).run(
-        _count_per_stage, True, device
-    ):
+    for lookup_collectives, step_collectives, forward_reads, backward_reads, step_reads, _sent, syncs in rank_pools(
+        2, device
+    ).run(_count_per_stage, True, device):
         assert (lookup_collectives, step_collectives) == (4, 3)
         assert (forward_reads, step_reads) == (["cpu", "cpu"], ["cpu", "cpu"])
+        assert _same_count(syncs, forward_reads, backward_reads, step_reads), syncs
 
 
 _IDS_OF_RANK = ([0, 1, 1, 5], [1, 2, 7, 7])

@@ -367,7 +367,11 @@ def _mixed_dtypes(device: str = "cpu") -> list[torch.Tensor]:
 @pytest.mark.parametrize("device", DEVICES)
 def test_tables_of_mixed_dtypes_share_one_round(rank_pools, device):
     """Every row of each table (touched or not), each to its dtype's precision: float64 gradients keep float64's."""
-    got = rank_pools(2, device).run(_mixed_dtypes, device)
+    check_mixed_dtypes(rank_pools(2, device).run(_mixed_dtypes, device))
+
+
+def check_mixed_dtypes(got: list[list[torch.Tensor]]) -> None:
+    """Each rank's tables from :func:`_mixed_dtypes` against float64 arithmetic rounded once to each table's dtype."""
     counts = torch.zeros(40_000, dtype=torch.float64).index_add_(0, MIXED_IDS.flatten(), torch.ones(6, dtype=torch.float64))
     for index, (dtype, seed, dim, rtol, atol) in enumerate(MIXED_TABLES):
         table = ls.init.normal()(torch.arange(40_000), dim, seed).to(dtype).double()

@@ -23,6 +23,7 @@ import test_collection
 import test_dynamic
 import test_optim_parity
 import torch
+from lightning.pytorch import Callback
 from rank_pool import COLLECTIVE_TIMEOUT_S, RankError, RankPool, assert_replicas_identical
 from references import reference_train
 from test_kernels import INTERPRETING
@@ -98,6 +99,14 @@ def test_two_tables_with_accumulation_and_2d_sharding(rank_pools, device, world_
     for got_a, got_b, _sent in results:
         torch.testing.assert_close(got_a, expected[0], **CROSS_DEVICE)
         torch.testing.assert_close(got_b, expected[1], **CROSS_DEVICE)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tables_of_mixed_dtypes_keep_their_precision(rank_pools, device):
+    """float64, fp16 and fp16 alone, two optimizers: float64 gradients are summed in float64 (the kernel's float32 sum
+    would lose them)."""
+    device = _pool_device(device)
+    test_optim_parity.check_mixed_dtypes(rank_pools(2, device).run(_on_gpu_path, test_optim_parity._mixed_dtypes, device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -188,6 +197,16 @@ def _shared_strategy(device: str, world_size: int) -> ls.SparseDDPStrategy:
     return ls.SparseDDPStrategy(parallel_devices=[one] * world_size, process_group_backend="gloo")
 
 
+class _TrainedOn(Callback):
+    """The devices of the table's shard and of the dense weights in each training batch."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str]] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen.add((pl_module.users.shard.device.type, pl_module.mlp[0].weight.device.type))
+
+
 def _fit(device: str, world_size: int, directory: str, epochs: int, ckpt_path: str | None) -> tuple[dict, str]:
     """A fit of lm.TwoTower on ``world_size`` ranks of ``device`` (``"cpu"``: plain torch kernels), checkpointing each epoch."""
     import test_checkpoint
@@ -196,9 +215,10 @@ def _fit(device: str, world_size: int, directory: str, epochs: int, ckpt_path: s
     lm.lightning_env(torch.distributed.get_rank(), world_size)
     module = lm.TwoTower()  # SparseAdagrad for the tables, SGD for the dense part: torch's reference is exact
     on_gpu_path = device != "cpu"
+    devices = _TrainedOn()
     trainer = lm.trainer(
         1, accelerator="gpu" if device == "cuda" else "cpu", strategy=_shared_strategy(device, world_size), max_epochs=epochs,
-        enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=directory, save_top_k=-1)],
+        enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=directory, save_top_k=-1), devices],
     )  # fmt: skip
     assert trainer.world_size == world_size
     if on_gpu_path:
@@ -207,8 +227,9 @@ def _fit(device: str, world_size: int, directory: str, epochs: int, ckpt_path: s
         trainer.fit(module, ckpt_path=ckpt_path)
     finally:
         os.environ.pop(backend.ENV, None)
-    if device == "cuda":
-        assert module.users.shard.is_cuda and module.mlp[0].weight.is_cuda
+    # Checked while training: Lightning moves the module back to the CPU at the end of a fit.
+    on_device = {("cuda" if device == "cuda" else "cpu",) * 2}
+    assert devices.seen == on_device if ckpt_path is None else devices.seen <= on_device, devices.seen
     return test_checkpoint._everything(module, trainer), trainer.checkpoint_callback.best_model_path
 
 

@@ -1,6 +1,6 @@
 """Device kernels of the sparse path, each with its plain torch counterpart (see ``backend.py`` for which runs)."""
 
-from lightning_sparse.kernels.backend import gpu_path, launches, uses_triton
+from lightning_sparse.kernels.backend import computes_in_triton, gpu_path, launches, uses_triton
 from lightning_sparse.kernels.runs import (
     RuleState,
     Runs,
@@ -19,6 +19,7 @@ __all__ = [
     "StochasticRounding",
     "TableSet",
     "UpdateRule",
+    "computes_in_triton",
     "gpu_path",
     "launches",
     "segment_sum",

@@ -146,6 +146,17 @@ def _versions_checked(compiled: bool) -> None:
     check_versions(torch.__version__, triton.__version__, compiled)
 
 
+def computes_in_triton(tensor: Tensor) -> bool:
+    """Whether to compute on ``tensor`` (ids, not a table's shard) in Triton, where torch's ops give the same result.
+
+    As :func:`uses_triton`, except that Triton forced on CPU tensors without the interpreter is no error:
+    torch computes them (an init's reference rows on the host of a GPU run, say).
+    """
+    if choice() == "triton" and not tensor.is_cuda and not interpreting():
+        return False
+    return uses_triton(tensor)
+
+
 def gpu_path(tensor: Tensor) -> bool:
     """Whether code for ``tensor`` takes the GPU's path: on a GPU, or Triton on CPU (the tests' stand-in for one).
 

@@ -159,8 +159,8 @@ def segment_sum(
     ``weights`` (one per sorted position, like ``runs.perm``) make it a weighted sum. ``offsets`` (where each output row's run
     starts; CPU only) spare the plain torch path a search. No host read.
     """
-    if uses_triton(values):
-        out = values.new_zeros(num_out, values.shape[1], dtype=torch.float32 if values.dtype != torch.float64 else values.dtype)
+    if uses_triton(values) and values.dtype != torch.float64:  # the kernel sums in float32; torch sums float64 in float64
+        out = values.new_zeros(num_out, values.shape[1], dtype=torch.float32)
         if len(runs):
             from lightning_sparse.kernels.triton_runs import Target
 

@@ -31,7 +31,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels import gpu_path, uses_triton
+from lightning_sparse.kernels import computes_in_triton, gpu_path
 from lightning_sparse.kernels import rows as kernel_rows
 from lightning_sparse.kernels.hashes import hashes
 
@@ -88,7 +88,7 @@ def _normal(global_ids: Tensor, embedding_dim: int, seed: int, *, std: float | N
     float32 ulp there (their float32 functions, and ``erfinv`` in float64, do not).
     """
     scale = std if std is not None else 1.0 / math.sqrt(embedding_dim)
-    if uses_triton(global_ids):  # on a GPU: one kernel instead of about 30 ops (new rows are on a dynamic table's step)
+    if computes_in_triton(global_ids):  # on a GPU: one kernel instead of about 30 ops (new rows are on a dynamic table's step)
         return kernel_rows.normal(global_ids, embedding_dim, seed, scale, mean)
     half = -(-embedding_dim // 2)
     u1, u2 = hashes(global_ids, half, seed, blocks=2).to(torch.float64).add_(2.0**31 + 0.5).mul_(2.0**-32)  # in (0, 1)

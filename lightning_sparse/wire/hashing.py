@@ -26,7 +26,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels import uses_triton
+from lightning_sparse.kernels import computes_in_triton
 from lightning_sparse.wire.grouping import SortedKeys
 
 _BITS = 64
@@ -60,7 +60,7 @@ def mix(ids: Tensor) -> Tensor:
 
     On a GPU one kernel (:func:`lightning_sparse.kernels.triton_slots.mix`) instead of 11 ops.
     """
-    if uses_triton(ids) and ids.is_contiguous():
+    if computes_in_triton(ids) and ids.is_contiguous():
         from lightning_sparse.kernels import triton_slots
 
         return triton_slots.mix(ids, _SHIFTS, tuple(_signed(m) for m in _MULTIPLIERS))

@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -85,19 +86,24 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
             dist.all_reduce(end, op=dist.ReduceOp.MAX)  # the slower rank's step
             times.append(1e3 * float(end))
         at: dict[str, int] = {}
+
+        def note(message, category, filename, lineno, file=None, line=None) -> None:
+            if "synchroniz" in str(message):  # where: the innermost Python lines, caller last
+                stack = [f for f in traceback.extract_stack()[:-1] if Path(f.filename).name != "warnings.py"]
+                frames = [f"{Path(f.filename).name}:{f.lineno}" for f in stack][-5:]
+                where = " < ".join(reversed(frames))
+                at[where] = at.get(where, 0) + 1
+
         if device.type == "cuda":
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
+                warnings.showwarning = note
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
                     for i in range(cfg["sync_steps"]):
                         step(i)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            for w in caught:
-                if "synchroniz" in str(w.message):
-                    where = f"{Path(w.filename).name}:{w.lineno}"
-                    at[where] = at.get(where, 0) + 1
         syncs = sum(at.values()) / cfg["sync_steps"]
         Path(out, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(times), "host_syncs": syncs, "at": at}))
     finally:

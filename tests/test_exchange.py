@@ -103,6 +103,8 @@ def _count_per_stage(accumulate: bool, device: str = "cpu"):
             sum(out.sum() for out in outs).backward()
         with HostReads(ignore=[opt.state[emb.shard]["step"]], follows=backward_reads) as step_reads:
             opt.step()
+        counted = (emb.stats.collectives, opt.stats.collectives, forward_reads.calls, backward_reads.calls, step_reads.calls,
+                   opt.stats.bytes_sent)  # fmt: skip
         syncs = None
         if device == "cuda":  # the GPU's own count of the same step's host syncs (gloo's waits are its own)
             torch.cuda.synchronize()
@@ -115,8 +117,7 @@ def _count_per_stage(accumulate: bool, device: str = "cpu"):
             syncs = (forward_syncs.calls, backward_syncs.calls, step_syncs.calls)
     finally:
         del os.environ[backend.ENV]
-    return (emb.stats.collectives, opt.stats.collectives, forward_reads.calls, backward_reads.calls, step_reads.calls,
-            opt.stats.bytes_sent, syncs)  # fmt: skip
+    return (*counted, syncs)
 
 
 def _same_count(syncs: tuple[list[str], ...] | None, *reads: list[str]) -> bool:

@@ -95,15 +95,15 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
                 at[where] = at.get(where, 0) + 1
 
         if device.type == "cuda":
-            with warnings.catch_warnings():
-                warnings.simplefilter("always")
-                warnings.showwarning = note
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
+            torch.cuda.set_sync_debug_mode("warn")  # before the count: turning the mode on is reported once, as a sync
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("always")
+                    warnings.showwarning = note
                     for i in range(cfg["sync_steps"]):
                         step(i)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
         syncs = sum(at.values()) / cfg["sync_steps"]
         Path(out, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(times), "host_syncs": syncs, "at": at}))
     finally:

@@ -134,13 +134,13 @@ class DeviceSyncs:
     """
 
     def __enter__(self) -> DeviceSyncs:
+        torch.cuda.set_sync_debug_mode("warn")  # before the count: turning the mode on is reported once, as a sync
         self._catching = warnings.catch_warnings(record=True)
         self._caught = self._catching.__enter__()
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc) -> None:
-        torch.cuda.set_sync_debug_mode("default")
         self._catching.__exit__(*exc)
+        torch.cuda.set_sync_debug_mode("default")
         self.calls = [f"{Path(w.filename).name}:{w.lineno}" for w in self._caught if "synchroniz" in str(w.message)]

@@ -60,8 +60,9 @@ fi
 
 if ! skip ranks; then
 echo "== 2 ranks sharing the GPU over gloo against 1 rank, host syncs per step (benchmarks/gpu_ranks.py)"
-(cd benchmarks && timeout -k 10 "${RANKS_S:-60}" python3 gpu_ranks.py) 2>&1 | tee "$OUT/ranks.json" | tail -20
+(cd benchmarks && timeout -k 10 "${RANKS_S:-60}" python3 gpu_ranks.py > "$OUT/ranks.json" 2> "$OUT/ranks.log")
 check "shared-GPU ranks"
+cat "$OUT/ranks.json"
 fi
 
 if ! skip fit; then
@@ -74,8 +75,9 @@ fi
 
 if ! skip capture; then
 echo "== CUDA graph capture of a one-process step (benchmarks/gpu_capture.py)"
-timeout -k 10 "${CAPTURE_S:-60}" python3 benchmarks/gpu_capture.py 2>&1 | tee "$OUT/capture.json" | tail -40
+timeout -k 10 "${CAPTURE_S:-60}" python3 benchmarks/gpu_capture.py > "$OUT/capture.json" 2> "$OUT/capture.log"
 check "CUDA graph capture"
+tail -40 "$OUT/capture.json"
 fi
 
 if ! skip bench; then

@@ -189,7 +189,11 @@ def fit(workload: str, way: str, sizes: dict[str, int], steps: int, warmup: int,
     trainer = Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, strategy=strategy, max_epochs=1,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, num_sanity_val_steps=0, callbacks=[meter])  # fmt: skip
-    trainer.fit(module, DataLoader(FixedBatches(workload, sizes, warmup + steps, device), batch_size=None))
+    try:
+        trainer.fit(module, DataLoader(FixedBatches(workload, sizes, warmup + steps, device), batch_size=None))
+    finally:  # Lightning leaves its process group behind; the next fit (or the caller) starts without one
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     result: dict[str, Any] = {"samples_per_s": meter.samples_per_s, "step_ms": 1e3 * sizes["batch"] / meter.samples_per_s}
     if way == "ours captured":
         result["captures"] = dict(trainer.strategy.captures)

@@ -52,3 +52,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that start interpreters of their own run first (a stable sort): with ``make test``'s two workers,
     each takes the next test as it finishes one, so these long ones overlap and the short ones fill in behind."""
     items.sort(key=lambda item: item.get_closest_marker("subprocesses") is None)
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """A test that leaves a process group in this process fails here, not the next test of this worker that makes one."""
+    before = torch.distributed.is_initialized()
+    yield
+    if not before and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        pytest.fail("the test left a process group initialized in the pytest process: destroy it (Lightning does not)")

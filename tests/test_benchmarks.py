@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from processes import assert_clean_exit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,6 +179,7 @@ def test_the_trainer_benchmark_fits_every_way_at_tiny_sizes(monkeypatch, tmp_pat
 
     workloads = {"dlrm": dict(tables=3, rows=200, dim=8, batch=32), "recommender": dict(users=300, items=50, dim=8, batch=32)}
     doc = gpu_trainer.run(workloads, steps=2, warmup=3, device="cpu", graphs=CallAgainGraphs(), out=tmp_path / "trainer.json")
+    assert not torch.distributed.is_initialized(), "the fits' process groups are destroyed (later tests in this process)"
     assert json.loads((tmp_path / "trainer.json").read_text()) == json.loads(json.dumps(doc))
     for name, found in doc["workloads"].items():
         assert found["errors"] == {} and set(found["fits"]) == set(gpu_trainer.WAYS), (name, found["errors"])

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one go (about 7 minutes on one H100; the sections' time limits add up to 9.5): the
+# The checks that need a GPU, in one go (about 7.5 minutes on one H200; the sections' time limits add up to 10): the
 # CUDA tests (every test of a GPU path takes a device or has "cuda" in its name: the Triton kernels compiled, the
 # one-process step under sync debug mode "error", 2 and 3 ranks sharing the GPU over gloo (tests/test_shared_gpu.py),
 # the Trainer's captured step: 50 steps with a checkpoint and a resume, bitwise the eager fit) and the sm_90 compile
@@ -45,14 +45,14 @@ python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightnin
 
 if ! skip tests; then
 echo "== CUDA tests"
-timeout -k 10 "${TESTS_S:-200}" python3 -m pytest -q -n "${WORKERS:-8}" -k "cuda or compiles_for_an_h100" -p no:cacheprovider \
+timeout -k 10 "${TESTS_S:-180}" python3 -m pytest -q -n "${WORKERS:-8}" -k "cuda or compiles_for_an_h100" -p no:cacheprovider \
     -o addopts="-ra" --timeout 150 tests 2>&1 | tee "$OUT/tests.log" | tail -40
 check "CUDA tests"
 fi
 
 if ! skip trainer; then
 echo "== Trainer.fit throughput: captured, eager, Lightning's ddp with torch's sparse tables (benchmarks/gpu_trainer.py)"
-timeout -k 10 "${TRAINER_S:-100}" python3 benchmarks/gpu_trainer.py --steps "${TRAINER_STEPS:-30}" --warmup 6 \
+timeout -k 10 "${TRAINER_S:-90}" python3 benchmarks/gpu_trainer.py --steps "${TRAINER_STEPS:-30}" --warmup 6 \
     --out "$OUT/trainer.json" > "$OUT/trainer.log" 2>&1
 check "Trainer throughput"
 tail -c 3000 "$OUT/trainer.log"
@@ -75,7 +75,7 @@ fi
 
 if ! skip capture; then
 echo "== CUDA graph capture of a one-process step (benchmarks/gpu_capture.py)"
-timeout -k 10 "${CAPTURE_S:-60}" python3 benchmarks/gpu_capture.py > "$OUT/capture.json" 2> "$OUT/capture.log"
+timeout -k 10 "${CAPTURE_S:-50}" python3 benchmarks/gpu_capture.py > "$OUT/capture.json" 2> "$OUT/capture.log"
 check "CUDA graph capture"
 tail -40 "$OUT/capture.json"
 fi
@@ -83,13 +83,13 @@ fi
 if ! skip bench; then
 echo "== GPU benchmarks"
 cp benchmarks/results/bench.json "$OUT/bench.json"
-timeout -k 10 "${BENCH_S:-140}" python3 benchmarks/bench.py --only gpu --out "$OUT/bench.json" --no-report 2>&1 | tail -20
+timeout -k 10 "${BENCH_S:-120}" python3 benchmarks/bench.py --only gpu --out "$OUT/bench.json" --no-report 2>&1 | tail -20
 check "GPU benchmarks"
 fi
 
 if ! skip host; then
 echo "== Host and device time of a step, where the host's time goes (benchmarks/gpu_host.py)"
-(cd benchmarks && timeout -k 10 "${HOST_S:-60}" python3 gpu_host.py > "$OUT/host.json" 2> "$OUT/host_profile.txt")
+(cd benchmarks && timeout -k 10 "${HOST_S:-50}" python3 gpu_host.py > "$OUT/host.json" 2> "$OUT/host_profile.txt")
 check "host and device time"
 cat "$OUT/host.json"
 fi

@@ -219,11 +219,12 @@ def test_fifty_captured_steps_with_a_checkpoint_and_a_resume_are_bitwise_the_eag
 
 
 # ---------------------------------------------------------------- Fabric: a captured step function
-def _fabric_steps(captured: bool, dense: str = "SGD") -> tuple:
+def _fabric_steps(captured: bool, dense: str = "SGD", device: str = "cpu") -> tuple:
+    """Steps of a step function under Fabric, captured (the graph double on CPU, CUDA graphs on a GPU) or eager."""
     import lightning as L
 
     lm.lightning_env(0, 1)
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="sparse_ddp")
+    fabric = L.Fabric(accelerator=device, devices=1, strategy="sparse_ddp")
     fabric.launch()
     module = lm.TwoTower()
     model, dense_opt, sparse_opt = fabric.setup(module, getattr(torch.optim, dense)(module.mlp.parameters(), lr=0.05),
@@ -239,20 +240,23 @@ def _fabric_steps(captured: bool, dense: str = "SGD") -> tuple:
         sparse_opt.zero_grad()
         return {"loss": loss.detach()}
 
-    graphs = CallAgainGraphs()
+    graphs = CallAgainGraphs() if device == "cpu" else None  # None: the strategy's CUDA graphs
     run = fabric.strategy.captured(step, graphs=graphs) if captured else step
     data = lm.dataset(23)
     losses = []
     for start in range(0, 23, 5):  # 4 batches of 5, then 3
-        batch = [t[start : start + 5] for t in data.tensors]
+        batch = [t[start : start + 5].to(fabric.device) for t in data.tensors]
         out = run(batch, last=start + 5 >= 23) if captured else run(batch)
         losses.append(float(out["loss"]))
-    return lm.state(module), losses, dict(run.counts) if captured else None, len(graphs.captured)
+    captures = len(graphs.captured) if graphs is not None else run.counts["captured"] if captured else 0
+    return lm.state(module), losses, dict(run.counts) if captured else None, captures
 
 
-def test_a_captured_fabric_step_trains_and_returns_as_the_eager_step(rank_pools):
-    [(state, losses, counts, captures)] = rank_pools(1).run(_fabric_steps, True)
-    [(twin, twin_losses, _, _)] = rank_pools(1).run(_fabric_steps, False)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_a_captured_fabric_step_trains_and_returns_as_the_eager_step(rank_pools, device):
+    """On CPU with the graph double; on a GPU with CUDA graphs: bitwise the eager steps, losses equal."""
+    [(state, losses, counts, captures)] = rank_pools(1, device).run(_fabric_steps, True, "SGD", device)
+    [(twin, twin_losses, _, _)] = rank_pools(1, device).run(_fabric_steps, False, "SGD", device)
     for key, value in twin.items():
         torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
     assert losses == twin_losses and captures == 1

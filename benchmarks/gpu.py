@@ -34,11 +34,11 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from device_syncs import DeviceSyncs
 from torch import nn
 
 WORKLOADS = [dict(rows=1_000_000, dim=64, batch=65_536), dict(rows=10_000_000, dim=128, batch=262_144)]
@@ -100,15 +100,9 @@ def _counts(fn: Callable[[int], object], device: torch.device) -> dict:
         fn(0)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn(1)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    return {"kernels": len(kernels), "syncs": len(syncs), "profile": prof}
+    with DeviceSyncs() as syncs:
+        fn(1)
+    return {"kernels": len(kernels), "syncs": len(syncs.calls), "profile": prof}
 
 
 def _host_profile(fn: Callable[[int], object], device: torch.device) -> list[str]:

@@ -26,13 +26,13 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
-import warnings
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from device_syncs import DeviceSyncs
 from ranks import start_ranks
 
 
@@ -85,25 +85,13 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
             end = torch.tensor([time.perf_counter() - begin])
             dist.all_reduce(end, op=dist.ReduceOp.MAX)  # the slower rank's step
             times.append(1e3 * float(end))
-        at: dict[str, int] = {}
-
-        def note(message, category, filename, lineno, file=None, line=None) -> None:
-            if "synchroniz" in str(message):  # where: the innermost Python lines, caller last
-                stack = [f for f in traceback.extract_stack()[:-1] if Path(f.filename).name != "warnings.py"]
-                frames = [f"{Path(f.filename).name}:{f.lineno}" for f in stack][-5:]
-                where = " < ".join(reversed(frames))
-                at[where] = at.get(where, 0) + 1
-
+        stacks: list[str] = []
         if device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("warn")  # before the count: turning the mode on is reported once, as a sync
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("always")
-                    warnings.showwarning = note
-                    for i in range(cfg["sync_steps"]):
-                        step(i)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            with DeviceSyncs() as device_syncs:
+                for i in range(cfg["sync_steps"]):
+                    step(i)
+            stacks = device_syncs.stacks
+        at = dict(Counter(stacks))  # each sync's innermost Python lines: how often
         syncs = sum(at.values()) / cfg["sync_steps"]
         Path(out, f"{rank}.json").write_text(json.dumps({"step_ms": statistics.median(times), "host_syncs": syncs, "at": at}))
     finally:

@@ -23,13 +23,18 @@ It counts (``calls`` names them) what syncs on a GPU:
 
 from __future__ import annotations
 
-import warnings
+import sys
 from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from lightning_sparse.kernels.backend import launches
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from device_syncs import DeviceSyncs  # noqa: E402  (the GPU's own count, beside this harness; re-exported)
+
+__all__ = ["DeviceSyncs", "HostReads"]
 
 READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "equal", "cpu"}
 SIZED_BY_VALUES = {"nonzero", "argwhere", "unique", "unique_consecutive", "masked_select"}
@@ -122,25 +127,3 @@ def _selects_one(index) -> bool:
 def _has_mask(index) -> bool:
     parts = index if isinstance(index, tuple) else (index,)
     return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
-
-
-class DeviceSyncs:
-    """On a GPU: the host syncs of the code in the block, by torch's sync debug mode ("warn"); ``calls`` names each by
-    the Python line that made it.
-
-    Ranks sharing a GPU over gloo also wait for it inside each collective: gloo stages CUDA tensors through host
-    memory and waits for those copies on its worker thread. That wait is gloo's, not the calling code's, and its
-    warnings, raised off Python's thread, are not counted here.
-    """
-
-    def __enter__(self) -> DeviceSyncs:
-        torch.cuda.set_sync_debug_mode("warn")  # before the count: turning the mode on is reported once, as a sync
-        self._catching = warnings.catch_warnings(record=True)
-        self._caught = self._catching.__enter__()
-        warnings.simplefilter("always")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._catching.__exit__(*exc)
-        torch.cuda.set_sync_debug_mode("default")
-        self.calls = [f"{Path(w.filename).name}:{w.lineno}" for w in self._caught if "synchroniz" in str(w.message)]

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch import Callback
 from rank_pool import COLLECTIVE_TIMEOUT_S, RankError, RankPool, assert_replicas_identical
 from references import reference_train
-from test_kernels import INTERPRETING
+from test_kernels import KERNEL_DEVICES
 
 import lightning_sparse as ls
 from lightning_sparse.kernels import backend
@@ -34,18 +34,9 @@ from lightning_sparse.kernels import backend
 # Tolerance of a GPU-path result against a plain-torch CPU reference (see the module's docstring).
 CROSS_DEVICE = dict(rtol=1e-5, atol=1e-6)
 
-DEVICES = [
-    pytest.param(
-        "interpreted",
-        marks=pytest.mark.skipif(not (INTERPRETING and backend.triton_available()), reason="needs triton's interpreter"),
-    ),  # fmt: skip
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(
-            INTERPRETING or not torch.cuda.is_available() or not backend.triton_available(), reason="needs CUDA and triton"
-        ),  # fmt: skip
-    ),
-]
+# test_kernels' devices, the CPU one named "interpreted" (its ranks hold CPU tensors, on the GPU's code path).
+_INTERPRETED, _CUDA = KERNEL_DEVICES
+DEVICES = [pytest.param("interpreted", marks=_INTERPRETED.marks), _CUDA]
 
 
 def _pool_device(device: str) -> str:

@@ -223,6 +223,36 @@ def test_put_writes_rows_as_index_copy_and_skips_the_padding(triton_kernels, dev
     assert backend.launches.count == before + 1 and torch.equal(out.cpu(), expected)
 
 
+@pytest.mark.parametrize(
+    "dtype, dim, layout, as_words",
+    [(torch.float32, 64, "contiguous", True), (torch.bfloat16, 8, "contiguous", True), (torch.float64, 6, "contiguous", True),
+     (torch.float32, 7, "contiguous", False), (torch.float32, 8, "column slice", False), (torch.float32, 4, "offset by half a row", False),
+     (torch.int64, 2, "contiguous", True)],
+)  # fmt: skip
+def test_copy_rows_is_index_copy_bit_for_bit(dtype, dim, layout, as_words):
+    """The update's row writes move 16-byte words where a row allows it, and are index_copy_'s bytes everywhere."""
+    gen = torch.Generator().manual_seed(dim)
+    base = (torch.randn(41, dim + 4, generator=gen) * 1e3).to(dtype)
+    dst = {
+        "contiguous": base[:40, :dim],
+        "column slice": base[:40, 1 : dim + 1],
+        "offset by half a row": base.view(-1)[dim // 2 : dim // 2 + 40 * dim].view(40, dim),
+    }[layout]
+    dst = dst.contiguous() if layout == "contiguous" else dst
+    rows = torch.tensor([3, 17, 0, 39, 8])
+    src = (torch.randn(len(rows), dim, generator=gen) * 1e3).to(dtype)
+    if dtype.is_floating_point:
+        src[0, 0] = float("nan")  # a NaN's payload, and -0.0, survive as bytes
+        src[1, 0] = -0.0
+    expected = dst.clone().index_copy_(0, rows, src)
+    assert kernel_rows._as_words(dst) is as_words
+    kernel_rows.copy_rows(dst, rows, src)
+    assert torch.equal(
+        dst.view(torch.uint8) if dst.is_contiguous() else dst.contiguous().view(torch.uint8),
+        expected.contiguous().view(torch.uint8),
+    )
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dim, std, mean, seed", [(64, None, 0.0, 0), (7, 0.1, 0.5, 3), (1, None, 0.0, 2**40 + 5)])
 def test_new_normal_rows_are_the_torch_versions_bit_for_bit(device, dim, std, mean, seed):

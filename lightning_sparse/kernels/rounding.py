@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.kernels.hashes import hashes, seed_salt
+from lightning_sparse.kernels.rows import copy_rows
 
 
 class GlobalRows(Protocol):
@@ -113,11 +114,11 @@ def writer_for(table: RoundedTable, step: int) -> RowWriter | None:
     if shard.dtype not in HALF:
         return None
     if table.stochastic_rounding is False:
-        return lambda rows, values: shard.index_copy_(0, rows, values.to(shard.dtype))
+        return lambda rows, values: copy_rows(shard, rows, values.to(shard.dtype))
     sharding, first = table.sharding, table.rank * table.sharding.block_size
 
     def write(rows: Tensor, values: Tensor) -> None:
         noise = rounding_noise(sharding.global_of_key(rows + first), values.shape[1], table.seed, step)
-        shard.index_copy_(0, rows, stochastic_round(values, shard.dtype, noise))
+        copy_rows(shard, rows, stochastic_round(values, shard.dtype, noise))
 
     return write

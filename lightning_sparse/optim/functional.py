@@ -4,7 +4,7 @@ Each kernel takes the table's shard and its state tensors, the touched rows (dis
 indices) and their coalesced, scaled gradient (which it may overwrite). It computes each row's
 change and applies it in one pass over the table: ``shard.index_add_(0, rows, delta)``, a
 read-modify-write of just those rows. Only weight decay needs the rows' current values: then
-they are gathered (``index_select``), updated in place and written back (``index_copy_``).
+they are gathered (``index_select``), updated in place and written back (``index_copy_``, as 16-byte words: :func:`~lightning_sparse.kernels.rows.copy_rows`).
 State rows are gathered, updated in place and written back. Hyperparameters are keyword-only.
 A half-precision table (:mod:`lightning_sparse.kernels.rounding`) comes with float32 state, its rows are
 computed on in float32, and ``write`` puts them back (with stochastic rounding).
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.kernels.rounding import RowWriter, compute_dtype
+from lightning_sparse.kernels.rows import copy_rows
 
 
 def _apply(param: Tensor, rows: Tensor, delta: Tensor, values: Tensor | None = None, write: RowWriter | None = None) -> None:
@@ -30,7 +31,7 @@ def _apply(param: Tensor, rows: Tensor, delta: Tensor, values: Tensor | None = N
     elif values is None:
         param.index_add_(0, rows, delta)
     else:
-        param.index_copy_(0, rows, values.add_(delta))
+        copy_rows(param, rows, values.add_(delta))
 
 
 def _gather(param: Tensor, rows: Tensor, wanted: bool = True) -> Tensor | None:
@@ -55,7 +56,7 @@ def adagrad_(
     if values is not None:
         grad.add_(values, alpha=weight_decay)
     sums = state_sum.index_select(0, rows).addcmul_(grad, grad)
-    state_sum.index_copy_(0, rows, sums)
+    copy_rows(state_sum, rows, sums)
     _apply(param, rows, grad.div_(sums.sqrt_().add_(eps)).mul_(-clr), values, write)
 
 
@@ -108,8 +109,8 @@ def adam_(
         grad.add_(values, alpha=weight_decay)
     m = exp_avg.index_select(0, rows).lerp_(grad, 1 - beta1)
     v = exp_avg_sq.index_select(0, rows).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    exp_avg.index_copy_(0, rows, m)
-    exp_avg_sq.index_copy_(0, rows, v)
+    copy_rows(exp_avg, rows, m)
+    copy_rows(exp_avg_sq, rows, v)
     if isinstance(step, Tensor):  # per row: bias corrections are [rows, 1] columns
         t = step.to(v.dtype).unsqueeze(1)
         denom = v.div_(1 - torch.pow(beta2, t)).sqrt_().add_(eps).mul_(1 - torch.pow(beta1, t))

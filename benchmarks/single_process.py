@@ -19,8 +19,9 @@ one id per bag, the optimizer fused into backward) with ``EXACT_SGD``, ``EXACT_A
 
 * ``copy``: a sequential copy of the bytes the update must move (the touched rows of the table
   and of its state, read and written once);
-* ``gather_scatter``: ``index_select`` + ``index_copy_`` of the touched rows of the table and
-  of each state tensor: what the update does minus its arithmetic.
+* ``gather_scatter``: ``index_select`` + ``index_copy_`` of the touched rows of the table and of each
+  state tensor, written as the update writes them (``kernels.rows.copy_rows``): what the update does
+  minus its arithmetic.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from lightning_sparse.kernels.rows import copy_rows
 
 OURS = {
     "sgd": ("SparseSGD", dict(lr=0.1)),
@@ -168,7 +171,7 @@ def build_methods(rows: int, dim: int, batches: list[torch.Tensor], with_fbgemm:
 
         def gather_scatter(i, tensors=tensors):
             u = distinct[i]
-            return _timed(lambda: [t.index_copy_(0, u, t.index_select(0, u)) for t in tensors])
+            return _timed(lambda: [copy_rows(t, u, t.index_select(0, u)) for t in tensors])
 
         row_bytes = 4 * dim + extra
         source = torch.empty(max(len(u) for u in distinct) * row_bytes // 4, device=device)

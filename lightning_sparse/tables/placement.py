@@ -47,6 +47,7 @@ class Placement:
         self._replica: GroupRef | None = weakref.ref(replica_group) if replica_group is not None else None
         self.rank, self.world_size, self.replicas = 0, 1, 1
         self.placed = False
+        self._checked: tuple[GroupRef, torch.device] | None = None  # the group and device of the last full placement
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
@@ -112,6 +113,8 @@ class Placement:
             raise self._destroyed()
         if initialized:
             group = requested or dist.group.WORLD
+            if process_group is None and self._checked is not None and self._checked[0]() is group and self._checked[1] == device:
+                return Move.NONE  # placed on this very group and device before: its rank and size cannot have changed
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
             check_device(self.name, device, group)
         else:
@@ -121,6 +124,7 @@ class Placement:
             if (rank, world_size) == (self.rank, self.world_size):
                 if self._group is not placed:  # (a weak reference to the same group is the same object)
                     self._group = placed
+                self._checked = (weakref.ref(group), device) if initialized else None
                 return Move.NONE
             if self.world_size != 1:
                 raise RuntimeError(
@@ -131,6 +135,7 @@ class Placement:
         self._group, self.rank, self.world_size, self.placed = placed, rank, world_size, True
         replicas = self._replica() if self._replica is not None else None
         self.replicas = dist.get_world_size(replicas) if replicas is not None else 1
+        self._checked = (weakref.ref(group), device) if initialized else None
         return move
 
     def world_size_of(self, process_group: dist.ProcessGroup | None) -> int:
@@ -141,7 +146,7 @@ class Placement:
 
     def unplace(self) -> None:
         """Forget the placement of a table that holds nothing yet (a dynamic table re-made over a group)."""
-        self.placed = False
+        self.placed, self._checked = False, None
 
     def describe(self) -> str:
         return f"rank={self.rank}/{self.world_size}" if self.placed else "not materialized"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import lightning_models as lm
 import pytest
 import torch
 import torch.distributed as dist
@@ -75,3 +76,66 @@ def test_a_plain_loop_pipelined_trains_bitwise_as_unpipelined(rank_pools, world_
         assert len(state) == len(p_state) and all(torch.equal(a, b) for a, b in zip(state, p_state))
         # At step n's optimizer step, batch n + 1 was sent ahead, and every lookup so far took its round ahead.
         assert seen == [(min(n + 2, STEPS), n + 1) for n in range(STEPS)]
+
+
+def _bad_ids_ahead(world_size: int):
+    """Batch 2 holds an id out of range on the last rank; it was sent ahead while batch 1 trained."""
+    try:
+        _train("table", True, [4, 5, 6, 7], bad=(world_size - 1, 2))
+    except IndexError as err:
+        caught = str(err)
+    else:
+        caught = None
+    after = _train("table", True, [3, 4])  # the groups stay usable, the ahead group too
+    return caught, after[2]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bad_ids_in_a_batch_sent_ahead_raise_at_its_lookup_on_every_rank(rank_pools, world_size):
+    for rank, (caught, seen_after) in enumerate(rank_pools(world_size).run(_bad_ids_ahead, world_size)):
+        where = "this rank" if rank == world_size - 1 else f"rank {world_size - 1}"
+        assert caught is not None and f"got id 40 on {where}" in caught and "HINT" in caught, caught
+        assert seen_after == [(2, 1), (2, 2)]
+
+
+def _dynamic_ahead():
+    table = ls.DynamicEmbedding(16, 4, seed=1)
+    with pytest.raises(ValueError, match="DynamicEmbedding.*HINT: leave it out"):
+        next(iter(ls.pipelined([{"ids": torch.tensor([5])}], inputs=lambda b: {table: b["ids"]})))
+    return True
+
+
+def test_a_dynamic_table_is_refused_on_every_rank(rank_pools):
+    assert rank_pools(2).run(_dynamic_ahead) == [True, True]
+
+
+def _fabric_runs(world_size: int):
+    """Test_fabric.py's model and shuffled loader, two epochs accumulating 2 batches a step, unpipelined and with the
+    users' ids sent ahead (the items are looked up in slices that the forward makes: those go unpipelined)."""
+    from test_fabric import _fabric, _setup
+
+    fabric = _fabric(world_size)
+    runs = []
+    for pipeline in (False, True):
+        model, dense, sparse, loader = _setup(fabric, "SparseAdam", dict(lr=0.05))
+        users, seen, looked_up = model.module.users, [], 0
+        for epoch in range(2):
+            loader.sampler.set_epoch(epoch)
+            batches = fabric.strategy.pipelined(loader, inputs=lambda b, users=users: {users: b[0]}) if pipeline else loader
+            for index, (user_ids, items, target) in enumerate(batches):
+                stepping, looked_up = index % 2 == 1, looked_up + 1
+                with fabric.no_backward_sync(model, enabled=not stepping):
+                    fabric.backward(torch.nn.functional.mse_loss(model(user_ids, items), target) / 2)
+                if stepping:
+                    seen.append((users.stats.rounds_ahead, looked_up))
+                    dense.step(), sparse.step(), dense.zero_grad(), sparse.zero_grad()
+        runs.append((lm.state(model.module), _state(sparse), seen))
+    return runs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fabric_pipelined_trains_bitwise_as_unpipelined(rank_pools, world_size):
+    for (state, opt_state, _), (p_state, p_opt_state, seen) in rank_pools(world_size).run(_fabric_runs, world_size):
+        assert state.keys() == p_state.keys() and all(torch.equal(state[k], p_state[k]) for k in state)
+        assert len(opt_state) == len(p_opt_state) > 0 and all(torch.equal(a, b) for a, b in zip(opt_state, p_opt_state))
+        assert len(seen) > 2 and all(ahead == looked_up for ahead, looked_up in seen)  # every users lookup took its round ahead

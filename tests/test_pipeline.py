@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import lightning.pytorch as pl
 import lightning_models as lm
 import pytest
 import torch
@@ -139,3 +140,42 @@ def test_fabric_pipelined_trains_bitwise_as_unpipelined(rank_pools, world_size):
         assert state.keys() == p_state.keys() and all(torch.equal(state[k], p_state[k]) for k in state)
         assert len(opt_state) == len(p_opt_state) > 0 and all(torch.equal(a, b) for a, b in zip(opt_state, p_opt_state))
         assert len(seen) > 2 and all(ahead == looked_up for ahead, looked_up in seen)  # every users lookup took its round ahead
+
+
+class _Record(pl.Callback):
+    """At each optimizer step: batches sent ahead so far, and the users lookups that took their round ahead."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        self.seen.append(
+            (trainer.strategy._pipeline.issued if trainer.strategy._pipeline else 0, module.users.stats.rounds_ahead)
+        )
+
+
+def _trainer_runs(world_size: int):
+    """Two epochs of TwoTower under the Trainer (its shuffled DistributedSampler, validation every 3 batches), unpipelined,
+    then with the users' ids sent ahead."""
+    lm.lightning_env(dist.get_rank(), world_size)
+    runs = []
+    for pipeline in (False, True):
+        module, record = lm.TwoTower(sparse="SparseAdam", sparse_kwargs=dict(lr=0.05)), _Record()
+        inputs = (lambda batch, users=module.users: {users: batch[0]}) if pipeline else None
+        trainer = lm.trainer(world_size, strategy=ls.SparseDDPStrategy(pipeline=inputs, timeout=TIMEOUT), max_epochs=2,
+                             callbacks=[record], limit_val_batches=2, val_check_interval=3)  # fmt: skip
+        trainer.fit(module)
+        runs.append((lm.state(module), _state(trainer.strategy.sparse_optimizers[0]), record.seen))
+    return runs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_trainer_pipelined_trains_bitwise_as_unpipelined(rank_pools, world_size):
+    for (state, opt_state, _), (p_state, p_opt_state, seen) in rank_pools(world_size).run(_trainer_runs, world_size):
+        assert state.keys() == p_state.keys() and all(torch.equal(state[k], p_state[k]) for k in state)
+        assert len(opt_state) == len(p_opt_state) > 0 and all(torch.equal(a, b) for a, b in zip(opt_state, p_opt_state))
+        # Each epoch's first batch goes unpipelined and sends the second ahead; at each step the next batch was sent
+        # ahead (but at an epoch's last batch), and every users lookup after the first of its epoch took its round.
+        ahead_of_step = [issued - taken for issued, taken in seen]
+        assert ahead_of_step.count(0) == 2 and set(ahead_of_step) == {0, 1} and ahead_of_step[-1] == 0, seen
+        assert seen[-1] == (len(seen) - 2, len(seen) - 2), seen

@@ -115,15 +115,18 @@ class Pipeline:
             yield batch
             batch = following
 
-    def moved_ahead(self, batch: Any, move: Callable[[Any], Any], following: Any | None) -> Any:
-        """``batch`` moved by ``move``, after sending ``following`` (moved now) ahead; a batch sent ahead is moved once.
+    def moved_ahead(self, batch: Any, move: Callable[..., Any], following: Any | None, *args: Any) -> Any:
+        """``move(batch, *args)``, after sending ``following`` (moved now) ahead; a batch sent ahead is moved once.
 
-        For a loop that moves each batch to the device as it takes it (the Trainer's ``batch_to_device``).
+        For a loop that moves each batch to the device as it takes it (the Trainer's ``batch_to_device``): the
+        batch sent ahead must come back as the same object to be moved no more (then its lookups take their rounds).
         """
-        moved = self._moved if self._raw is batch else move(batch)
-        self._raw = self._moved = None
+        if self._raw is batch:
+            moved, self._raw, self._moved = self._moved, None, None
+        else:  # a batch not sent ahead (the first, or one in between, e.g. a validation batch)
+            moved = move(batch, *args)
         if following is not None:
-            self._raw, self._moved = following, move(following)
+            self._raw, self._moved = following, move(following, *args)
             self.send_ahead(self._moved)
         return moved
 

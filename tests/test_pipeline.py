@@ -8,6 +8,7 @@ silently fell back to unpipelined lookups fails.
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import lightning.pytorch as pl
@@ -181,3 +182,17 @@ def test_the_trainer_pipelined_trains_bitwise_as_unpipelined(rank_pools, world_s
         ahead_of_step = [issued - taken for issued, taken in seen]
         assert ahead_of_step.count(0) == 2 and set(ahead_of_step) == {0, 1} and ahead_of_step[-1] == 0, seen
         assert seen[-1] == (len(seen) - 2, len(seen) - 2), seen
+
+
+def _guide_example() -> int:
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "pipelining.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "ls.pipelined(loader" in b]
+    namespace: dict = {}
+    exec(block, namespace)
+    return namespace["emb"].stats.rounds_ahead
+
+
+def test_the_guides_plain_loop_runs_and_every_lookup_takes_its_round_ahead(rank_pools):
+    assert rank_pools(2).run(_guide_example) == [8, 8]

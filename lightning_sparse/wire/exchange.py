@@ -22,10 +22,9 @@ Grouping by owner takes one sort: :class:`~lightning_sparse.wire.grouping.Sorted
 (:meth:`lightning_sparse.wire.sharding.RowSharding.key`), which deduplicates and groups in one go and
 yields the runs that a segment sum (``F.embedding_bag``) adds up.
 
-This module holds stages 1 and 2 (and the :class:`Route` between them); stage 3 is in
-``grads_exchange.py``, the header in ``header.py``, the ids per (rank, table) of a round over
-several tables in ``table_counts.py``, the all-to-all primitives and
-:class:`~lightning_sparse.wire.alltoall.ExchangeStats` in ``alltoall.py``.
+This module holds stages 1 and 2 (and the :class:`Route` between them); stage 3 is in ``grads_exchange.py``, the header
+in ``header.py``, the ids per (rank, table) of a round over several tables in ``table_counts.py``, the all-to-all
+primitives and :class:`~lightning_sparse.wire.alltoall.ExchangeStats` in ``alltoall.py``, stage 1 run ahead in ``ahead.py``.
 """
 
 from __future__ import annotations
@@ -119,8 +118,8 @@ def ids_to_owners(
     brings the ids per (rank, table) both ways (``Route.by_table``). The same read gives the number
     of distinct ids, with which it finishes ``runs`` (:meth:`SortedKeys.finish`: ``unique`` is then set).
 
-    With one rank nothing is sent (:func:`_to_itself`). It is :func:`send_ids`, then :meth:`IdsSent.route`:
-    a pipelined lookup runs the first ahead (:mod:`lightning_sparse.wire.ahead`). Collective: every rank of the group must call it.
+    With one rank nothing is sent (:func:`_to_itself`). It is :func:`send_ids`, then :meth:`IdsSent.route` (a pipelined
+    lookup runs the first ahead: :mod:`lightning_sparse.wire.ahead`). Collective: every rank of the group must call it.
     """
     if peers.alone:
         return _to_itself(runs, sharding, fields, check)
@@ -142,10 +141,9 @@ class IdsSent:
     seconds: float  # spent issuing it
 
     def route(self, check: Callable[[Headers], None] | None = None) -> Route:
-        """Wait for the all-to-all, read the headers (the stage's one host read), ``check`` them, run any overflow round.
+        """Wait for the all-to-all, read the headers (one host read), ``check`` them, run any overflow round.
 
-        Collective: every rank of the group must call it for the stages it issued, in the order it issued them.
-        """
+        Collective: every rank of the group must call it for the stages it issued, in the same order."""
         start = time.perf_counter()
         runs, sharding, peers, recv, room = self.runs, self.sharding, self.peers, self.recv, self.room
         world_size, width, tables = peers.world_size, LookupHeader.WIDTH, self.device_sent is not None
@@ -178,10 +176,8 @@ class IdsSent:
                     received_by_table = device_received.cpu()
         if peers.stats is not None:
             crossed = world_size * (width + room) * 8 * (world_size - 1) // world_size
-            peers.stats.bytes_sent, peers.stats.bytes_received = (
-                peers.stats.bytes_sent + crossed,
-                peers.stats.bytes_received + crossed,
-            )
+            peers.stats.bytes_sent += crossed
+            peers.stats.bytes_received += crossed
             peers.stats.collectives += 1
             peers.stats.exchange_seconds += self.seconds + time.perf_counter() - start
         by_table = None

@@ -199,3 +199,27 @@ def _guide_example() -> int:
 
 def test_the_guides_plain_loop_runs_and_every_lookup_takes_its_round_ahead(rank_pools):
     assert rank_pools(2).run(_guide_example) == [8, 8]
+
+
+def _rounds_not_taken(pipeline: bool):
+    """Two passes over the same batches: the first looks up copies of the ids (so no round sent ahead is taken, and
+    each is dropped), the second the ids themselves. Returns the weights, and the rounds taken after each pass."""
+    batches = _batches(dist.get_rank(), 40, [5, 9, 4, 12])
+    emb = ls.SparseEmbedding(40, 4, seed=3)
+    opt = ls.SparseSGD([emb], lr=0.5)
+    taken = []
+    for copy in (True, False):
+        pipe = ls.Pipeline(lambda b: {emb: b["ids"]}, timeout=TIMEOUT)
+        for batch in pipe.iterate(batches) if pipeline else batches:
+            (emb(batch["ids"].clone() if copy else batch["ids"]) * batch["w"]).sum().backward()
+            opt.step()
+        taken.append(emb.stats.rounds_ahead)
+    return emb.full_weight(), taken
+
+
+def test_rounds_not_taken_are_dropped_on_every_rank_and_the_ranks_stay_in_step(rank_pools):
+    for (weights, _), (p_weights, taken) in zip(
+        rank_pools(2).run(_rounds_not_taken, False), rank_pools(2).run(_rounds_not_taken, True)
+    ):
+        assert torch.equal(weights, p_weights)
+        assert taken == [0, 4]  # the copies ran unpipelined; then every lookup took its round

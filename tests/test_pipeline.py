@@ -16,7 +16,7 @@ import lightning_models as lm
 import pytest
 import torch
 import torch.distributed as dist
-from rank_pool import COLLECTIVE_TIMEOUT_S, DEVICES
+from rank_pool import COLLECTIVE_TIMEOUT_S, DEVICES, table_groups
 
 import lightning_sparse as ls
 
@@ -223,3 +223,15 @@ def test_rounds_not_taken_are_dropped_on_every_rank_and_the_ranks_stay_in_step(r
     ):
         assert torch.equal(weights, p_weights)
         assert taken == [0, 4]  # the copies ran unpipelined; then every lookup took its round
+
+
+def _two_d_ahead():
+    with table_groups(2) as groups:
+        emb = ls.SparseEmbedding(8, 2, seed=1, **groups)
+        with pytest.raises(ValueError, match=r"sharded over all 4 ranks.*HINT: leave sharding_group_size unset"):
+            next(iter(ls.pipelined([{"ids": torch.tensor([1])}], inputs=lambda b: {emb: b["ids"]})))
+    return True
+
+
+def test_two_d_sharding_is_refused_on_every_rank(rank_pools):
+    assert rank_pools(4).run(_two_d_ahead) == [True] * 4

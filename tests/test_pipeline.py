@@ -124,10 +124,11 @@ def _fabric_runs(world_size: int):
     fabric = _fabric(world_size)
     runs = []
     for pipeline in (False, True):
-        model, dense, sparse, loader = _setup(fabric, "SparseAdam", dict(lr=0.05))
+        model, dense, sparse, plain_loader = _setup(fabric, "SparseAdam", dict(lr=0.05))
+        loader = fabric.setup_dataloaders(plain_loader, use_distributed_sampler=False)  # moves each batch as it yields it
         users, seen, looked_up = model.module.users, [], 0
         for epoch in range(2):
-            loader.sampler.set_epoch(epoch)
+            plain_loader.sampler.set_epoch(epoch)
             batches = fabric.strategy.pipelined(loader, inputs=lambda b, users=users: {users: b[0]}) if pipeline else loader
             for index, (user_ids, items, target) in enumerate(batches):
                 stepping, looked_up = index % 2 == 1, looked_up + 1
@@ -235,3 +236,21 @@ def _two_d_ahead():
 
 def test_two_d_sharding_is_refused_on_every_rank(rank_pools):
     assert rank_pools(4).run(_two_d_ahead) == [True] * 4
+
+
+def test_in_one_process_a_pipeline_sends_nothing_and_trains_as_unpipelined():
+    """One process: a table's gather and a collection's one-rank round have nothing to send ahead."""
+    results = []
+    for pipeline in (False, True):
+        torch.manual_seed(0)
+        table = ls.SparseEmbedding(10, 2, seed=1)
+        collection = ls.SparseEmbeddingCollection({"t": ls.SparseEmbedding(10, 2, seed=2)}, features={"f": "t"})
+        opt = ls.SparseAdagrad([table, collection], lr=0.5)
+        batches = [{"ids": torch.randint(0, 10, (4,)), "f": {"f": torch.randint(0, 10, (3,))}} for _ in range(3)]
+        inputs = lambda b, table=table, collection=collection: {table: b["ids"], collection: b["f"]}  # noqa: E731
+        for batch in ls.pipelined(batches, inputs) if pipeline else batches:
+            (table(batch["ids"]).sum() + collection(batch["f"])["f"].sum()).backward()
+            opt.step()
+        results.append((table.full_weight(), collection.tables["t"].full_weight(), table.stats.rounds_ahead))
+    (a, b, _), (p_a, p_b, taken) = results
+    assert torch.equal(a, p_a) and torch.equal(b, p_b) and taken == 0

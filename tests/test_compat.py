@@ -297,3 +297,13 @@ def test_next_training_batch_peeks_the_fit_loops_fetcher_and_leaves_is_last_batc
     peeked = run(True)
     assert [(b, done) for b, done, _ in peeked] == [(b, done) for b, done, _ in run(False)]
     assert [following for _, _, following in peeked] == [*range(1, length), None]
+
+
+@checked
+def test_version_counts_in_place_changes_only():
+    ids = torch.tensor([1, 2])
+    start = torch_compat.version(ids)
+    ids.clone().add_(1), ids.to(torch.int64), ids[:1]
+    assert torch_compat.version(ids) == start
+    ids.clamp_(max=5)
+    assert torch_compat.version(ids) > start

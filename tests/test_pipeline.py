@@ -254,3 +254,16 @@ def test_in_one_process_a_pipeline_sends_nothing_and_trains_as_unpipelined():
         results.append((table.full_weight(), collection.tables["t"].full_weight(), table.stats.rounds_ahead))
     (a, b, _), (p_a, p_b, taken) = results
     assert torch.equal(a, p_a) and torch.equal(b, p_b) and taken == 0
+
+
+def _changed_in_place():
+    emb = ls.SparseEmbedding(10, 2, seed=1)
+    batches = [{"ids": torch.tensor([1, 2])}, {"ids": torch.tensor([3])}]
+    with pytest.raises(ValueError, match="changed in place after they were sent ahead.*HINT: change them in the loader"):
+        for batch in ls.pipelined(batches, inputs=lambda b: {emb: b["ids"]}):
+            emb(batch["ids"].clamp_(max=8)).sum().backward()  # a no-op that still changes the ids in place
+    return _train("table", True, [3, 4, 5])[2]  # the groups stay usable
+
+
+def test_ids_changed_in_place_after_they_were_sent_ahead_raise_on_every_rank(rank_pools):
+    assert rank_pools(2).run(_changed_in_place) == [[(2, 1), (3, 3)]] * 2

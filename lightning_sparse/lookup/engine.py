@@ -49,6 +49,7 @@ from lightning_sparse.lookup.features import FeatureIds, Problem
 from lightning_sparse.lookup.joint_rows import TableMajor, both_ways, rows_from_owners, table_routes
 from lightning_sparse.lookup.outputs import distinct_rows, expand_rows
 from lightning_sparse.lookup.pooling import pool, select
+from lightning_sparse.lookup.torch_compat import version
 from lightning_sparse.lookup.units import LookupUnit, ShardedTable
 from lightning_sparse.lookup.verdict import check_round, header_of, write_verdicts
 from lightning_sparse.wire.ahead import ahead_peers
@@ -86,17 +87,19 @@ class Round:
         for i, ahead in enumerate(self._ahead):
             if _same_inputs(ahead.inputs, inputs):
                 del self._ahead[: i + 1]
+                if _versions(inputs) != ahead.versions:
+                    raise ValueError(f"{self.unit.name}'s ids were changed in place after they were sent ahead (a pipelined loop). "
+                                     f"HINT: change them in the loader, before the pipeline takes the batch.")  # fmt: skip
                 return run_round(self.unit, ahead.read, ahead.problem, ahead=ahead.sent)
         return run_round(self.unit, *self.unit.read(inputs))
 
     def prefetch(self, inputs: Any, timeout: timedelta | None = None) -> bool:
         """Issue stage 1 of the round for ``inputs`` over the ahead group (:func:`~lightning_sparse.wire.ahead.ahead_peers`).
 
-        Returns whether it did: with one rank there is nothing to send ahead. Its header says the round
-        records as grad mode is now, and promises no sole lookup (``LookupHeader.sole``): the step reads its
-        control codes. At most :data:`AHEAD_LIMIT` rounds stay issued; the oldest is dropped for a new one.
-        No dynamic tables (their ids find slots at the lookup: the caller refuses them). Collective: every rank
-        of the group must call it, in the same order, for the same units.
+        Returns whether it did: with one rank there is nothing to send ahead. Its header says the round records as grad
+        mode is now, and promises no sole lookup (``LookupHeader.sole``): the step reads its control codes. At most
+        :data:`AHEAD_LIMIT` rounds stay issued; the oldest is dropped for a new one. No dynamic tables (their ids find slots
+        at the lookup: the caller refuses them). Collective: every rank of the group must call it, in the same order.
         """
         peers = ahead_peers(self.unit.table_list[0].peers, timeout).counting(self.unit.stats)
         if peers.alone:
@@ -104,7 +107,7 @@ class Round:
         read, problem, bad_offsets = self.unit.read(inputs)
         fields = _header_fields(self.unit, read, problem, bad_offsets, sole=False)
         sent = send_ids(_sorted_keys(self.unit, read), self.unit.joint_sharding, fields, peers, wait=False)
-        self._ahead = [*self._ahead[-AHEAD_LIMIT + 1 :], _Ahead(inputs, read, problem, sent)]
+        self._ahead = [*self._ahead[-AHEAD_LIMIT + 1 :], _Ahead(inputs, _versions(inputs), read, problem, sent)]
         return True
 
     def serve(self, route: Route) -> None:
@@ -121,6 +124,7 @@ class _Ahead:
     """A round whose stage 1 was issued ahead: its inputs, as read, and the stage in flight."""
 
     inputs: Any
+    versions: tuple[int, ...]  # of the tensors in ``inputs`` (see :func:`_versions`)
     read: list[FeatureIds]
     problem: Problem
     sent: IdsSent
@@ -133,6 +137,16 @@ def _same_inputs(given: Any, inputs: Any) -> bool:
     if isinstance(given, Mapping) and isinstance(inputs, Mapping) and given.keys() == inputs.keys():
         return all(given[name] is inputs[name] for name in given)
     return False
+
+
+def _versions(inputs: Any) -> tuple[int, ...]:
+    """The version counters of the tensors in ``inputs`` (a tensor, a mapping of tensors or ``JaggedIds``): changed in place, larger."""
+    items = inputs.values() if isinstance(inputs, Mapping) else [inputs]
+    parts = [
+        [item] if isinstance(item, Tensor) else [getattr(item, n, None) for n in ("values", "offsets", "lengths", "weights")]
+        for item in items
+    ]
+    return tuple(version(t) for part in parts for t in part if isinstance(t, Tensor))
 
 
 def run_round(

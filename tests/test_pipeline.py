@@ -16,7 +16,7 @@ import lightning_models as lm
 import pytest
 import torch
 import torch.distributed as dist
-from rank_pool import COLLECTIVE_TIMEOUT_S, DEVICES, table_groups
+from rank_pool import COLLECTIVE_TIMEOUT_S, DEVICES
 
 import lightning_sparse as ls
 
@@ -226,16 +226,22 @@ def test_rounds_not_taken_are_dropped_on_every_rank_and_the_ranks_stay_in_step(r
         assert taken == [0, 4]  # the copies ran unpipelined; then every lookup took its round
 
 
-def _two_d_ahead():
-    with table_groups(2) as groups:
-        emb = ls.SparseEmbedding(8, 2, seed=1, **groups)
-        with pytest.raises(ValueError, match=r"sharded over all 4 ranks.*HINT: leave sharding_group_size unset"):
+def _subgroup_ahead():
+    """Ranks 0 and 1 of 3 shard a table over their own group (as 2-D sharding does); rank 2 has no table."""
+    group = dist.new_group([0, 1])  # every rank makes it
+    if dist.get_rank() == 2:
+        return True
+    try:
+        emb = ls.SparseEmbedding(8, 2, seed=1, process_group=group)
+        with pytest.raises(ValueError, match=r"sharded over all 3 ranks.*HINT: leave sharding_group_size unset"):
             next(iter(ls.pipelined([{"ids": torch.tensor([1])}], inputs=lambda b: {emb: b["ids"]})))
-    return True
+        return True
+    finally:
+        dist.destroy_process_group(group)
 
 
-def test_two_d_sharding_is_refused_on_every_rank(rank_pools):
-    assert rank_pools(4).run(_two_d_ahead) == [True] * 4
+def test_tables_sharded_over_some_ranks_are_refused_on_each_of_them(rank_pools):
+    assert rank_pools(3).run(_subgroup_ahead) == [True] * 3
 
 
 def test_in_one_process_a_pipeline_sends_nothing_and_trains_as_unpipelined():

@@ -6,6 +6,8 @@ ranks) -> ``mean((rows @ proj - target)^2)`` -> backward -> an Adagrad step -> z
 Methods (each in 2 fresh processes, ``ranks.py``, so peak RSS, each rank's own ``VmHWM``, is per method):
 
 * ``ours``: ``lightning_sparse.SparseEmbedding(sharding="mod")`` + ``SparseAdagrad``, plain torch loop.
+  ``ours_pipelined`` (not in ``METHODS``, so run by name: ``run([100_000], [4096], ["ours", "ours_pipelined"])``)
+  is the same loop with each step's ids sent to their owners during the step before (``lightning_sparse.Pipeline``).
 * ``sparse_ddp``: the same table in a LightningModule, ``Trainer(strategy="sparse_ddp")``.
 * ``dgl``: ``dgl.nn.NodeEmbedding`` + ``dgl.optim.SparseAdagrad`` (one table in shared memory).
 * ``sparse_grad_ddp``: ``nn.Embedding(sparse=True)`` in DistributedDataParallel + ``torch.optim.Adagrad``
@@ -29,6 +31,7 @@ import tempfile
 import time
 import uuid
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -71,13 +74,24 @@ def lower_bound_bytes(rank: int, ids: torch.Tensor, dim: int) -> float:
 
 
 # ---------------------------------------------------------------------- plain loops
-def build_ours(cfg: dict, rows: int, proj: torch.Tensor):
+def build_ours(cfg: dict, rows: int, proj: torch.Tensor, pipelined: bool = False):
     import lightning_sparse as ls
 
     emb = ls.SparseEmbedding(rows, cfg["dim"], sharding="mod", seed=0)
     opt = ls.SparseAdagrad([emb], lr=0.1)
+    # Pipelined: the steps take the batches in order, so step i looks up these objects (the values run_loop passes)
+    # and sends step i + 1's ahead first.
+    batches = list(make_batches(dist.get_rank(), cfg, rows)[0].unbind(0)) if pipelined else []
+    pipeline, taken = ls.Pipeline(lambda ids: {emb: ids}), [0]
 
     def step(ids, target):
+        if pipelined:
+            i, ids = taken[0], batches[taken[0]]
+            if i == 0:
+                pipeline.send_ahead(ids)
+            if i + 1 < len(batches):
+                pipeline.send_ahead(batches[i + 1])
+            taken[0] += 1
         loss_fn(emb(ids), target, proj).backward()
         opt.step()
         opt.zero_grad()
@@ -90,7 +104,7 @@ def build_ours(cfg: dict, rows: int, proj: torch.Tensor):
         return {"bytes_sent_per_step": (emb.stats.bytes_sent + opt.stats.bytes_sent) / steps,
                 "bytes_source": "measured (ExchangeStats: every byte of the all-to-alls that leaves the rank)",
                 "collectives_per_step": (emb.stats.collectives + opt.stats.collectives) / steps,
-                "unique_ids_per_step": emb.stats.unique_ids / steps}  # fmt: skip
+                "unique_ids_per_step": emb.stats.unique_ids / steps, "rounds_ahead_per_step": emb.stats.rounds_ahead / steps}  # fmt: skip
 
     return step, reset, stats
 
@@ -166,7 +180,8 @@ def build_dgl(cfg: dict, rows: int, proj: torch.Tensor):
     return step, foreign.clear, stats
 
 
-BUILDERS = {"ours": build_ours, "sparse_grad_ddp": build_sparse_grad_ddp, "dgl": build_dgl}
+BUILDERS = {"ours": build_ours, "ours_pipelined": partial(build_ours, pipelined=True), "sparse_grad_ddp": build_sparse_grad_ddp,
+            "dgl": build_dgl}  # fmt: skip
 
 
 def run_loop(rank: int, cfg: dict, method: str, rows: int, result: dict) -> None:
@@ -327,7 +342,8 @@ def run_one(cfg: dict, method: str, rows: int) -> dict:
     quartiles = statistics.quantiles(per_step, n=4) if len(per_step) > 1 else per_step * 3
     row.update(step_ms_median=1e3 * statistics.median(per_step), step_ms_p25=1e3 * quartiles[0],
                step_ms_p75=1e3 * quartiles[2], measured_steps=len(per_step), setup_s=max(r["setup_s"] for r in ranks))  # fmt: skip
-    for key in ("bytes_sent_per_step", "lower_bound_bytes_per_step", "collectives_per_step", "unique_ids_per_step"):
+    for key in ("bytes_sent_per_step", "lower_bound_bytes_per_step", "collectives_per_step", "unique_ids_per_step",
+                "rounds_ahead_per_step"):  # fmt: skip
         if key in ranks[0]:
             row[key] = statistics.mean(r[key] for r in ranks)
     row["bytes_source"] = ranks[0].get("bytes_source")

@@ -18,7 +18,7 @@ from lightning_sparse.lightning import (
 from lightning_sparse.lookup import JaggedIds, serve_lookups
 from lightning_sparse.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseRowWiseAdagrad, SparseSGD
 from lightning_sparse.tables import DynamicEmbedding, SparseEmbedding, SparseEmbeddingCollection, full_state_dict, init
-from lightning_sparse.wire import RowSharding, sharding_groups
+from lightning_sparse.wire import Pipeline, RowSharding, pipelined, sharding_groups
 
 __version__ = "0.1.0"
 
@@ -30,6 +30,7 @@ __all__ = [
     "FabricSparseDDPStrategy",
     "JaggedIds",
     "PeerFailure",
+    "Pipeline",
     "RowSharding",
     "SparseAdagrad",
     "SparseAdam",
@@ -44,6 +45,7 @@ __all__ = [
     "full_state_dict",
     "exits",
     "init",
+    "pipelined",
     "serve_lookups",
     "sharding_groups",
 ]

@@ -271,3 +271,39 @@ def test_the_captured_steps_shims_record_logs_set_the_hook_the_closure_result_an
     progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
     compat.count_zero_grad(trainer)
     assert progress.optimizer.zero_grad.total.completed == progress.optimizer.zero_grad.total.ready == 1
+
+
+@checked
+@pytest.mark.parametrize("length", [1, 2, 4])
+def test_next_training_batch_peeks_the_fit_loops_fetcher_and_leaves_is_last_batch_right(length):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    def run(peek: bool) -> list[tuple[int, bool, int | None]]:
+        fetcher = _PrefetchDataFetcher()
+        fetcher.setup(CombinedLoader(torch.utils.data.DataLoader(list(range(length)), batch_size=1)))
+        iter(fetcher)
+        trainer = SimpleNamespace(training=True, fit_loop=SimpleNamespace(_data_fetcher=fetcher))
+        seen = []
+        while not fetcher.done:  # the training epoch loop: next batch, is_last_batch, then the strategy's batch_to_device
+            batch, _, _ = next(fetcher)
+            done = fetcher.done
+            following = compat.next_training_batch(trainer) if peek else None
+            seen.append((int(batch), done, None if following is None else int(following)))
+        return seen
+
+    peeked = run(True)
+    assert [(b, done) for b, done, _ in peeked] == [(b, done) for b, done, _ in run(False)]
+    assert [following for _, _, following in peeked] == [*range(1, length), None]
+
+
+@checked
+def test_version_counts_in_place_changes_only():
+    ids = torch.tensor([1, 2])
+    start = torch_compat.version(ids)
+    ids.clone().add_(1), ids.to(torch.int64), ids[:1]
+    assert torch_compat.version(ids) == start
+    ids.clamp_(max=5)
+    assert torch_compat.version(ids) > start

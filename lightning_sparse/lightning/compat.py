@@ -1,9 +1,10 @@
 """Every reach into Lightning's (and GradScaler's) private API, in one place, patches included.
 
-The strategies need a few things Lightning and torch do not export, and three places where
+The strategies need a few things Lightning and torch do not export, and four places where
 Lightning offers no hook: a skipped evaluation loop (:func:`after_skipped_run` wraps its ``run``),
-the weights a spawned rank 0 hands back (:class:`SparseMultiProcessingLauncher`), and the
-``self.log`` calls of a captured training step (:func:`logs_recorded`). Each is
+the weights a spawned rank 0 hands back (:class:`SparseMultiProcessingLauncher`), the
+``self.log`` calls of a captured training step (:func:`logs_recorded`), and the training batch
+after the one in hand (:func:`next_training_batch`, for a pipelined lookup). Each is
 named here once, with what it is for; ``tests/test_compat.py`` checks each assumption (one test
 per shim), so an upgrade that breaks one fails there, by name, instead of deep inside a fit, and
 names the versions below. ``tests/test_layout.py`` fails on a patch anywhere else. Checked
@@ -29,6 +30,7 @@ from lightning.pytorch.core.optimizer import (
     _MockOptimizer,
     _validate_scheduler_api,
 )
+from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.strategies import Strategy as TrainerStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -215,3 +217,24 @@ def count_zero_grad(trainer: Any) -> None:
     progress.increment_ready()
     progress.increment_started()
     progress.increment_completed()
+
+
+def next_training_batch(trainer: Any) -> Any | None:
+    """The fit loop's next training batch as its loader gave it, or ``None`` (the last batch, or not in training).
+
+    The fit loop's ``_PrefetchDataFetcher`` holds one batch ahead only for loaders without a length;
+    for others this fetches it now and leaves ``fetched`` and ``done`` as they were, so ``is_last_batch``
+    stays right: the fetcher then keeps that batch ahead itself (its ``batches``). A ``training_step``
+    that takes a ``dataloader_iter`` gets ``None``.
+    """
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if not trainer.training or type(fetcher) is not _PrefetchDataFetcher:
+        return None
+    if not fetcher.batches and not fetcher.done:
+        fetched, done = fetcher.fetched, fetcher.done
+        try:
+            fetcher.batches.append(_DataFetcher.__next__(fetcher))
+        except StopIteration:
+            pass  # an iterable shorter than its length: the fetcher finds out at its next batch
+        fetcher.fetched, fetcher.done = fetched, done
+    return fetcher.batches[0][0] if fetcher.batches else None  # the fetcher holds (batch, batch_idx, dataloader_idx)

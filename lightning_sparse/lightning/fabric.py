@@ -21,6 +21,7 @@ Narrow overrides, each calling ``super()``:
 - ``optimizer_step``: a sparse optimizer exchanges and applies its pending row gradients;
 - ``clip_gradients_*``: dense optimizers only (row gradients are not in ``.grad``);
 - ``captured(step)``: on one GPU, a step function captured in a CUDA graph and replayed per batch;
+- ``pipelined(loader, inputs)``: each batch's ids sent to their owners while the batch before it trains;
 - ``save_checkpoint`` / ``load_checkpoint``: the Trainer's sharded format
   (:mod:`lightning_sparse.lightning.checkpoints`), so checkpoints move between the two
   and load on any number of ranks.
@@ -31,7 +32,7 @@ until the sparse optimizer's ``step()``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ from lightning_sparse.lightning.placement import (
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.tables.collection import SparseEmbeddingCollection
 from lightning_sparse.tables.embedding import SparseEmbedding
+from lightning_sparse.wire.ahead import pipelined
 
 
 class FabricSparseDDPStrategy(DDPStrategy):
@@ -126,6 +128,10 @@ class FabricSparseDDPStrategy(DDPStrategy):
         """
         graphs = graphs if graphs is not None else CudaGraphs()
         return CapturedStep(self, step, Replays(graphs, other_shapes, warmup_steps, getattr(graphs, "device_type", "cuda")))
+
+    def pipelined(self, loader: Iterable[Any], inputs: Callable[[Any], Mapping[Any, Any]]) -> Iterator[Any]:
+        """``loader``'s batches, each one's ids sent ahead (:func:`lightning_sparse.pipelined`, over this strategy's timeout)."""
+        return pipelined(loader, inputs, timeout=self._timeout)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

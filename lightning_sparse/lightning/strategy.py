@@ -2,22 +2,20 @@
 
 Narrow overrides, each calling ``super()``:
 
-- ``model_to_device``: shard every SparseEmbedding of the module over the process group
-  (idempotent: trained shards survive later validate/test/predict calls), and number the
-  lookup units (tables, then SparseEmbeddingCollections) that idle ranks serve;
-- ``setup_optimizers``: add the optimizers of ``configure_sparse_optimizers()`` (and their LR
-  schedulers) after the dense ones, so checkpoints, schedulers and LearningRateMonitor see them;
-- ``backward`` / ``optimizer_step``: after the last backward of a step, exchange and apply
-  the sparse gradients, with one skip decision for dense and sparse under ``16-mixed``;
-- ``*_step`` of validation, test and predict, and ``setup``: a rank that has run out of batches keeps
-  serving lookups (``serve_lookups``) until all ranks are done, so uneven loaders never hang
-  (:mod:`~lightning_sparse.lightning.uneven_evaluation`);
-- checkpoint hooks: sharded checkpoints through torch.distributed.checkpoint; each rank writes and reads
-  only its rows, and a checkpoint loads on any number of ranks (the helper object
-  :class:`~lightning_sparse.lightning.checkpoints.TrainerCheckpoints`);
-- ``setup_distributed``, ``backward``, ``barrier``, ``broadcast``, ``reduce``, ``on_exception``: ranks that
-  cannot meet, and lost peers in DDP's and Lightning's collectives, raise ``PeerFailure``; the ranks this
-  process launched are killed after one (:mod:`~lightning_sparse.lightning.lost_peers`).
+- ``model_to_device``: shard every SparseEmbedding of the module over the process group (idempotent: trained shards survive later
+  validate/test/predict calls), and number the lookup units (tables, then SparseEmbeddingCollections) that idle ranks serve;
+- ``setup_optimizers``: add the optimizers of ``configure_sparse_optimizers()`` (and their LR schedulers) after the
+  dense ones, so checkpoints, schedulers and LearningRateMonitor see them;
+- ``backward`` / ``optimizer_step``: after the last backward of a step, exchange and apply the sparse gradients,
+  with one skip decision for dense and sparse under ``16-mixed``;
+- ``batch_to_device``: with ``pipeline=``, the next training batch's ids go to their owners while this one trains;
+- ``*_step`` of validation, test and predict, and ``setup``: a rank that has run out of batches keeps serving lookups
+  (``serve_lookups``) until all ranks are done, so uneven loaders never hang (:mod:`~lightning_sparse.lightning.uneven_evaluation`);
+- checkpoint hooks: sharded checkpoints through torch.distributed.checkpoint; each rank writes and reads only its rows,
+  and a checkpoint loads on any number of ranks (the helper object :class:`~lightning_sparse.lightning.checkpoints.TrainerCheckpoints`);
+- ``setup_distributed``, ``backward``, ``barrier``, ``broadcast``, ``reduce``, ``on_exception``: ranks that cannot meet,
+  and lost peers in DDP's and Lightning's collectives, raise ``PeerFailure``; the ranks this process launched are
+  killed after one (:mod:`~lightning_sparse.lightning.lost_peers`).
 """
 
 from __future__ import annotations
@@ -49,6 +47,7 @@ from lightning_sparse.lightning.sparse_optimizers import check_dense_optimizers,
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.tables.collection import SparseEmbeddingCollection
 from lightning_sparse.tables.embedding import SparseEmbedding
+from lightning_sparse.wire.ahead import Pipeline
 from lightning_sparse.wire.alltoall import ExchangeStats
 
 log = logging.getLogger(__name__)
@@ -57,15 +56,17 @@ log = logging.getLogger(__name__)
 class SparseDDPStrategy(DDPStrategy):
     """DDP for dense parameters; row-sharded SparseEmbedding tables updated by sparse optimizers.
 
-    ``sharding_group_size=G`` shards every table over groups of ``G`` consecutive ranks (e.g. the
-    GPUs of one host) and replicates it across the ``W / G`` groups (2-D sharding,
-    :mod:`lightning_sparse.wire.replicas`); default: over all ranks. Every other argument is DDPStrategy's.
+    ``sharding_group_size=G`` shards every table over groups of ``G`` consecutive ranks (e.g. the GPUs of one host) and
+    replicates it across the ``W / G`` groups (2-D sharding, :mod:`lightning_sparse.wire.replicas`); default: over all
+    ranks. ``pipeline=inputs``: see :func:`lightning_sparse.pipelined`. Every other argument is DDPStrategy's.
     """
 
     strategy_name = STRATEGY_NAME
 
-    def __init__(self, *args: Any, sharding_group_size: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, sharding_group_size: int | None = None, pipeline: Callable[[Any], Any] | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
+        self._pipeline = Pipeline(pipeline, self._timeout) if pipeline is not None else None
         self._sharding = ShardingGroups(sharding_group_size)
         self._tables: list[SparseEmbedding] = []
         self._collections: list[SparseEmbeddingCollection] = []
@@ -96,8 +97,7 @@ class SparseDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        # DDP's wrapper, unwrapped by Lightning, lives in reference cycles with its reducer (which
-        # holds the process group); free them now, not at interpreter shutdown (see exits.py).
+        # DDP's wrapper (unwrapped by Lightning) and its reducer, which holds the process group, form cycles: free them now (exits.py).
         gc.collect()
 
     @override
@@ -159,6 +159,13 @@ class SparseDDPStrategy(DDPStrategy):
             rank_zero_info("\n" + summarize(self._tables, optimizers))
 
     # ------------------------------------------------------------------ training step
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if self._pipeline is None:
+            return super().batch_to_device(batch, device, dataloader_idx)
+        following = compat.next_training_batch(self.lightning_module.trainer)
+        return self._pipeline.moved_ahead(batch, super().batch_to_device, following, device, dataloader_idx)
+
     @property
     @override
     def precision_plugin(self) -> Precision:

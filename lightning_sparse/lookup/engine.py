@@ -37,8 +37,9 @@ table's own rounds).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -48,9 +49,11 @@ from lightning_sparse.lookup.features import FeatureIds, Problem
 from lightning_sparse.lookup.joint_rows import TableMajor, both_ways, rows_from_owners, table_routes
 from lightning_sparse.lookup.outputs import distinct_rows, expand_rows
 from lightning_sparse.lookup.pooling import pool, select
+from lightning_sparse.lookup.torch_compat import version
 from lightning_sparse.lookup.units import LookupUnit, ShardedTable
 from lightning_sparse.lookup.verdict import check_round, header_of, write_verdicts
-from lightning_sparse.wire.exchange import Route, ids_to_owners
+from lightning_sparse.wire.ahead import ahead_peers
+from lightning_sparse.wire.exchange import IdsSent, Route, ids_to_owners, send_ids
 from lightning_sparse.wire.grouping import SortedKeys
 from lightning_sparse.wire.header import OK, Headers, LookupHeader
 from lightning_sparse.wire.table_counts import served_by_table
@@ -66,46 +69,129 @@ class Serving(Protocol):
 
 
 class Round:
-    """A unit's lookups as rounds over the ranks (any number of ranks, tables and features): the engine's path."""
+    """A unit's lookups as rounds over the ranks (any number of ranks, tables and features): the engine's path.
+
+    A round's stage 1 may run ahead (:meth:`prefetch`); the lookup of the same inputs takes it from there.
+    """
 
     def __init__(self, unit: LookupUnit) -> None:
         self.unit = unit
+        self._ahead: list[_Ahead] = []  # rounds issued ahead, oldest first
 
     def lookup(self, inputs: Any) -> dict[str, Tensor]:
-        """Every given feature's rows or pooled bags. Collective (see the table's and the collection's ``forward``)."""
+        """Every given feature's rows or pooled bags. Collective (see the table's and the collection's ``forward``).
+
+        If ``inputs`` are those of a round issued ahead (the same objects), the round goes on from its stage 1;
+        rounds issued before that one are dropped unfinished, on every rank alike.
+        """
+        for i, ahead in enumerate(self._ahead):
+            if _same_inputs(ahead.inputs, inputs):
+                del self._ahead[: i + 1]
+                if _versions(inputs) != ahead.versions:
+                    raise ValueError(f"{self.unit.name}'s ids were changed in place after they were sent ahead (a pipelined loop). "
+                                     f"HINT: change them in the loader, before the pipeline takes the batch.")  # fmt: skip
+                return run_round(self.unit, ahead.read, ahead.problem, ahead=ahead.sent)
         return run_round(self.unit, *self.unit.read(inputs))
+
+    def prefetch(self, inputs: Any, timeout: timedelta | None = None) -> bool:
+        """Issue stage 1 of the round for ``inputs`` over the ahead group (:func:`~lightning_sparse.wire.ahead.ahead_peers`).
+
+        Returns whether it did: with one rank there is nothing to send ahead. Its header says the round records as grad
+        mode is now, and promises no sole lookup (``LookupHeader.sole``): the step reads its control codes. At most
+        :data:`AHEAD_LIMIT` rounds stay issued; the oldest is dropped for a new one. No dynamic tables (their ids find slots
+        at the lookup: the caller refuses them). Collective: every rank of the group must call it, in the same order.
+        """
+        peers = ahead_peers(self.unit.table_list[0].peers, timeout).counting(self.unit.stats)
+        if peers.alone:
+            return False
+        read, problem, bad_offsets = self.unit.read(inputs)
+        fields = _header_fields(self.unit, read, problem, bad_offsets, sole=False)
+        sent = send_ids(_sorted_keys(self.unit, read), self.unit.joint_sharding, fields, peers, wait=False)
+        self._ahead = [*self._ahead[-AHEAD_LIMIT + 1 :], _Ahead(inputs, _versions(inputs), read, problem, sent)]
+        return True
 
     def serve(self, route: Route) -> None:
         """Answer the other ranks' round of this unit on a rank with no lookups of its own (step 4 only)."""
         serve(self.unit, route)
 
 
-def run_round(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offsets: Tensor | None = None) -> dict[str, Tensor]:
+# Rounds of one unit issued ahead and not yet looked up: the batch in training and the next one.
+AHEAD_LIMIT = 2
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """A round whose stage 1 was issued ahead: its inputs, as read, and the stage in flight."""
+
+    inputs: Any
+    versions: tuple[int, ...]  # of the tensors in ``inputs`` (see :func:`_versions`)
+    read: list[FeatureIds]
+    problem: Problem
+    sent: IdsSent
+
+
+def _same_inputs(given: Any, inputs: Any) -> bool:
+    """Whether ``inputs`` are the objects ``given`` ahead: the same, or a mapping of the same values under the same names."""
+    if given is inputs:
+        return True
+    if isinstance(given, Mapping) and isinstance(inputs, Mapping) and given.keys() == inputs.keys():
+        return all(given[name] is inputs[name] for name in given)
+    return False
+
+
+def _versions(inputs: Any) -> tuple[int, ...]:
+    """The version counters of the tensors in ``inputs`` (a tensor, a mapping of tensors or ``JaggedIds``): changed in place, larger."""
+    items = inputs.values() if isinstance(inputs, Mapping) else [inputs]
+    parts = [
+        [item] if isinstance(item, Tensor) else [getattr(item, n, None) for n in ("values", "offsets", "lengths", "weights")]
+        for item in items
+    ]
+    return tuple(version(t) for part in parts for t in part if isinstance(t, Tensor))
+
+
+def run_round(
+    unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offsets: Tensor | None = None, ahead: IdsSent | None = None
+) -> dict[str, Tensor]:
     """Every read feature's rows or pooled bags, all of the unit's tables in one round.
 
     ``read``, ``problem`` and ``bad_offsets`` are what the unit's ``read`` made of this rank's
-    input. Collective: every rank of the tables' group must call it for the same unit in the same
-    round (see the collection's and the table's ``forward``).
+    input; ``ahead``: its stage 1, issued ahead (:meth:`Round.prefetch`). Collective: every rank of the
+    tables' group must call it for the same unit in the same round (see the collection's and the table's ``forward``).
     """
     tables, joint = unit.table_list, unit.joint_sharding
-    first = tables[0]
-    fields = header_of(unit.unit_index, problem, read, bad_offsets, tables=tables).fields(first.device)
-    if problem.error == OK and read:
-        write_verdicts(fields, read, bad_offsets, tables)
-    keys = [joint.key(f.table, f.ids.clamp(0, tables[f.table].num_embeddings - 1)) for f in read]
-    runs = SortedKeys(_concat(keys, first.device), joint.key_bound)
 
     def check(headers: Headers) -> None:
         check_round(unit, headers, problem)
 
-    peers = first.peers.counting(unit.stats)
-    route = ids_to_owners(runs, joint, fields, peers, check)
+    peers = tables[0].peers.counting(unit.stats)
+    if ahead is None:
+        runs = _sorted_keys(unit, read)
+        route = ids_to_owners(runs, joint, _header_fields(unit, read, problem, bad_offsets, sole=True), peers, check)
+    else:
+        runs, route = ahead.runs, ahead.route(check)
+        unit.stats.rounds_ahead += 1
     mine, theirs = both_ways(route.by_table)
     routes = table_routes(route, joint, theirs)
     round_ = _Routed(joint, runs, mine, route, routes, distinct=mine.split(runs.unique))
     rows = rows_from_owners(tables, route, mine, theirs, routes, peers)
     _keep_for_backward(tables, round_, rows, read)
     return _outputs(unit, read, rows, round_)
+
+
+def _header_fields(unit: LookupUnit, read: list[FeatureIds], problem: Problem, bad_offsets: Tensor | None, sole: bool) -> Tensor:
+    """This rank's header fields for a round of ``unit``, with its verdict on the ids; ``sole``: say whether it is the sole lookup."""
+    tables = unit.table_list
+    fields = header_of(unit.unit_index, problem, read, bad_offsets, tables=tables if sole else ()).fields(tables[0].device)
+    if problem.error == OK and read:
+        write_verdicts(fields, read, bad_offsets, tables)
+    return fields
+
+
+def _sorted_keys(unit: LookupUnit, read: list[FeatureIds]) -> SortedKeys:
+    """The one sort of the round: every read id's joint key (owner, table, row)."""
+    tables, joint = unit.table_list, unit.joint_sharding
+    keys = [joint.key(f.table, f.ids.clamp(0, tables[f.table].num_embeddings - 1)) for f in read]
+    return SortedKeys(_concat(keys, tables[0].device), joint.key_bound)
 
 
 @dataclass(frozen=True)

@@ -49,3 +49,11 @@ def handle_holding(value: Any) -> Tensor:
 def held_by(handle: Tensor) -> Any:
     """What :func:`handle_holding` put in ``handle`` (``None`` for a copy of it, which holds nothing)."""
     return getattr(handle, "held_value", None)
+
+
+def version(tensor: Tensor) -> int:
+    """``tensor``'s version counter (``Tensor._version``), which every in-place change of it increments.
+
+    A pipelined lookup (``engine.Round``) compares it with the one its input had when its ids were sent ahead.
+    """
+    return tensor._version

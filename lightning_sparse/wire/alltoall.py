@@ -30,6 +30,7 @@ class ExchangeStats:
     Bytes count what crossed to or from other ranks (headers included), not a rank's split to
     itself; ``collectives`` counts the all-to-all calls. ``unique_ids`` may be a 0-d device
     tensor: a one-process GPU step counts its distinct ids in its update kernel (see :meth:`on_device`).
+    ``rounds_ahead`` counts the lookup rounds whose ids went ahead of their lookup (a pipelined loop).
     """
 
     bytes_sent: int = 0
@@ -39,6 +40,7 @@ class ExchangeStats:
     ids_looked_up: int = 0
     unique_ids: int = 0
     collectives: int = 0
+    rounds_ahead: int = 0
 
     def add(self, other: ExchangeStats) -> None:
         for name in self.__dataclass_fields__:

@@ -22,10 +22,9 @@ Grouping by owner takes one sort: :class:`~lightning_sparse.wire.grouping.Sorted
 (:meth:`lightning_sparse.wire.sharding.RowSharding.key`), which deduplicates and groups in one go and
 yields the runs that a segment sum (``F.embedding_bag``) adds up.
 
-This module holds stages 1 and 2 (and the :class:`Route` between them); stage 3 is in
-``grads_exchange.py``, the header in ``header.py``, the ids per (rank, table) of a round over
-several tables in ``table_counts.py``, the all-to-all primitives and
-:class:`~lightning_sparse.wire.alltoall.ExchangeStats` in ``alltoall.py``.
+This module holds stages 1 and 2 (and the :class:`Route` between them); stage 3 is in ``grads_exchange.py``, the header
+in ``header.py``, the ids per (rank, table) of a round over several tables in ``table_counts.py``, the all-to-all
+primitives and :class:`~lightning_sparse.wire.alltoall.ExchangeStats` in ``alltoall.py``, stage 1 run ahead in ``ahead.py``.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ from torch.profiler import record_function
 from lightning_sparse.faults.peers import collective
 from lightning_sparse.kernels.host import to_device
 from lightning_sparse.wire.alltoall import Peers, exchange_values, split_starts
-from lightning_sparse.wire.grouping import SortedKeys, transpose_blocks
+from lightning_sparse.wire.grouping import SortedKeys, gather_segments, transpose_blocks
 from lightning_sparse.wire.header import Headers, LookupHeader
 from lightning_sparse.wire.sharding import JointSharding, RowSharding
 from lightning_sparse.wire.table_counts import TableCounts, count_received_by_table, count_received_in_room, count_sent_by_table
@@ -119,10 +118,83 @@ def ids_to_owners(
     brings the ids per (rank, table) both ways (``Route.by_table``). The same read gives the number
     of distinct ids, with which it finishes ``runs`` (:meth:`SortedKeys.finish`: ``unique`` is then set).
 
-    With one rank nothing is sent (:func:`_to_itself`). Collective: every rank of the group must call it.
+    With one rank nothing is sent (:func:`_to_itself`). It is :func:`send_ids`, then :meth:`IdsSent.route` (a pipelined
+    lookup runs the first ahead: :mod:`lightning_sparse.wire.ahead`). Collective: every rank of the group must call it.
     """
     if peers.alone:
         return _to_itself(runs, sharding, fields, check)
+    return send_ids(runs, sharding, fields, peers).route(check)
+
+
+@dataclass
+class IdsSent:
+    """Stage 1 once its all-to-all is issued (:func:`send_ids`): :meth:`route` waits for it and finishes the stage."""
+
+    runs: SortedKeys
+    sharding: RowSharding | JointSharding | HashSharding
+    peers: Peers
+    counts: Tensor  # ids sent to each rank, [W] on the device
+    recv: Tensor  # [W, WIDTH + room]: every rank's header and ids, once ``work`` is done
+    room: int
+    work: dist.Work | None  # the all-to-all in flight (``None``: done)
+    device_sent: Tensor | None  # ids per (rank, table) sent, for several tables
+    seconds: float  # spent issuing it
+
+    def route(self, check: Callable[[Headers], None] | None = None) -> Route:
+        """Wait for the all-to-all, read the headers (one host read), ``check`` them, run any overflow round.
+
+        Collective: every rank of the group must call it for the stages it issued, in the same order."""
+        start = time.perf_counter()
+        runs, sharding, peers, recv, room = self.runs, self.sharding, self.peers, self.recv, self.room
+        world_size, width, tables = peers.world_size, LookupHeader.WIDTH, self.device_sent is not None
+        with record_function("lightning_sparse.ids_to_owners"):
+            with collective("all-to-all of lookup ids"):
+                if self.work is not None:
+                    self.work.wait()
+                read = [self.counts, recv[:, :width].reshape(-1)]
+                if tables:
+                    device_received = count_received_in_room(recv, sharding)
+                    read += [self.device_sent.reshape(-1), device_received.reshape(-1)]
+                on_host = torch.cat(read).cpu()  # the stage's one host read
+            send_splits = on_host[:world_size].tolist()
+            headers = Headers(on_host[world_size : world_size * (1 + width)].view(world_size, width))
+            if tables:
+                sent_by_table, received_by_table = on_host[world_size * (1 + width) :].view(2, world_size, -1).unbind(0)
+            most = int(headers.column("most").max())
+            _ROOM[peers.group] = _next_room(most)
+            if check is not None:
+                check(headers)
+            runs.finish(sum(send_splits))
+            recv_splits = headers.tensor[:, 0].tolist()
+            received = gather_segments(
+                recv.view(-1), torch.arange(world_size) * (width + room) + width, headers.tensor[:, 0].clamp(max=room)
+            )
+            if most > room:  # overflow: the ids beyond the room, in a second round
+                received = _overflow(runs, sharding, send_splits, recv_splits, room, received, peers)
+                if tables:  # the room held only some ids: count them all (a second host read, with the second round)
+                    device_received = count_received_by_table(received, recv_splits, sharding)
+                    received_by_table = device_received.cpu()
+        if peers.stats is not None:
+            crossed = world_size * (width + room) * 8 * (world_size - 1) // world_size
+            peers.stats.bytes_sent += crossed
+            peers.stats.bytes_received += crossed
+            peers.stats.collectives += 1
+            peers.stats.exchange_seconds += self.seconds + time.perf_counter() - start
+        by_table = None
+        if tables:
+            by_table = TableCounts(sent_by_table, received_by_table, self.device_sent, device_received)
+        elif getattr(sharding, "num_tables", 0) == 1:
+            by_table = TableCounts(on_host[:world_size].view(-1, 1), headers.tensor[:, :1], self.counts.view(-1, 1), recv[:, :1])
+        return Route(on_host[:world_size], headers.tensor[:, 0], received, headers, by_table)
+
+
+def send_ids(
+    runs: SortedKeys, sharding: RowSharding | JointSharding | HashSharding, fields: Tensor, peers: Peers, wait: bool = True
+) -> IdsSent:
+    """Issue stage 1's all-to-all (:func:`ids_to_owners`; no host read); ``wait=False`` returns while it is in flight.
+
+    Collective: every rank of the group (two or more) must call it, then :meth:`IdsSent.route` on what it returns.
+    """
     start = time.perf_counter()
     group, world_size, width = peers.group, peers.world_size, LookupHeader.WIDTH
     device = runs.sorted.device
@@ -138,49 +210,12 @@ def ids_to_owners(
         rows[:, 1:width] = fields
         rows[:, 1 + LookupHeader.field_index("most")] = counts.max()
         recv = torch.empty(world_size * (width + room), dtype=torch.int64, device=device)
-        num_tables = getattr(sharding, "num_tables", 0)
-        tables = num_tables if num_tables > 1 else 0  # one table: its ids per rank are the counts themselves (below)
+        several = getattr(sharding, "num_tables", 0) > 1  # one table: its ids per rank are the counts themselves
+        device_sent = count_sent_by_table(runs, sharding, owner, local) if several else None
         with collective("all-to-all of lookup ids"):
-            dist.all_to_all_single(recv, send, group=group)
-            recv = recv.view(world_size, width + room)
-            read = [counts, recv[:, :width].reshape(-1)]
-            if tables:
-                device_sent, device_received = (
-                    count_sent_by_table(runs, sharding, owner, local),
-                    count_received_in_room(recv, sharding),
-                )
-                read += [device_sent.reshape(-1), device_received.reshape(-1)]
-            on_host = torch.cat(read).cpu()  # the stage's one host read
-        send_splits = on_host[:world_size].tolist()
-        headers = Headers(on_host[world_size : world_size * (1 + width)].view(world_size, width))
-        if tables:
-            sent_by_table, received_by_table = on_host[world_size * (1 + width) :].view(2, world_size, tables).unbind(0)
-        most = int(headers.column("most").max())
-        _ROOM[group] = _next_room(most)
-        if check is not None:
-            check(headers)
-        runs.finish(sum(send_splits))
-        recv_splits = headers.tensor[:, 0].tolist()
-        received = _segments(
-            recv.view(-1), torch.arange(world_size) * (width + room) + width, headers.tensor[:, 0].clamp(max=room)
-        )
-        if most > room:  # overflow: the ids beyond the room, in a second round
-            received = _overflow(runs, sharding, send_splits, recv_splits, room, received, peers)
-            if tables:  # the room held only some ids: count them all (a second host read, with the second round)
-                device_received = count_received_by_table(received, recv_splits, sharding)
-                received_by_table = device_received.cpu()
-    if peers.stats is not None:
-        sent = world_size * (width + room) * 8
-        peers.stats.bytes_sent += sent * (world_size - 1) // world_size
-        peers.stats.bytes_received += sent * (world_size - 1) // world_size
-        peers.stats.collectives += 1
-        peers.stats.exchange_seconds += time.perf_counter() - start
-    by_table = None
-    if tables:
-        by_table = TableCounts(sent_by_table, received_by_table, device_sent, device_received)
-    elif num_tables == 1:
-        by_table = TableCounts(on_host[:world_size].view(-1, 1), headers.tensor[:, :1], counts.view(-1, 1), recv[:, :1])
-    return Route(on_host[:world_size], headers.tensor[:, 0], received, headers, by_table)
+            work = dist.all_to_all_single(recv, send, group=group, async_op=not wait)
+    return IdsSent(runs, sharding, peers, counts, recv.view(world_size, width + room), room, work, device_sent,
+                   time.perf_counter() - start)  # fmt: skip
 
 
 def _to_itself(
@@ -234,24 +269,15 @@ def _pack(
     return send[: world_size * width]
 
 
-def _segments(flat: Tensor, starts: Tensor, lengths: Tensor) -> Tensor:
-    """``flat[starts[0] : starts[0] + lengths[0]]``, then the next segment, ... as one tensor (one gather).
-
-    ``starts`` and ``lengths`` are host int64 tensors (one per rank: no Python loop over ranks).
-    """
-    total = int(lengths.sum())
-    offsets = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths, output_size=total)
-    index = torch.arange(total) + offsets
-    return flat.index_select(0, index.to(flat.device, non_blocking=True))
-
-
 def _overflow(runs, sharding, send_splits, recv_splits, room, received, peers) -> Tensor:
     """The second round of stage 1: ids beyond the room, then every requester's ids in order."""
     local = sharding.local_of_key(runs.unique)
     starts = split_starts(send_splits)
     extra_send = [max(0, c - room) for c in send_splits]
     extra_recv = [max(0, c - room) for c in recv_splits]
-    extra = _segments(local, torch.tensor(starts[:-1], dtype=torch.int64) + room, torch.tensor(extra_send, dtype=torch.int64))
+    extra = gather_segments(
+        local, torch.tensor(starts[:-1], dtype=torch.int64) + room, torch.tensor(extra_send, dtype=torch.int64)
+    )
     extra = exchange_values(extra, extra_send, extra_recv, peers)
     counts = torch.tensor([[min(c, room) for c in recv_splits], extra_recv], dtype=torch.int64)  # [2, W]
     both = torch.cat([received, extra])  # all the room's ids by source, then all extra ids by source

@@ -188,3 +188,14 @@ def _shifted(starts: Tensor, shift: Tensor, total: int) -> Tensor:
     delta = torch.zeros(total + 1, dtype=shift.dtype, device=shift.device)  # + 1: where trailing empty blocks start
     delta.index_add_(0, starts, change)
     return torch.arange(total, device=starts.device) + torch.cumsum(delta[:total], 0)
+
+
+def gather_segments(flat: Tensor, starts: Tensor, lengths: Tensor) -> Tensor:
+    """``flat[starts[0] : starts[0] + lengths[0]]``, then the next segment, ... as one tensor (one gather).
+
+    ``starts`` and ``lengths`` are host int64 tensors (one per rank: no Python loop over ranks).
+    """
+    total = int(lengths.sum())
+    offsets = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths, output_size=total)
+    index = torch.arange(total) + offsets
+    return flat.index_select(0, index.to(flat.device, non_blocking=True))

@@ -91,3 +91,77 @@ def gather_bags(
                 BLOCK_D=block_d, num_warps=NUM_WARPS, enable_fp_fusion=False,
             )  # fmt: skip
     return out, keys if store else None, sources, scales
+
+
+def torch_gather_bags(
+    features: list[Feature], shards: list[Tensor], shift: int, store: bool
+) -> tuple[list[Tensor], Tensor | None, Tensor | None, Tensor | None] | None:  # fmt: skip
+    """What :func:`gather_bags` computes, by torch ops on CPU tensors: each feature's output, then with ``store`` each id's
+    key, bag (int64) and weight or ``None``; ``None`` if an id is out of range or offsets do not fit (one host read).
+
+    ``shards``: the tables (float32 or float64, read in their own dtype). One gather per feature (``index_select``, or
+    ``F.embedding_bag`` as the engine pools); the ids' check, keys, bags and weights are computed for all features at
+    once. A bag's weight is its id's weight, or ``1 / bag length`` for ``"mean"``, in float32, as the engine's backward
+    scales it (:mod:`lightning_sparse.lookup.pooling`).
+    """
+    import torch.nn.functional as F
+
+    lengths = [len(f.ids) for f in features]
+    ids = features[0].ids if len(features) == 1 else torch.cat([f.ids for f in features])
+    rows = torch.repeat_interleave(torch.tensor([f.rows for f in features]), torch.tensor(lengths), output_size=len(ids))
+    bad = ((ids < 0) | (ids >= rows)).any()
+    jagged = [f for f in features if f.offsets is not None]
+    if jagged:  # each feature's offsets rise from 0 to its number of ids
+        offsets = torch.cat([f.offsets for f in jagged]) if len(jagged) > 1 else jagged[0].offsets
+        ends = torch.tensor([e for f, start in zip(jagged, _starts(jagged)) for e in (start, start + f.num_bags)])
+        steps = offsets[1:] - offsets[:-1]
+        bad = bad | (steps.index_fill_(0, ends[2::2] - 1, 0) < 0).any() | offsets.index_select(0, ends).ne(
+            torch.tensor([e for f in jagged for e in (0, len(f.ids))])).any()  # fmt: skip
+    if bool(bad):
+        return None
+    out = []
+    for f in features:
+        shard, mode = shards[f.table], "mean" if f.mean else "sum"
+        if f.offsets is not None:
+            out.append(
+                F.embedding_bag(f.ids, shard, f.offsets, mode=mode, per_sample_weights=f.weights, include_last_offset=True)
+            )
+        elif f.per_bag == 1 and f.weights is None:  # a bag of one is its row
+            out.append(shard.index_select(0, f.ids))
+        elif f.per_bag == 0:  # bags of no id: zeros
+            out.append(shard.new_zeros(f.num_bags, shard.shape[1]))
+        else:
+            out.append(F.embedding_bag(f.ids.view(-1, f.per_bag), shard, mode=mode, per_sample_weights=f.weights))
+    if not store:
+        return out, None, None, None
+    keys = ids + torch.repeat_interleave(torch.tensor([f.table << shift for f in features]), torch.tensor(lengths),
+                                         output_size=len(ids))  # fmt: skip
+    if (len(shards) << shift) < 2**31:
+        keys = keys.to(torch.int32)
+    bag_lengths = torch.repeat_interleave(
+        torch.tensor([f.per_bag for f in features]), torch.tensor([f.num_bags for f in features])
+    )
+    first_bag = 0
+    for f in features:
+        if f.offsets is not None:
+            bag_lengths[first_bag : first_bag + f.num_bags] = f.offsets[1:] - f.offsets[:-1]
+        first_bag += f.num_bags
+    sources = torch.repeat_interleave(torch.arange(first_bag), bag_lengths, output_size=len(ids))
+    scales = None
+    if any(f.mean or f.weights is not None for f in features):
+        means = torch.repeat_interleave(torch.tensor([f.mean for f in features]), torch.tensor([f.num_bags for f in features]),
+                                        output_size=first_bag)  # fmt: skip
+        scales = torch.where(means, 1 / bag_lengths.clamp(min=1).to(torch.float32), 1.0).index_select(0, sources)
+        for f, start in zip(features, _starts(features, by_ids=True)):
+            if f.weights is not None:
+                scales[start : start + len(f.ids)] = f.weights
+    return out, keys, sources, scales
+
+
+def _starts(features: list[Feature], by_ids: bool = False) -> list[int]:
+    """Where each feature starts: among the features' offsets (each ``num_bags + 1`` long), or among their ids."""
+    starts, at = [], 0
+    for f in features:
+        starts.append(at)
+        at += len(f.ids) if by_ids else f.num_bags + 1
+    return starts

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.kernels import uses_triton
-from lightning_sparse.kernels.bags import Feature, gather_bags, verdict_size
+from lightning_sparse.kernels.bags import Feature, gather_bags, torch_gather_bags, verdict_size
 from lightning_sparse.kernels.host import KeptValues
 from lightning_sparse.kernels.rounding import HALF
 from lightning_sparse.kernels.runs import RuleState, table_entries
@@ -79,12 +79,13 @@ def fits(collection: SparseEmbeddingCollection) -> bool:
     """Whether the collection's rounds can take this path (its tables; each round's input is checked by :func:`read`)."""
     tables = collection.table_list
     first = tables[0]
-    if first.world_size != 1 or first.replicas != 1 or not uses_triton(first.shard):
+    if first.world_size != 1 or first.replicas != 1 or any(t.resolves_ids for t in tables):  # dynamic tables: slots first
         return False
-    if any(t.resolves_ids for t in tables):  # dynamic tables resolve ids to slots first
+    if len({(t.embedding_dim, t.dtype, t.output_dtype or t.dtype, t.device) for t in tables}) != 1:
         return False
-    same = {(t.embedding_dim, t.dtype, t.output_dtype or t.dtype, t.device) for t in tables}
-    return len(same) == 1 and not (first.dtype in HALF and first.stochastic_rounding is not False)
+    if uses_triton(first.shard):
+        return not (first.dtype in HALF and first.stochastic_rounding is not False)
+    return first.device.type == "cpu" and first.dtype == (first.output_dtype or first.dtype) == torch.float32
 
 
 def key_shift(collection: SparseEmbeddingCollection) -> int:
@@ -156,9 +157,11 @@ class _RecordedBags(torch.autograd.Function):
     """Every feature's output (views of one ``[bags, dim]`` tensor); backward hands the bags' gradient to the round's record."""
 
     @staticmethod
-    def forward(ctx: Any, token: Tensor, out: Tensor, record: Any, splits: list[int], shapes: list[tuple]) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, token: Tensor, out: Tensor | list[Tensor], record: Any, splits: list[int], shapes: list[tuple]
+                ) -> tuple[Tensor, ...]:  # fmt: skip
         ctx.record, ctx.splits = record, splits
-        return tuple(piece.view(*shape) for piece, shape in zip(out.split(splits), shapes))
+        pieces = out.split(splits) if isinstance(out, Tensor) else out  # one tensor, or (on a CPU) one per feature
+        return tuple(piece.view(*shape) for piece, shape in zip(pieces, shapes))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, ...]:
@@ -180,6 +183,8 @@ def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str
     read_in = read(collection, features)
     if read_in is None:
         return None
+    if not uses_triton(collection.table_list[0].shard):
+        return _gather_on_cpu(collection, read_in) if read_in else None
     tables, check = collection.table_list, collection.range_check
     first, shift = tables[0], key_shift(collection)
     raise_failed(collection, check.failed(1))
@@ -199,6 +204,24 @@ def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str
     record = collection.pending.new_record(None, keys, bags=Bags(sources, scales, touched))
     token = torch.empty(0, device=first.device, requires_grad=True)
     outputs = _RecordedBags.apply(token, out, record, splits, shapes)
+    return {r.name: output for r, output in zip(read_in, outputs)}
+
+
+def _gather_on_cpu(collection: SparseEmbeddingCollection, read_in: list[ReadFeature]) -> dict[str, Tensor] | None:
+    """The round on a CPU, as :func:`gather_features` (``None`` for bad input: the engine names it, at once)."""
+    tables, recording = collection.table_list, torch.is_grad_enabled()
+    gathered = torch_gather_bags([r.feature for r in read_in], [t.shard for t in tables], key_shift(collection), recording)
+    if gathered is None:
+        return None
+    out, keys, sources, scales = gathered
+    for r in read_in:
+        tables[r.feature.table].stats.ids_looked_up += len(r.feature.ids)
+    if not recording:
+        return {r.name: piece.view(*r.shape) for r, piece in zip(read_in, out)}
+    touched = sorted({r.feature.table for r in read_in if len(r.feature.ids)})
+    record = collection.pending.new_record(None, keys, bags=Bags(sources, scales, touched))
+    token = torch.empty(0, requires_grad=True)
+    outputs = _RecordedBags.apply(token, out, record, [r.feature.num_bags for r in read_in], [r.shape for r in read_in])
     return {r.name: output for r, output in zip(read_in, outputs)}
 
 

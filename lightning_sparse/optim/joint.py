@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels import RuleState, Runs, TableSet, UpdateRule, sort_runs, table_entries, update_rows
+from lightning_sparse.kernels import RuleState, Runs, TableSet, UpdateRule, sort_runs, table_entries, update_rows, uses_triton
 from lightning_sparse.lookup.joint import holders
+from lightning_sparse.optim import joint_cpu
 
 if TYPE_CHECKING:
     from lightning_sparse.lookup.pending import LookupRecord
@@ -94,6 +95,11 @@ def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer
         state = optimizer.state[tables[index].shard]
         if "step" in state:
             state["step"] += 1
+    if not uses_triton(tables[0].shard):  # a CPU: the same sort and sums by torch ops, each table's step count on the host
+        states = [optimizer.state[t.shard] for t in tables]
+        rules = {i: optimizer.rule(states[i], group, int(states[i].get("step", 0))) for i in touched}
+        joint_cpu.update(tables, keys, values, _cat(sources), weights, rules, mean, shift)
+        return
     runs = sort_runs(keys, len(tables) << shift)
     by_bag = _cat(sources).index_select(0, runs.perm)
     sorted_weights = weights.index_select(0, runs.perm) if weights is not None else None

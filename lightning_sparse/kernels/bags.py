@@ -99,24 +99,39 @@ def torch_gather_bags(
     """What :func:`gather_bags` computes, by torch ops on CPU tensors: each feature's output, then with ``store`` each id's
     key, bag (int64) and weight or ``None``; ``None`` if an id is out of range or offsets do not fit (one host read).
 
-    ``shards``: the tables (float32 or float64, read in their own dtype). One gather per feature (``index_select``, or
-    ``F.embedding_bag`` as the engine pools); the ids' check, keys, bags and weights are computed for all features at
-    once. A bag's weight is its id's weight, or ``1 / bag length`` for ``"mean"``, in float32, as the engine's backward
-    scales it (:mod:`lightning_sparse.lookup.pooling`).
+    ``shards``: the float32 tables. One gather per feature (``index_select``, or ``F.embedding_bag`` as the engine
+    pools); the check of the ids and offsets, the keys, bags and weights are computed for all features at once. A bag's
+    weight is its id's weight, or ``1 / bag length`` for ``"mean"``, in float32, as the engine's backward scales it
+    (:mod:`lightning_sparse.lookup.pooling`).
     """
     import torch.nn.functional as F
 
-    lengths = [len(f.ids) for f in features]
+    lengths, num_bags = torch.tensor([len(f.ids) for f in features]), [f.num_bags for f in features]
     ids = features[0].ids if len(features) == 1 else torch.cat([f.ids for f in features])
-    rows = torch.repeat_interleave(torch.tensor([f.rows for f in features]), torch.tensor(lengths), output_size=len(ids))
+    rows = torch.repeat_interleave(torch.tensor([f.rows for f in features]), lengths, output_size=len(ids))
     bad = ((ids < 0) | (ids >= rows)).any()
-    jagged = [f for f in features if f.offsets is not None]
-    if jagged:  # each feature's offsets rise from 0 to its number of ids
-        offsets = torch.cat([f.offsets for f in jagged]) if len(jagged) > 1 else jagged[0].offsets
-        ends = torch.tensor([e for f, start in zip(jagged, _starts(jagged)) for e in (start, start + f.num_bags)])
+    bag_lengths = torch.repeat_interleave(torch.tensor([f.per_bag for f in features] + [0]), torch.tensor(num_bags + [1]))
+    jagged = [(f, sum(num_bags[:i])) for i, f in enumerate(features) if f.offsets is not None]
+    if jagged:  # each feature's offsets rise from 0 to its number of ids; their steps are its bags' lengths
+        offsets = torch.cat([f.offsets for f, _ in jagged]) if len(jagged) > 1 else jagged[0][0].offsets
+        starts = [sum(f.num_bags + 1 for f, _ in jagged[:j]) for j in range(len(jagged))]
+        ends = [e for (f, _), start in zip(jagged, starts) for e in (start, start + f.num_bags)]
         steps = offsets[1:] - offsets[:-1]
-        bad = bad | (steps.index_fill_(0, ends[2::2] - 1, 0) < 0).any() | offsets.index_select(0, ends).ne(
-            torch.tensor([e for f in jagged for e in (0, len(f.ids))])).any()  # fmt: skip
+        bad = (
+            bad
+            | offsets.index_select(0, torch.tensor(ends)).ne(torch.tensor([e for f, _ in jagged for e in (0, len(f.ids))])).any()
+        )
+        # Step k of jagged feature j (from its start) is the length of bag first_bag + k; the steps between two
+        # features go to the spare last entry.
+        shifts = [
+            d
+            for (f, first_bag), start in zip(jagged, starts)
+            for d in (first_bag - start, len(bag_lengths) - 1 - start - f.num_bags)
+        ]
+        repeats = torch.tensor([r for f, _ in jagged for r in (f.num_bags, 1)][:-1])
+        to = torch.arange(len(steps)) + torch.repeat_interleave(torch.tensor(shifts[:-1]), repeats, output_size=len(steps))
+        bag_lengths.index_copy_(0, to, steps)
+        bad = bad | (bag_lengths[:-1] < 0).any()
     if bool(bad):
         return None
     out = []
@@ -134,34 +149,20 @@ def torch_gather_bags(
             out.append(F.embedding_bag(f.ids.view(-1, f.per_bag), shard, mode=mode, per_sample_weights=f.weights))
     if not store:
         return out, None, None, None
-    keys = ids + torch.repeat_interleave(torch.tensor([f.table << shift for f in features]), torch.tensor(lengths),
-                                         output_size=len(ids))  # fmt: skip
+    keys = ids + torch.repeat_interleave(torch.tensor([f.table << shift for f in features]), lengths, output_size=len(ids))
     if (len(shards) << shift) < 2**31:
         keys = keys.to(torch.int32)
-    bag_lengths = torch.repeat_interleave(
-        torch.tensor([f.per_bag for f in features]), torch.tensor([f.num_bags for f in features])
-    )
-    first_bag = 0
-    for f in features:
-        if f.offsets is not None:
-            bag_lengths[first_bag : first_bag + f.num_bags] = f.offsets[1:] - f.offsets[:-1]
-        first_bag += f.num_bags
-    sources = torch.repeat_interleave(torch.arange(first_bag), bag_lengths, output_size=len(ids))
+    bag_lengths = bag_lengths[:-1]
+    sources = torch.repeat_interleave(torch.arange(len(bag_lengths)), bag_lengths, output_size=len(ids))
     scales = None
     if any(f.mean or f.weights is not None for f in features):
-        means = torch.repeat_interleave(torch.tensor([f.mean for f in features]), torch.tensor([f.num_bags for f in features]),
-                                        output_size=first_bag)  # fmt: skip
+        means = torch.repeat_interleave(
+            torch.tensor([f.mean for f in features]), torch.tensor(num_bags), output_size=len(bag_lengths)
+        )
         scales = torch.where(means, 1 / bag_lengths.clamp(min=1).to(torch.float32), 1.0).index_select(0, sources)
-        for f, start in zip(features, _starts(features, by_ids=True)):
+        first_id = 0
+        for f in features:
             if f.weights is not None:
-                scales[start : start + len(f.ids)] = f.weights
+                scales[first_id : first_id + len(f.ids)] = f.weights
+            first_id += len(f.ids)
     return out, keys, sources, scales
-
-
-def _starts(features: list[Feature], by_ids: bool = False) -> list[int]:
-    """Where each feature starts: among the features' offsets (each ``num_bags + 1`` long), or among their ids."""
-    starts, at = [], 0
-    for f in features:
-        starts.append(at)
-        at += len(f.ids) if by_ids else f.num_bags + 1
-    return starts

@@ -208,8 +208,12 @@ def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str
 
 
 def _gather_on_cpu(collection: SparseEmbeddingCollection, read_in: list[ReadFeature]) -> dict[str, Tensor] | None:
-    """The round on a CPU, as :func:`gather_features` (``None`` for bad input: the engine names it, at once)."""
+    """The round on a CPU, as :func:`gather_features` (``None`` for bad input: the engine names it, at once).
+
+    The outputs come in the collection's order of features, as the engine gives them on a CPU.
+    """
     tables, recording = collection.table_list, torch.is_grad_enabled()
+    read_in = sorted(read_in, key=lambda r: r.feature.report_as)
     gathered = torch_gather_bags([r.feature for r in read_in], [t.shard for t in tables], key_shift(collection), recording)
     if gathered is None:
         return None

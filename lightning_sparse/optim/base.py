@@ -34,7 +34,7 @@ from torch.profiler import record_function
 from lightning_sparse.kernels import UpdateRule
 from lightning_sparse.kernels.rounding import HALF, compute_dtype
 from lightning_sparse.kernels.rows import put as rows_put
-from lightning_sparse.optim import checks, fused, joint, row_grads
+from lightning_sparse.optim import checks, fused, joint, joint_cpu, row_grads
 from lightning_sparse.optim.row_grads import TableGrads
 from lightning_sparse.optim.update import update_table
 from lightning_sparse.tables.embedding import SparseEmbedding
@@ -80,6 +80,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         self._tables: dict[Tensor, SparseEmbedding] = {}
         self._fresh_rows: dict[Tensor, dict[str, Tensor]] = {}  # per dynamic table: one initial row of each state
         self.table_sets = fused.KeptTableSets()  # capturable: the TableSet entries kept, their scalars written on the device
+        self.joint_states = joint_cpu.KeptStates()  # a collection's tables' state in one tensor per key, on a CPU
         self.stats = ExchangeStats()
         super().__init__(params, defaults)
 

@@ -97,8 +97,9 @@ def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer
             state["step"] += 1
     if not uses_triton(tables[0].shard):  # a CPU: the same sort and sums by torch ops, each table's step count on the host
         states = [optimizer.state[t.shard] for t in tables]
+        joint = optimizer.joint_states.joined(unit, states)  # first: the rules then read the joined state's views
         rules = {i: optimizer.rule(states[i], group, int(states[i].get("step", 0))) for i in touched}
-        joint_cpu.update(tables, keys, values, _cat(sources), weights, rules, mean, shift)
+        joint_cpu.update(tables, keys, values, _cat(sources), weights, rules, mean, shift, joint)
         return
     runs = sort_runs(keys, len(tables) << shift)
     by_bag = _cat(sources).index_select(0, runs.perm)

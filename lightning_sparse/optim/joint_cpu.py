@@ -13,6 +13,7 @@ per-table path's, op for op: a collection trains bitwise as when its tables step
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -29,10 +30,10 @@ if TYPE_CHECKING:
 
 
 class Tables:
-    """One tensor per table (its rows, or a state tensor), seen as one at the distinct rows of a step, table after table.
+    """The tables' shards seen as one at the distinct rows of a step, table after table: one op per table.
 
     What the functional updates index (``index_select``, ``index_add_``, ``index_copy_`` along dim 0): each table's
-    tensor at its own rows; the ``rows`` argument is ignored (they are this object's).
+    shard at its own rows; the ``rows`` argument (the rows of the joined state) is ignored.
     """
 
     def __init__(self, tensors: list[Tensor], rows: list[Tensor]) -> None:
@@ -52,38 +53,68 @@ class Tables:
             t.index_copy_(0, r, v)
 
 
+class KeptStates:
+    """A collection's tables' per-row optimizer state, one tensor per state key, each table's state a view of it.
+
+    So the rule reads and writes the state of all the tables' rows in one op. Joined at the first joint step (one copy)
+    and kept while the optimizer holds those views; a state loaded anew (``load_state_dict``) is joined again. The
+    optimizer's ``state_dict`` holds the views, which share one storage: saved once, as many tensors.
+    """
+
+    def __init__(self) -> None:
+        self._kept: weakref.WeakKeyDictionary[object, tuple[list[tuple[dict, str, Tensor]], dict[int, Tensor]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def joined(self, unit: object, states: list[dict[str, Tensor]]) -> dict[int, Tensor]:
+        """The tables' per-row state (``states``, in the tables' order) joined: each view's ``id`` -> its joint tensor."""
+        views, joint = self._kept.get(unit, ([], {}))
+        if views and all(state.get(key) is view for state, key, view in views):
+            return joint
+        views, joint = [], {}
+        for key in [k for k, v in states[0].items() if isinstance(v, Tensor) and v.dim() > 0]:
+            whole = torch.cat([state[key] for state in states])
+            for state, view in zip(states, whole.split([len(state[key]) for state in states])):
+                state[key] = view
+                views.append((state, key, view))
+                joint[id(view)] = whole
+        self._kept[unit] = (views, joint)
+        return joint
+
+
 def update(tables: list[SparseEmbedding], keys: Tensor, values: Tensor, sources: Tensor, weights: Tensor | None,
-           rules: dict[int, UpdateRule], mean: bool, shift: int) -> None:  # fmt: skip
-    """Update the tables ``rules`` names (each with its rule: its state, its step's scalars) from the rounds' gradient.
+           rules: dict[int, UpdateRule], mean: bool, shift: int, joint: dict[int, Tensor]) -> None:  # fmt: skip
+    """Update the tables ``rules`` names (each with its rule and its step's scalars) from the rounds' gradient.
 
     Key ``i`` (``table << shift | row``) gets ``values[sources[i]] * weights[i]``; ``mean``: each row's sum is divided
-    by its number of ids. One host read: the number of distinct keys of each table.
+    by its number of ids. ``joint``: the tables' state joined (:meth:`KeptStates.joined`), which the rules read. One
+    host read: the number of distinct keys of each table.
     """
     runs = SortedKeys(keys, len(tables) << shift)
     bounds = torch.arange(len(tables) + 1, dtype=torch.int64) << shift
     below = runs.counts_below(bounds).tolist()  # the host read
-    runs.finish(below[-1])
+    offsets = torch.nonzero_static(runs.is_first, size=below[-1]).view(-1)  # where each distinct key's run starts
+    unique = runs.sorted.index_select(0, offsets).to(torch.int64)
     sizes = [high - low for low, high in zip(below, below[1:])]
-    by_bag = sources.index_select(0, runs.perm)
-    sorted_weights = weights.index_select(0, runs.perm) if weights is not None else None
-    grad = F.embedding_bag(by_bag, values, runs.offsets, mode="sum", per_sample_weights=sorted_weights)
-    if mean:
-        grad = grad / runs.counts().to(grad.dtype).unsqueeze(1)
-    rows = (runs.unique & ((1 << shift) - 1)).split(sizes)
-    stepped = [t for t in sorted(rules) if sizes[t]]
-    for t in stepped:
-        tables[t].stats.unique_ids += sizes[t]
-    if len(stepped) < len(tables):  # tables without rows in the step: no gradient rows to skip
-        grad = torch.cat([piece for t, piece in enumerate(grad.split(sizes)) if t in stepped]) if stepped else grad[:0]
+    stepped = [t for t in range(len(tables)) if sizes[t]]  # the tables of the keys (each in ``rules``)
     if not stepped:
         return
-    at = [rows[t] for t in stepped]
-    first = rules[stepped[0]]
-    state = RuleState(*(Tables([getattr(rules[t].state, name) for t in stepped], at) if getattr(first.state, name) is not None
-                        else None for name in RuleState._fields))  # fmt: skip
-    rule = replace(first, state=state, lr=_per_row([rules[t].lr for t in stepped], at, first.family),
+    by_bag = sources.index_select(0, runs.perm)
+    sorted_weights = weights.index_select(0, runs.perm) if weights is not None else None
+    grad = F.embedding_bag(by_bag, values, offsets, mode="sum", per_sample_weights=sorted_weights)
+    if mean:  # each row's number of ids
+        grad = grad / torch.diff(offsets, append=offsets.new_full((1,), len(keys))).to(grad.dtype).unsqueeze(1)
+    for t in stepped:
+        tables[t].stats.unique_ids += sizes[t]
+    # A key's row in the joined state: its row, after the rows of the tables before its table.
+    before = [sum(len(t.shard) for t in tables[:i]) - (i << shift) for i in range(len(tables))]
+    joint_rows = unique + torch.repeat_interleave(torch.tensor(before), torch.tensor(sizes), output_size=below[-1])
+    rows = (unique & ((1 << shift) - 1)).split(sizes)
+    at, first = [rows[t] for t in stepped], rules[stepped[0]]
+    rule = replace(first, state=RuleState(*(joint[id(v)] if v is not None else None for v in first.state)),
+                   lr=_per_row([rules[t].lr for t in stepped], at, first.family),
                    step_size=_per_row([rules[t].step_size for t in stepped], at, first.family))  # fmt: skip
-    torch_update(rule, Tables([tables[t].shard for t in stepped], at), None, grad, step=0)
+    torch_update(rule, Tables([tables[t].shard for t in stepped], at), joint_rows, grad, step=0)
 
 
 def _per_row(scalars: list[float], rows: list[Tensor], family: str) -> float | Tensor:

@@ -7,6 +7,8 @@ ops of a step grow by less than the tables do.
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from host_reads import HostReads
@@ -98,6 +100,41 @@ def test_features_sharing_a_table_train_as_on_the_per_table_path(also_direct):
     got = _train("SparseAdagrad", dict(lr=0.1), True, "mean", also_direct=also_direct, shared=True)
     for name in expected[0]:
         torch.testing.assert_close(got[0][name], expected[0][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _steps(collection, opt, steps: range) -> None:
+    for step in steps:
+        loss = sum((value - 0.1 * index).pow(2).sum() for index, value in enumerate(collection(_features(step)).values()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_joint_cpu_run_saved_and_loaded_goes_on_bitwise():
+    """The joined state is the optimizer's (views of one tensor per key): its state_dict saves each byte once, and a
+    loaded state, new tensors, is joined again at the next step."""
+    collection = _collection()
+    opt = ls.SparseAdam([collection], lr=0.01)
+    _steps(collection, opt, range(4))
+    resumed = _collection()
+    resumed_opt = ls.SparseAdam([resumed], lr=0.01)
+    saved = _collection()
+    saved_opt = ls.SparseAdam([saved], lr=0.01)
+    _steps(saved, saved_opt, range(2))
+    buffer = io.BytesIO()
+    torch.save({"tables": saved.state_dict(), "optimizer": saved_opt.state_dict()}, buffer)
+    state_bytes = sum(v.nelement() * v.element_size() for s in saved_opt.state.values() for v in s.values())
+    table_bytes = sum(t.shard.nelement() * t.shard.element_size() for t in saved.table_list)
+    assert len(buffer.getvalue()) < 1.2 * (state_bytes + table_bytes) + 100_000
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    resumed.load_state_dict(loaded["tables"])
+    resumed_opt.load_state_dict(loaded["optimizer"])
+    _steps(resumed, resumed_opt, range(2, 4))
+    for expected, got in zip(collection.table_list, resumed.table_list):
+        assert torch.equal(expected.shard, got.shard), expected.name
+        for key, value in opt.state[expected.shard].items():
+            assert torch.equal(value, resumed_opt.state[got.shard][key]), (expected.name, key)
 
 
 @pytest.mark.parametrize("offsets", [[0, 5, 3, 7], [1, 3, 3, 7], [0, 3, 3, 6]])

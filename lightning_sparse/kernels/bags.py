@@ -13,6 +13,7 @@ checks ids and offsets on the device into ``verdict`` (``[2 + 3 * features]``: s
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -111,7 +112,9 @@ def torch_gather_bags(
     rows = torch.repeat_interleave(torch.tensor([f.rows for f in features]), lengths, output_size=len(ids))
     bad = ((ids < 0) | (ids >= rows)).any()
     bag_lengths = torch.repeat_interleave(torch.tensor([f.per_bag for f in features] + [0]), torch.tensor(num_bags + [1]))
-    jagged = [(f, sum(num_bags[:i])) for i, f in enumerate(features) if f.offsets is not None]
+    jagged = [
+        (f, first_bag) for f, first_bag in zip(features, itertools.accumulate(num_bags, initial=0)) if f.offsets is not None
+    ]
     if jagged:  # each feature's offsets rise from 0 to its number of ids; their steps are its bags' lengths
         offsets = torch.cat([f.offsets for f, _ in jagged]) if len(jagged) > 1 else jagged[0][0].offsets
         starts = [sum(f.num_bags + 1 for f, _ in jagged[:j]) for j in range(len(jagged))]

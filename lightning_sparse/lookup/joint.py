@@ -1,4 +1,4 @@
-"""One rank, many tables, on a GPU: every feature of a collection in one kernel, one record, one fused update.
+"""One rank, many tables: every feature of a collection in one kernel (on a CPU, one gather each), one record, one update.
 
 A collection's lookup on one GPU reads all its features at once (:func:`lightning_sparse.kernels.bags.gather_bags`:
 ids or bags, sum or mean, from every table), and records one gradient for the whole round: each
@@ -14,6 +14,11 @@ dtype on one GPU (or Triton's interpreter), and every feature is well-formed as 
 any other round goes through the lookup engine (:mod:`lightning_sparse.lookup.engine`), which names the
 problem. Ids out of range and offsets that do not fit are found on the device and raised as
 for one table (:mod:`lightning_sparse.lookup.range_check`): at the next step or lookup of the collection.
+
+On a CPU (float32 tables) the same round runs by torch ops (:func:`~lightning_sparse.kernels.bags.torch_gather_bags`):
+one ``index_select`` or ``F.embedding_bag`` per feature, the check and the record for all features at once; input
+that does not fit goes to the engine at once, which raises naming it, as on a CPU it always has. Its step:
+:mod:`lightning_sparse.optim.joint_cpu`.
 """
 
 from __future__ import annotations
@@ -76,7 +81,11 @@ def holders(table: ShardedTable) -> list[SparseEmbeddingCollection]:
 
 
 def fits(collection: SparseEmbeddingCollection) -> bool:
-    """Whether the collection's rounds can take this path (its tables; each round's input is checked by :func:`read`)."""
+    """Whether the collection's rounds can take this path (its tables; each round's input is checked by :func:`read`).
+
+    One rank, no dynamic table, one dim, dtype and output dtype; with Triton no stochastically rounded half table, on a
+    CPU float32 only (the per-table path's arithmetic, op for op, is float32's there).
+    """
     tables = collection.table_list
     first = tables[0]
     if first.world_size != 1 or first.replicas != 1 or any(t.resolves_ids for t in tables):  # dynamic tables: slots first
@@ -255,7 +264,7 @@ def raise_failed(collection: SparseEmbeddingCollection, failed: list[int] | None
 
 
 class Joint:
-    """A collection's lookups on one GPU (the path a collection that :func:`fits` takes): every feature in one kernel.
+    """A collection's lookups in one process (the path a collection that :func:`fits` takes): every feature at once.
 
     A round whose input the kernel cannot judge (see :func:`read`) goes through the engine's
     round instead (``fallback``), which names the problem.

@@ -7,6 +7,7 @@ with a :class:`~lightning_sparse.kernels.runs.TableSet`): each table with its ow
 learning rate, its own state and unique-id counter. A round the fused launch cannot take (a table
 of the collection with gradients of its own, tables in several optimizers or param groups) is
 split into each table's gradient rows first (one host read), and the tables step as usual.
+On a CPU the same sort and sums run by torch ops (:mod:`lightning_sparse.optim.joint_cpu`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ per-table path's, op for op: a collection trains bitwise as when its tables step
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -107,7 +108,8 @@ def update(tables: list[SparseEmbedding], keys: Tensor, values: Tensor, sources:
     for t in stepped:
         tables[t].stats.unique_ids += sizes[t]
     # A key's row in the joined state: its row, after the rows of the tables before its table.
-    before = [sum(len(t.shard) for t in tables[:i]) - (i << shift) for i in range(len(tables))]
+    before = list(itertools.accumulate((len(t.shard) for t in tables[:-1]), initial=0))
+    before = [rows_before - (i << shift) for i, rows_before in enumerate(before)]
     joint_rows = unique + torch.repeat_interleave(torch.tensor(before), torch.tensor(sizes), output_size=below[-1])
     rows = (unique & ((1 << shift) - 1)).split(sizes)
     at, first = [rows[t] for t in stepped], rules[stepped[0]]

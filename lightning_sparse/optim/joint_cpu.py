@@ -63,21 +63,21 @@ class KeptStates:
     """
 
     def __init__(self) -> None:
-        self._kept: weakref.WeakKeyDictionary[object, tuple[list[tuple[dict, str, Tensor]], dict[int, Tensor]]] = (
+        self._kept: weakref.WeakKeyDictionary[object, tuple[list[tuple[int, str, Tensor]], dict[int, Tensor]]] = (
             weakref.WeakKeyDictionary()
         )
 
     def joined(self, unit: object, states: list[dict[str, Tensor]]) -> dict[int, Tensor]:
         """The tables' per-row state (``states``, in the tables' order) joined: each view's ``id`` -> its joint tensor."""
         views, joint = self._kept.get(unit, ([], {}))
-        if views and all(state.get(key) is view for state, key, view in views):
+        if views and all(index < len(states) and states[index].get(key) is view for index, key, view in views):
             return joint
         views, joint = [], {}
         for key in [k for k, v in states[0].items() if isinstance(v, Tensor) and v.dim() > 0]:
             whole = torch.cat([state[key] for state in states])
-            for state, view in zip(states, whole.split([len(state[key]) for state in states])):
+            for index, (state, view) in enumerate(zip(states, whole.split([len(state[key]) for state in states]))):
                 state[key] = view
-                views.append((state, key, view))
+                views.append((index, key, view))
                 joint[id(view)] = whole
         self._kept[unit] = (views, joint)
         return joint

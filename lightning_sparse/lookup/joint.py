@@ -159,7 +159,9 @@ def _offsets(jagged: JaggedIds, device: torch.device) -> Tensor | None:
         return None
     if jagged.offsets is not None:
         return None if len(structure) == 0 else structure.to(torch.int64).contiguous()
-    return torch.cat([structure.new_zeros(1, dtype=torch.int64), torch.cumsum(structure, 0)])
+    offsets = structure.new_zeros(len(structure) + 1, dtype=torch.int64)
+    torch.cumsum(structure, 0, dtype=torch.int64, out=offsets[1:])
+    return offsets
 
 
 class _RecordedBags(torch.autograd.Function):

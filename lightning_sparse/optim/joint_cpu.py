@@ -92,7 +92,7 @@ def update(tables: list[SparseEmbedding], keys: Tensor, values: Tensor, sources:
     host read: the number of distinct keys of each table.
     """
     runs = SortedKeys(keys, len(tables) << shift)
-    bounds = torch.arange(len(tables) + 1, dtype=torch.int64) << shift
+    bounds = torch.tensor([t << shift for t in range(len(tables) + 1)], dtype=runs.sorted.dtype)  # (it fits: the sort's)
     below = runs.counts_below(bounds).tolist()  # the host read
     offsets = torch.nonzero_static(runs.is_first, size=below[-1]).view(-1)  # where each distinct key's run starts
     unique = runs.sorted.index_select(0, offsets).to(torch.int64)

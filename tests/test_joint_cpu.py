@@ -138,6 +138,32 @@ def test_a_joint_cpu_run_saved_and_loaded_goes_on_bitwise():
             assert torch.equal(value, resumed_opt.state[got.shard][key]), (expected.name, key)
 
 
+def _late_and_missing_gradients(joint: bool) -> tuple:
+    """A lookup without backward, a late gradient (after a step and a later lookup): what each table's step counts."""
+    collection = _collection()
+    opt = ls.SparseAdam([collection], lr=0.01, bias_correction="global")
+    collection.materialize()
+    if not joint:
+        collection.lookups = Round(collection)
+    out_a = collection({"ids": torch.tensor([1, 2]), "bags": ls.JaggedIds(torch.tensor([3, 4, 5]), lengths=torch.tensor([1, 2]))})
+    opt.step()
+    out_b = collection({"ids": torch.tensor([2, 7]), "means": torch.tensor([[1, 2]])})
+    sum(v.sum() for v in out_a.values()).backward()
+    sum(v.sum() for v in out_b.values()).backward()
+    opt.step()
+    collection({"grid": torch.tensor([[1, 2]])})  # no backward
+    opt.step()
+    opt.step()
+    return [t.shard.clone() for t in collection.table_list], [int(opt.state[t.shard]["step"]) for t in collection.table_list]
+
+
+def test_a_joint_cpu_step_counts_the_steps_as_the_per_table_path():
+    """A table's step counts the steps after a lookup of it or with a gradient for it, with a backward or not."""
+    (expected, expected_steps), (got, got_steps) = _late_and_missing_gradients(False), _late_and_missing_gradients(True)
+    assert got_steps == expected_steps == [2, 2, 1, 0, 1, 0, 0]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 @pytest.mark.parametrize("offsets", [[0, 5, 3, 7], [1, 3, 3, 7], [0, 3, 3, 6]])
 def test_bad_input_of_a_joint_cpu_round_raises_at_the_lookup_naming_the_feature(offsets):
     """Found for all features at once; the engine's round then names the feature (falling, rising or short offsets)."""

@@ -235,6 +235,8 @@ def _gather_on_cpu(collection: SparseEmbeddingCollection, read_in: list[ReadFeat
         return {r.name: piece.view(*r.shape) for r, piece in zip(read_in, out)}
     touched = sorted({r.feature.table for r in read_in if len(r.feature.ids)})
     record = collection.pending.new_record(None, keys, bags=Bags(sources, scales, touched))
+    for t in {r.feature.table for r in read_in}:  # each table's step counts it, as for the engine's round
+        tables[t].pending.note_lookup()
     token = torch.empty(0, requires_grad=True)
     outputs = _RecordedBags.apply(token, out, record, [r.feature.num_bags for r in read_in], [r.shape for r in read_in])
     return {r.name: output for r, output in zip(read_in, outputs)}

@@ -183,14 +183,16 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         checks.raise_if_ids_were_out_of_range(tables, [unit for unit, _ in rounds])
         start = time.perf_counter()
         with record_function("lightning_sparse.update"):
+            counted = set()  # (a CPU's joint round notes its tables' lookups, so they may be touched below too)
             for unit, records in rounds:
                 group = self.group_of(unit.table_list[0].shard)
-                joint.step(unit, records, self, group["duplicate_grads"] == "mean", group.get("check_finite", False))
+                shards = joint.step(unit, records, self, group["duplicate_grads"] == "mean", group.get("check_finite", False))
+                counted.update(id(shard) for shard in shards)
             for (group, p), table_grads in zip(entries, grads):
                 if not table_grads.touched:
                     continue
                 state = self.state[p]
-                if "step" in state:
+                if "step" in state and id(p) not in counted:
                     state["step"] += 1
                 if len(table_grads.rows):
                     self._apply(self._tables[p], state, group, table_grads)

@@ -71,8 +71,12 @@ def in_one_launch(unit: SparseEmbeddingCollection, optimizer: Any) -> bool:
     return len({id(optimizer.group_of(s)) for s in shards}) == 1
 
 
-def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer: Any, mean: bool, check_finite: bool) -> None:
-    """Update the collection's tables in one launch with the rounds ``records`` taken from it (after :func:`in_one_launch`)."""
+def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer: Any, mean: bool, check_finite: bool
+         ) -> list[Tensor]:  # fmt: skip
+    """Update the collection's tables in one launch with the rounds ``records`` taken from it (after :func:`in_one_launch`).
+
+    Returns the shards of the tables whose step it counted (the optimizer's loop over its tables does not count them again).
+    """
     from lightning_sparse.lookup.joint import key_shift
 
     tables, shift = unit.table_list, key_shift(unit)
@@ -91,7 +95,7 @@ def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer
     group = optimizer.group_of(tables[0].shard)
     touched = sorted({i for r in records for i in r.tables})
     if not touched:
-        return
+        return []
     for index in touched:
         state = optimizer.state[tables[index].shard]
         if "step" in state:
@@ -101,13 +105,14 @@ def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer
         joint = optimizer.joint_states.joined(unit, states)  # first: the rules then read the joined state's views
         rules = {i: optimizer.rule(states[i], group, int(states[i].get("step", 0))) for i in touched}
         joint_cpu.update(tables, keys, values, _cat(sources), weights, rules, mean, shift, joint)
-        return
-    runs = sort_runs(keys, len(tables) << shift)
-    by_bag = _cat(sources).index_select(0, runs.perm)
-    sorted_weights = weights.index_select(0, runs.perm) if weights is not None else None
-    table_set, rule = _table_set(unit, optimizer, group, touched, shift)
-    update_rows(Runs(runs.keys, by_bag), values, table_set, rule, weights=sorted_weights, mean=mean,
-                verdict=unit.range_check.device_verdict)  # fmt: skip
+    else:
+        runs = sort_runs(keys, len(tables) << shift)
+        by_bag = _cat(sources).index_select(0, runs.perm)
+        sorted_weights = weights.index_select(0, runs.perm) if weights is not None else None
+        table_set, rule = _table_set(unit, optimizer, group, touched, shift)
+        update_rows(Runs(runs.keys, by_bag), values, table_set, rule, weights=sorted_weights, mean=mean,
+                    verdict=unit.range_check.device_verdict)  # fmt: skip
+    return [tables[index].shard for index in touched]
 
 
 def _table_set(unit: SparseEmbeddingCollection, optimizer: Any, group: dict[str, Any], touched: list[int], shift: int

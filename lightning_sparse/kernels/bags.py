@@ -13,6 +13,7 @@ checks ids and offsets on the device into ``verdict`` (``[2 + 3 * features]``: s
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -91,3 +92,80 @@ def gather_bags(
                 BLOCK_D=block_d, num_warps=NUM_WARPS, enable_fp_fusion=False,
             )  # fmt: skip
     return out, keys if store else None, sources, scales
+
+
+def torch_gather_bags(
+    features: list[Feature], shards: list[Tensor], shift: int, store: bool
+) -> tuple[list[Tensor], Tensor | None, Tensor | None, Tensor | None] | None:  # fmt: skip
+    """What :func:`gather_bags` computes, by torch ops on CPU tensors: each feature's output, then with ``store`` each id's
+    key, bag (int64) and weight or ``None``; ``None`` if an id is out of range or offsets do not fit (one host read).
+
+    ``shards``: the float32 tables. One gather per feature (``index_select``, or ``F.embedding_bag`` as the engine
+    pools); the check of the ids and offsets, the keys, bags and weights are computed for all features at once. A bag's
+    weight is its id's weight, or ``1 / bag length`` for ``"mean"``, in float32, as the engine's backward scales it
+    (:mod:`lightning_sparse.lookup.pooling`).
+    """
+    import torch.nn.functional as F
+
+    lengths, num_bags = torch.tensor([len(f.ids) for f in features]), [f.num_bags for f in features]
+    ids = features[0].ids if len(features) == 1 else torch.cat([f.ids for f in features])
+    rows = torch.repeat_interleave(torch.tensor([f.rows for f in features]), lengths, output_size=len(ids))
+    bad = ((ids < 0) | (ids >= rows)).any()
+    bag_lengths = torch.repeat_interleave(torch.tensor([f.per_bag for f in features] + [0]), torch.tensor(num_bags + [1]))
+    jagged = [
+        (f, first_bag) for f, first_bag in zip(features, itertools.accumulate(num_bags, initial=0)) if f.offsets is not None
+    ]
+    if jagged:  # each feature's offsets rise from 0 to its number of ids; their steps are its bags' lengths
+        offsets = torch.cat([f.offsets for f, _ in jagged]) if len(jagged) > 1 else jagged[0][0].offsets
+        starts = [sum(f.num_bags + 1 for f, _ in jagged[:j]) for j in range(len(jagged))]
+        ends = [e for (f, _), start in zip(jagged, starts) for e in (start, start + f.num_bags)]
+        steps = offsets[1:] - offsets[:-1]
+        bad = (
+            bad
+            | offsets.index_select(0, torch.tensor(ends)).ne(torch.tensor([e for f, _ in jagged for e in (0, len(f.ids))])).any()
+        )
+        # Step k of jagged feature j (from its start) is the length of bag first_bag + k; the steps between two
+        # features go to the spare last entry.
+        shifts = [
+            d
+            for (f, first_bag), start in zip(jagged, starts)
+            for d in (first_bag - start, len(bag_lengths) - 1 - start - f.num_bags)
+        ]
+        repeats = torch.tensor([r for f, _ in jagged for r in (f.num_bags, 1)][:-1])
+        to = torch.arange(len(steps)) + torch.repeat_interleave(torch.tensor(shifts[:-1]), repeats, output_size=len(steps))
+        bag_lengths.index_copy_(0, to, steps)
+        bad = bad | (bag_lengths[:-1] < 0).any()
+    if bool(bad):
+        return None
+    out = []
+    for f in features:
+        shard, mode = shards[f.table], "mean" if f.mean else "sum"
+        if f.offsets is not None:
+            out.append(
+                F.embedding_bag(f.ids, shard, f.offsets, mode=mode, per_sample_weights=f.weights, include_last_offset=True)
+            )
+        elif f.per_bag == 1 and f.weights is None:  # a bag of one is its row
+            out.append(shard.index_select(0, f.ids))
+        elif f.per_bag == 0:  # bags of no id: zeros
+            out.append(shard.new_zeros(f.num_bags, shard.shape[1]))
+        else:
+            out.append(F.embedding_bag(f.ids.view(-1, f.per_bag), shard, mode=mode, per_sample_weights=f.weights))
+    if not store:
+        return out, None, None, None
+    keys = ids + torch.repeat_interleave(torch.tensor([f.table << shift for f in features]), lengths, output_size=len(ids))
+    if (len(shards) << shift) < 2**31:
+        keys = keys.to(torch.int32)
+    bag_lengths = bag_lengths[:-1]
+    sources = torch.repeat_interleave(torch.arange(len(bag_lengths)), bag_lengths, output_size=len(ids))
+    scales = None
+    if any(f.mean or f.weights is not None for f in features):
+        means = torch.repeat_interleave(
+            torch.tensor([f.mean for f in features]), torch.tensor(num_bags), output_size=len(bag_lengths)
+        )
+        scales = torch.where(means, 1 / bag_lengths.clamp(min=1).to(torch.float32), 1.0).index_select(0, sources)
+        first_id = 0
+        for f in features:
+            if f.weights is not None:
+                scales[first_id : first_id + len(f.ids)] = f.weights
+            first_id += len(f.ids)
+    return out, keys, sources, scales

@@ -1,4 +1,4 @@
-"""One rank, many tables, on a GPU: every feature of a collection in one kernel, one record, one fused update.
+"""One rank, many tables: every feature of a collection in one kernel (on a CPU, one gather each), one record, one update.
 
 A collection's lookup on one GPU reads all its features at once (:func:`lightning_sparse.kernels.bags.gather_bags`:
 ids or bags, sum or mean, from every table), and records one gradient for the whole round: each
@@ -14,6 +14,11 @@ dtype on one GPU (or Triton's interpreter), and every feature is well-formed as 
 any other round goes through the lookup engine (:mod:`lightning_sparse.lookup.engine`), which names the
 problem. Ids out of range and offsets that do not fit are found on the device and raised as
 for one table (:mod:`lightning_sparse.lookup.range_check`): at the next step or lookup of the collection.
+
+On a CPU (float32 tables) the same round runs by torch ops (:func:`~lightning_sparse.kernels.bags.torch_gather_bags`):
+one ``index_select`` or ``F.embedding_bag`` per feature, the check and the record for all features at once; input
+that does not fit goes to the engine at once, which raises naming it, as on a CPU it always has. Its step:
+:mod:`lightning_sparse.optim.joint_cpu`.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.kernels import uses_triton
-from lightning_sparse.kernels.bags import Feature, gather_bags, verdict_size
+from lightning_sparse.kernels.bags import Feature, gather_bags, torch_gather_bags, verdict_size
 from lightning_sparse.kernels.host import KeptValues
 from lightning_sparse.kernels.rounding import HALF
 from lightning_sparse.kernels.runs import RuleState, table_entries
@@ -76,15 +81,20 @@ def holders(table: ShardedTable) -> list[SparseEmbeddingCollection]:
 
 
 def fits(collection: SparseEmbeddingCollection) -> bool:
-    """Whether the collection's rounds can take this path (its tables; each round's input is checked by :func:`read`)."""
+    """Whether the collection's rounds can take this path (its tables; each round's input is checked by :func:`read`).
+
+    One rank, no dynamic table, one dim, dtype and output dtype; with Triton no stochastically rounded half table, on a
+    CPU float32 only (the per-table path's arithmetic, op for op, is float32's there).
+    """
     tables = collection.table_list
     first = tables[0]
-    if first.world_size != 1 or first.replicas != 1 or not uses_triton(first.shard):
+    if first.world_size != 1 or first.replicas != 1 or any(t.resolves_ids for t in tables):  # dynamic tables: slots first
         return False
-    if any(t.resolves_ids for t in tables):  # dynamic tables resolve ids to slots first
+    if len({(t.embedding_dim, t.dtype, t.output_dtype or t.dtype, t.device) for t in tables}) != 1:
         return False
-    same = {(t.embedding_dim, t.dtype, t.output_dtype or t.dtype, t.device) for t in tables}
-    return len(same) == 1 and not (first.dtype in HALF and first.stochastic_rounding is not False)
+    if uses_triton(first.shard):
+        return not (first.dtype in HALF and first.stochastic_rounding is not False)
+    return first.device.type == "cpu" and first.dtype == (first.output_dtype or first.dtype) == torch.float32
 
 
 def key_shift(collection: SparseEmbeddingCollection) -> int:
@@ -149,16 +159,20 @@ def _offsets(jagged: JaggedIds, device: torch.device) -> Tensor | None:
         return None
     if jagged.offsets is not None:
         return None if len(structure) == 0 else structure.to(torch.int64).contiguous()
-    return torch.cat([structure.new_zeros(1, dtype=torch.int64), torch.cumsum(structure, 0)])
+    offsets = structure.new_zeros(len(structure) + 1, dtype=torch.int64)
+    torch.cumsum(structure, 0, dtype=torch.int64, out=offsets[1:])
+    return offsets
 
 
 class _RecordedBags(torch.autograd.Function):
     """Every feature's output (views of one ``[bags, dim]`` tensor); backward hands the bags' gradient to the round's record."""
 
     @staticmethod
-    def forward(ctx: Any, token: Tensor, out: Tensor, record: Any, splits: list[int], shapes: list[tuple]) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, token: Tensor, out: Tensor | list[Tensor], record: Any, splits: list[int], shapes: list[tuple]
+                ) -> tuple[Tensor, ...]:  # fmt: skip
         ctx.record, ctx.splits = record, splits
-        return tuple(piece.view(*shape) for piece, shape in zip(out.split(splits), shapes))
+        pieces = out.split(splits) if isinstance(out, Tensor) else out  # one tensor, or (on a CPU) one per feature
+        return tuple(piece.view(*shape) for piece, shape in zip(pieces, shapes))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, ...]:
@@ -180,6 +194,8 @@ def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str
     read_in = read(collection, features)
     if read_in is None:
         return None
+    if not uses_triton(collection.table_list[0].shard):
+        return _gather_on_cpu(collection, read_in) if read_in else None
     tables, check = collection.table_list, collection.range_check
     first, shift = tables[0], key_shift(collection)
     raise_failed(collection, check.failed(1))
@@ -199,6 +215,30 @@ def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str
     record = collection.pending.new_record(None, keys, bags=Bags(sources, scales, touched))
     token = torch.empty(0, device=first.device, requires_grad=True)
     outputs = _RecordedBags.apply(token, out, record, splits, shapes)
+    return {r.name: output for r, output in zip(read_in, outputs)}
+
+
+def _gather_on_cpu(collection: SparseEmbeddingCollection, read_in: list[ReadFeature]) -> dict[str, Tensor] | None:
+    """The round on a CPU, as :func:`gather_features` (``None`` for bad input: the engine names it, at once).
+
+    The outputs come in the collection's order of features, as the engine gives them on a CPU.
+    """
+    tables, recording = collection.table_list, torch.is_grad_enabled()
+    read_in = sorted(read_in, key=lambda r: r.feature.report_as)
+    gathered = torch_gather_bags([r.feature for r in read_in], [t.shard for t in tables], key_shift(collection), recording)
+    if gathered is None:
+        return None
+    out, keys, sources, scales = gathered
+    for r in read_in:
+        tables[r.feature.table].stats.ids_looked_up += len(r.feature.ids)
+    if not recording:
+        return {r.name: piece.view(*r.shape) for r, piece in zip(read_in, out)}
+    touched = sorted({r.feature.table for r in read_in if len(r.feature.ids)})
+    record = collection.pending.new_record(None, keys, bags=Bags(sources, scales, touched))
+    for t in {r.feature.table for r in read_in}:  # each table's step counts it, as for the engine's round
+        tables[t].pending.note_lookup()
+    token = torch.empty(0, requires_grad=True)
+    outputs = _RecordedBags.apply(token, out, record, [r.feature.num_bags for r in read_in], [r.shape for r in read_in])
     return {r.name: output for r, output in zip(read_in, outputs)}
 
 
@@ -228,7 +268,7 @@ def raise_failed(collection: SparseEmbeddingCollection, failed: list[int] | None
 
 
 class Joint:
-    """A collection's lookups on one GPU (the path a collection that :func:`fits` takes): every feature in one kernel.
+    """A collection's lookups in one process (the path a collection that :func:`fits` takes): every feature at once.
 
     A round whose input the kernel cannot judge (see :func:`read`) goes through the engine's
     round instead (``fallback``), which names the problem.

@@ -133,6 +133,10 @@ class PendingGrads:
         self.recorded += 1
         return LookupRecord(self, route, keys, occurrences, bags)
 
+    def note_lookup(self) -> None:
+        """Count a lookup of the table that its collection recorded (a joint round on a CPU): the next step counts for it."""
+        self.recorded += 1
+
     @property
     def empty(self) -> bool:
         """Whether nothing waits for the next step: no lookup recorded and no gradient received since the last one.

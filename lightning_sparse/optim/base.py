@@ -34,7 +34,7 @@ from torch.profiler import record_function
 from lightning_sparse.kernels import UpdateRule
 from lightning_sparse.kernels.rounding import HALF, compute_dtype
 from lightning_sparse.kernels.rows import put as rows_put
-from lightning_sparse.optim import checks, fused, joint, row_grads
+from lightning_sparse.optim import checks, fused, joint, joint_cpu, row_grads
 from lightning_sparse.optim.row_grads import TableGrads
 from lightning_sparse.optim.update import update_table
 from lightning_sparse.tables.embedding import SparseEmbedding
@@ -80,6 +80,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         self._tables: dict[Tensor, SparseEmbedding] = {}
         self._fresh_rows: dict[Tensor, dict[str, Tensor]] = {}  # per dynamic table: one initial row of each state
         self.table_sets = fused.KeptTableSets()  # capturable: the TableSet entries kept, their scalars written on the device
+        self.joint_states = joint_cpu.KeptStates()  # a collection's tables' state in one tensor per key, on a CPU
         self.stats = ExchangeStats()
         super().__init__(params, defaults)
 
@@ -182,14 +183,16 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         checks.raise_if_ids_were_out_of_range(tables, [unit for unit, _ in rounds])
         start = time.perf_counter()
         with record_function("lightning_sparse.update"):
+            counted = set()  # (a CPU's joint round notes its tables' lookups, so they may be touched below too)
             for unit, records in rounds:
                 group = self.group_of(unit.table_list[0].shard)
-                joint.step(unit, records, self, group["duplicate_grads"] == "mean", group.get("check_finite", False))
+                shards = joint.step(unit, records, self, group["duplicate_grads"] == "mean", group.get("check_finite", False))
+                counted.update(id(shard) for shard in shards)
             for (group, p), table_grads in zip(entries, grads):
                 if not table_grads.touched:
                     continue
                 state = self.state[p]
-                if "step" in state:
+                if "step" in state and id(p) not in counted:
                     state["step"] += 1
                 if len(table_grads.rows):
                     self._apply(self._tables[p], state, group, table_grads)

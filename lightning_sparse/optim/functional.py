@@ -93,6 +93,7 @@ def adam_(
     weight_decay: float,
     decoupled_weight_decay: bool,
     write: RowWriter | None = None,
+    step_size: float | Tensor | None = None,
 ) -> None:
     """Lazy Adam on the touched rows.
 
@@ -100,7 +101,8 @@ def adam_(
     ``row -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``) or a tensor of per-row
     counts (DGL's ``row -= lr * m_hat / (sqrt(v_hat) + eps)`` with each row's own ``t``).
     ``weight_decay`` is L2 added to the gradient, or with ``decoupled_weight_decay`` AdamW's
-    ``row *= 1 - lr * weight_decay``.
+    ``row *= 1 - lr * weight_decay``. ``step_size``: the global correction's step size if known (one per row: ``[rows, 1]``,
+    for rows of tables at different steps), else computed from ``step``.
     """
     values = _gather(param, rows, bool(weight_decay))
     if values is not None and decoupled_weight_decay:
@@ -116,7 +118,9 @@ def adam_(
         denom = v.div_(1 - torch.pow(beta2, t)).sqrt_().add_(eps).mul_(1 - torch.pow(beta1, t))
         delta = m.div_(denom).mul_(-lr)
     else:
-        delta = m.div_(v.sqrt_().add_(eps)).mul_(-adam_step_size(lr, beta1, beta2, step))
+        delta = m.div_(v.sqrt_().add_(eps)).mul_(
+            -(step_size if step_size is not None else adam_step_size(lr, beta1, beta2, step))
+        )
     _apply(param, rows, delta, values, write)
 
 

@@ -7,6 +7,7 @@ with a :class:`~lightning_sparse.kernels.runs.TableSet`): each table with its ow
 learning rate, its own state and unique-id counter. A round the fused launch cannot take (a table
 of the collection with gradients of its own, tables in several optimizers or param groups) is
 split into each table's gradient rows first (one host read), and the tables step as usual.
+On a CPU the same sort and sums run by torch ops (:mod:`lightning_sparse.optim.joint_cpu`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels import RuleState, Runs, TableSet, UpdateRule, sort_runs, table_entries, update_rows
+from lightning_sparse.kernels import RuleState, Runs, TableSet, UpdateRule, sort_runs, table_entries, update_rows, uses_triton
 from lightning_sparse.lookup.joint import holders
+from lightning_sparse.optim import joint_cpu
 
 if TYPE_CHECKING:
     from lightning_sparse.lookup.pending import LookupRecord
@@ -69,8 +71,12 @@ def in_one_launch(unit: SparseEmbeddingCollection, optimizer: Any) -> bool:
     return len({id(optimizer.group_of(s)) for s in shards}) == 1
 
 
-def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer: Any, mean: bool, check_finite: bool) -> None:
-    """Update the collection's tables in one launch with the rounds ``records`` taken from it (after :func:`in_one_launch`)."""
+def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer: Any, mean: bool, check_finite: bool
+         ) -> list[Tensor]:  # fmt: skip
+    """Update the collection's tables in one launch with the rounds ``records`` taken from it (after :func:`in_one_launch`).
+
+    Returns the shards of the tables whose step it counted (the optimizer's loop over its tables does not count them again).
+    """
     from lightning_sparse.lookup.joint import key_shift
 
     tables, shift = unit.table_list, key_shift(unit)
@@ -89,17 +95,24 @@ def step(unit: SparseEmbeddingCollection, records: list[LookupRecord], optimizer
     group = optimizer.group_of(tables[0].shard)
     touched = sorted({i for r in records for i in r.tables})
     if not touched:
-        return
+        return []
     for index in touched:
         state = optimizer.state[tables[index].shard]
         if "step" in state:
             state["step"] += 1
-    runs = sort_runs(keys, len(tables) << shift)
-    by_bag = _cat(sources).index_select(0, runs.perm)
-    sorted_weights = weights.index_select(0, runs.perm) if weights is not None else None
-    table_set, rule = _table_set(unit, optimizer, group, touched, shift)
-    update_rows(Runs(runs.keys, by_bag), values, table_set, rule, weights=sorted_weights, mean=mean,
-                verdict=unit.range_check.device_verdict)  # fmt: skip
+    if not uses_triton(tables[0].shard):  # a CPU: the same sort and sums by torch ops, each table's step count on the host
+        states = [optimizer.state[t.shard] for t in tables]
+        joint = optimizer.joint_states.joined(unit, states)  # first: the rules then read the joined state's views
+        rules = {i: optimizer.rule(states[i], group, int(states[i].get("step", 0))) for i in touched}
+        joint_cpu.update(tables, keys, values, _cat(sources), weights, rules, mean, shift, joint)
+    else:
+        runs = sort_runs(keys, len(tables) << shift)
+        by_bag = _cat(sources).index_select(0, runs.perm)
+        sorted_weights = weights.index_select(0, runs.perm) if weights is not None else None
+        table_set, rule = _table_set(unit, optimizer, group, touched, shift)
+        update_rows(Runs(runs.keys, by_bag), values, table_set, rule, weights=sorted_weights, mean=mean,
+                    verdict=unit.range_check.device_verdict)  # fmt: skip
+    return [tables[index].shard for index in touched]
 
 
 def _table_set(unit: SparseEmbeddingCollection, optimizer: Any, group: dict[str, Any], touched: list[int], shift: int

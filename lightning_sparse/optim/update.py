@@ -64,6 +64,6 @@ def torch_update(
         beta1, beta2 = rule.betas
         F.adam_(param, state.first, state.second, rows, grad, step=t if rule.row_bias else step, lr=rule.lr, beta1=beta1,
                 beta2=beta2, eps=rule.eps, weight_decay=decay, decoupled_weight_decay=rule.decoupled_weight_decay,
-                write=write)  # fmt: skip
+                write=write, step_size=None if rule.row_bias else rule.step_size)  # fmt: skip
     else:
         raise ValueError(f"Invalid update family: {rule.family!r}. HINT: use one of {FAMILIES}.")

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_sparse.kernels import RuleState, UpdateRule
+from lightning_sparse.kernels.rows import copy_rows
 from lightning_sparse.optim.update import torch_update
 from lightning_sparse.wire.grouping import SortedKeys
 
@@ -51,7 +52,7 @@ class Tables:
 
     def index_copy_(self, dim: int, rows: object, values: Tensor) -> None:
         for t, r, v in zip(self.tensors, self.rows, values.split(self.sizes)):
-            t.index_copy_(0, r, v)
+            copy_rows(t, r, v)
 
 
 class KeptStates:

@@ -90,7 +90,6 @@ class SlotTable:
         self.sketch = CountSketch(sketch_width, device=device) if admit_after > 1 else None
         self.now = torch.zeros((), dtype=torch.int64, device=device)  # the clock, on the device (see :attr:`clock`)
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)
-        self.null_slot = torch.full((1,), NULL_SLOT, dtype=torch.int64, device=device)  # an index, for fills without a host copy
         self.stats = SlotStats(self)
         self.free = FreeSlots(capacity, device)
 
@@ -111,8 +110,8 @@ class SlotTable:
     def to(self, device: torch.device) -> None:
         """Move every tensor of the table to ``device``."""
         self.map.to(device)
-        self.last_used, self.requests, self.counters, self.now, self.null_slot = (
-            t.to(device) for t in (self.last_used, self.requests, self.counters, self.now, self.null_slot))  # fmt: skip
+        self.last_used, self.requests, self.counters, self.now = (
+            t.to(device) for t in (self.last_used, self.requests, self.counters, self.now))  # fmt: skip
         self.free.to(device)
         if self.sketch is not None:
             self.sketch.to(device)
@@ -164,8 +163,8 @@ class SlotTable:
         else:
             new_slots = new_index = slots[:0]
         # the null slot stood in for misses and padding (a fill, not ``x[i] = 0``: a host copy on CUDA)
-        self.last_used.index_fill_(0, self.null_slot, 0)
-        self.requests.index_fill_(0, self.null_slot, 0)
+        self.last_used[NULL_SLOT : NULL_SLOT + 1].fill_(0)
+        self.requests[NULL_SLOT : NULL_SLOT + 1].fill_(0)
         return slots, new_slots, new_index
 
     def _admit(self, keys: Tensor, counts: Tensor | int, candidates: Tensor | None, groups: Tensor | None = None) -> Tensor:

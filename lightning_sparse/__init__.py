@@ -1,13 +1,14 @@
 """lightning-sparse: row-sharded embedding tables and sparse optimizers for PyTorch (Lightning).
 
 Importing the package registers ``Trainer(strategy="sparse_ddp")`` and ``Fabric(strategy="sparse_ddp")`` and an exit handler that
-releases the process groups before the interpreter finalizes (``lightning_sparse.faults.exits``).
+releases the process groups before the interpreter finalizes (``lightning_sparse.faults.exits``), and turns torch's flight
+recorder off for the process groups created after it, unless the program sized it (``lightning_sparse.faults.flight_recorder``).
 
 The folders follow the data path, each importing only those before it: ``faults``, ``kernels``,
 ``wire``, ``lookup``, ``tables``, ``optim``, ``checkpoint``, ``lightning`` (docs/design.md).
 """
 
-from lightning_sparse.faults import PeerFailure, exits
+from lightning_sparse.faults import PeerFailure, exits, flight_recorder
 from lightning_sparse.lightning import (
     CapturedSparseDDPStrategy,
     FabricSparseDDPStrategy,
@@ -23,6 +24,7 @@ from lightning_sparse.wire import Pipeline, RowSharding, pipelined, sharding_gro
 __version__ = "0.1.0"
 
 exits.install()
+flight_recorder.install()
 
 __all__ = [
     "CapturedSparseDDPStrategy",

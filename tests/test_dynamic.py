@@ -64,7 +64,7 @@ def test_slot_map_keys_that_share_their_groups_fill_both_then_find_no_room_and_p
     entries = slots.reserve(crowded, valid)
     placed = entries >= 0
     assert not bool(placed[~valid].any())
-    assert int(placed.sum()) == 16 and set((entries[placed] // 8).tolist()) == set(slots._groups(crowded[:1])[0].tolist())
+    assert int(placed.sum()) == 16 and set((entries[placed] // 8).tolist()) == set(slots.groups(crowded[:1])[0].tolist())
     assert len(torch.unique(entries[placed])) == 16  # no entry twice
     given = torch.where(torch.arange(20) < 10, torch.arange(1, 21), 0)  # the last ones get no slot: entries back
     slots.write(entries, crowded, given)

@@ -161,12 +161,12 @@ def test_the_slot_map_kernels_find_reserve_and_write_as_its_torch_ops(device, mo
         entries = slots.reserve(keys[500:], valid)
         assert bool((entries[valid] >= 0).all()) and not bool((entries[~valid] >= 0).any())
         assert len(torch.unique(entries[valid])) == int(valid.sum())  # no entry twice
-        groups = slots._groups(keys[500:])
+        groups = slots.groups(keys[500:])
         assert bool(((entries[valid] // 8).unsqueeze(1) == groups[valid]).any(dim=1).all())  # in one of its groups
         given = torch.where(torch.arange(200, device=device) < 150, torch.arange(501, 701, device=device), 0)
         slots.write(entries, keys[500:], given)  # the last 50 get no slot: their entries are empty again
         assert int((slots.buckets < 0).sum()) == 0
-        room = int((slots.buckets[slots._groups(crowded[:1])[0]] == 0).sum())  # empty entries of their two groups
+        room = int((slots.buckets[slots.groups(crowded[:1])[0]] == 0).sum())  # empty entries of their two groups
         crowded_entries = slots.reserve(crowded)  # keys racing for the same entries: each empty one to one key
         placed = crowded_entries >= 0
         assert 8 < room < 20 and int(placed.sum()) == room and len(torch.unique(crowded_entries[placed])) == room

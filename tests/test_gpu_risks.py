@@ -287,7 +287,7 @@ def test_two_keys_for_one_free_entry_get_in_whatever_their_order(monkeypatch, de
     slots = SlotMap(64)
     assert slots.mask == 31
     a, b = (1 << 40) | (6 << 32) | 3, (2 << 40) | (15 << 32) | 3  # groups (3, 10) and (3, 19)
-    assert slots._groups(torch.tensor([a, b])).tolist() == [[3, 10], [3, 19]]
+    assert slots.groups(torch.tensor([a, b])).tolist() == [[3, 10], [3, 19]]
     occupied = {3: 7, 10: 8, 19: 7}
     got = {(kernels, order): _entries(kernels, monkeypatch, occupied, 64, torch.tensor(order, device=device))
            for kernels in ("torch", "triton") for order in ((a, b), (b, a))}  # fmt: skip

@@ -34,6 +34,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from lightning_sparse.kernels import uses_triton
 from lightning_sparse.tables.free_slots import FreeSlots
 from lightning_sparse.tables.sketch import CountSketch
 from lightning_sparse.tables.slot_map import NULL_SLOT, SlotMap, both, select
@@ -121,12 +122,13 @@ class SlotTable:
 
         ``requests`` is a tensor (one count per entry) or one count for every entry; ``valid``
         marks the real entries of a padded batch (default: all). Keys may repeat (the same key
-        sent by several ranks): each entry adds its requests; ``distinct`` says they do not,
-        which saves a sort. Returns (slots, the slots given to new keys, where in ``keys`` their
+        sent by several ranks): each entry adds its requests; ``distinct`` says they do not and
+        come in ascending order (a sort's distinct keys), which saves sorts. Returns (slots, the slots given to new keys, where in ``keys`` their
         keys are): the caller initializes those rows and resets their optimizer state. On a
         GPU's path the last two are padded with the null slot (and position 0).
         """
-        slots = self.map.find(keys)  # the null slot where no row
+        groups = None if uses_triton(self.map.buckets) else self.map.groups(keys)  # the torch path's, for find and reserve
+        slots = self.map.find(keys, groups)  # the null slot where no row
         if isinstance(requests, int) and not requests:
             return slots, slots[:0], slots[:0]
         asked = valid if isinstance(requests, int) else both(requests > 0, valid)
@@ -139,7 +141,8 @@ class SlotTable:
             new_keys = keys.index_select(0, index)
             if distinct:
                 counts = requests if isinstance(requests, int) else requests.index_select(0, index)
-                given = self._admit(new_keys, counts, real)  # the null slot for padding
+                groups = None if groups is None else groups.index_select(0, index)
+                given = self._admit(new_keys, counts, real, groups=groups)  # the null slot for padding
                 new_slots, new_index = given, index
             else:  # the first entry of each key admits it, with the requests of all
                 counts = torch.full_like(index, requests) if isinstance(requests, int) else requests.index_select(0, index)
@@ -164,17 +167,18 @@ class SlotTable:
         self.requests[NULL_SLOT : NULL_SLOT + 1].fill_(0)
         return slots, new_slots, new_index
 
-    def _admit(self, keys: Tensor, counts: Tensor | int, candidates: Tensor | None) -> Tensor:
+    def _admit(self, keys: Tensor, counts: Tensor | int, candidates: Tensor | None, groups: Tensor | None = None) -> Tensor:
         """Slots for new distinct keys where ``candidates`` (default: all): admitted, placed in the map and given one, else null.
 
-        ``counts``: each key's requests (or one count for all).
+        ``counts``: each key's requests (or one count for all). The keys are in ascending order, padding
+        aside (a sort's distinct keys, or its sorted runs); ``groups``: the map's groups of each, where known.
         """
         chosen = candidates
         if self.sketch is not None:
             counts = torch.full_like(keys, counts) if isinstance(counts, int) else counts
             estimate = self.sketch.add(keys, counts if candidates is None else counts * candidates)
             chosen = both(estimate >= self.admit_after, candidates)
-        entries = self.map.reserve(keys, chosen)
+        entries = self.map.reserve(keys, chosen, groups=groups, ascending=True)  # (the real keys are; padding takes no entry)
         got, slots = self._take(entries >= 0, len(keys))
         self.map.write(entries, keys, slots)  # (an entry whose key got no slot is given back)
         self.last_used.index_copy_(0, slots, self.now.expand(len(slots)))
@@ -200,7 +204,7 @@ class SlotTable:
         if victims is not None:
             slots = torch.where(below < 0, victims.index_select(0, rank.clamp(0, len(victims) - 1)), slots)
         got = wanted & (below < self.free.count)
-        slots = torch.where(got, slots, NULL_SLOT)
+        slots = slots * got  # the null slot (0) elsewhere
         taken = got.sum()
         self.free.taken(taken if evicted is None else taken - evicted)
         self.counters[ADMISSIONS].add_(taken)

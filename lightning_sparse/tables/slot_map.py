@@ -89,55 +89,65 @@ class SlotMap:
         """``[num_slots]`` bool: which slots hold a key."""
         return self.entry_of < self.scratch
 
-    def find(self, keys: Tensor) -> Tensor:
-        """The slot of each key (keys may repeat), the null slot where the map does not hold it."""
+    def find(self, keys: Tensor, groups: Tensor | None = None) -> Tensor:
+        """The slot of each key (keys may repeat), the null slot where the map does not hold it.
+
+        ``groups``: the keys' :meth:`groups`, where the caller has them (the torch path's; the kernel reads none).
+        """
         if uses_triton(self.buckets):
             from lightning_sparse.kernels import triton_slots
 
             return triton_slots.find(keys, self.buckets, self.keys, self.mask)
-        held = self.buckets.index_select(0, self._groups(keys).view(-1)).view(len(keys), 2 * WIDTH)
+        groups = self.groups(keys) if groups is None else groups
+        held = self.buckets.index_select(0, groups.view(-1)).view(len(keys), 2 * WIDTH)
         hit = self.keys.index_select(0, held.view(-1)).view_as(held) == keys.unsqueeze(1)
         return (hit * held).sum(dim=1, dtype=torch.int64)  # one hit at most (an empty entry holds the null slot: adds 0)
 
-    def _groups(self, keys: Tensor) -> Tensor:
+    def groups(self, keys: Tensor) -> Tensor:
         """``[len(keys), 2]``: a key's two groups (never the same one), from its low bits and from bits 32 and up."""
         first = keys & self.mask
         return torch.stack([first, (first + 1 + ((keys >> 32) & (self.mask >> 1))) & self.mask], dim=1)
 
-    def reserve(self, keys: Tensor, valid: Tensor | None = None) -> Tensor:
+    def reserve(self, keys: Tensor, valid: Tensor | None = None, *, groups: Tensor | None = None,
+                ascending: bool = False) -> Tensor:  # fmt: skip
         """Entries for distinct new ``keys`` (none in the map), marked reserved; ``-1`` where both groups are full.
 
         Only ``valid`` keys (default: all) get one. A key tries the emptier of its groups first (the
         one holding fewer slots; the first on a tie), then the other; keys that share a group take its
         free entries smallest key first (of equal keys, the earlier), so the entries given depend on
         the batch's keys, not on their order. :meth:`write` fills the entries (or gives them back).
+        ``groups`` as for :meth:`find`; ``ascending``: the keys are in ascending order (a sort's), which
+        saves the torch path a sort.
         """
         if uses_triton(self.buckets):  # three kernels, the same entries (kernels/triton_slots.py)
             from lightning_sparse.kernels import triton_slots
 
             return triton_slots.reserve(keys, valid, self.buckets, self.mask)
         n = len(keys)
-        groups = self._groups(keys)
+        groups = self.groups(keys) if groups is None else groups
         held = (self.buckets.index_select(0, groups.view(-1)).view(n, 2, WIDTH) > NULL_SLOT).sum(dim=2)  # slots, not claims
         emptier_second = (held[:, 1] < held[:, 0]).unsqueeze(1)
         choices = torch.where(emptier_second, groups.flip(1), groups).t()  # [2, n]: the emptier group, then the other
         entries, waiting = torch.full_like(keys, NO_ENTRY), valid
         for group in choices:
-            claimed = self._claim(group if waiting is None else torch.where(waiting, group, self.mask + 1), keys)
+            claimed = self._claim(group if waiting is None else torch.where(waiting, group, self.mask + 1), keys, ascending)
             entries = torch.maximum(entries, claimed)  # (a key claims in one round at most)
             waiting = both(entries < 0, valid)
             if not gpu_path(waiting) and not bool(waiting.any()):  # a CPU reads for free whether a second round is needed
                 break
         return entries
 
-    def _claim(self, group: Tensor, keys: Tensor) -> Tensor:
+    def _claim(self, group: Tensor, keys: Tensor, ascending: bool) -> Tensor:
         """For ``keys`` bound to ``group`` (the scratch group: none), the next free entries of their groups, smallest key first.
 
-        Marks them reserved; ``-1`` where the group has no free entry left.
+        Marks them reserved; ``-1`` where the group has no free entry left. ``ascending``: the keys are sorted already.
         """
-        by_key = torch.sort(keys, stable=True).indices  # equal keys: the earlier first
-        group, within = torch.sort(group.index_select(0, by_key), stable=True)
-        order = by_key.index_select(0, within)
+        if ascending:
+            group, order = torch.sort(group, stable=True)
+        else:
+            by_key = torch.sort(keys, stable=True).indices  # equal keys: the earlier first
+            group, within = torch.sort(group.index_select(0, by_key), stable=True)
+            order = by_key.index_select(0, within)
         rank = torch.arange(len(group), device=group.device) - torch.searchsorted(group, group)  # among its group's keys
         free = self.buckets.index_select(0, group) == NULL_SLOT
         column = (free.cumsum(dim=1) <= rank.unsqueeze(1)).sum(dim=1)  # of the group's (rank + 1)-th free entry
@@ -154,10 +164,11 @@ class SlotMap:
             from lightning_sparse.kernels import triton_slots
 
             return triton_slots.write(entries, keys, slots, self.buckets, self.keys, self.entry_of)
-        placed = (entries >= 0) & (slots != NULL_SLOT)
-        at = torch.where(entries >= 0, entries, self.scratch)
+        reserved = entries >= 0
+        placed = reserved & (slots != NULL_SLOT)
+        at = torch.where(reserved, entries, self.scratch)
         self.buckets.view(-1).index_copy_(0, at, slots.to(torch.int32))  # the null slot: the entry is empty again
-        slots = torch.where(placed, slots, NULL_SLOT)
+        slots = slots * placed  # the null slot (0) where not placed
         self.entry_of.index_copy_(0, slots, torch.where(placed, entries, self.scratch))
         self.keys.index_copy_(0, slots, keys)
 

@@ -64,24 +64,24 @@ FULL = {
     # bf16 and fp16 tables (stochastic rounding) against float32: one table, one process.
     "half": dict(rows=1_000_000, dim=64, batch=65536, steps=4, rounds=5),
 }
-QUICK = {
-    "single_process": dict(rows=20_000, dim=64, batch=1024, rounds=2, steps_per_round=2, threads=2),
+QUICK = {  # a smoke run (the test suite's): every section and the report at sizes that take no time, not for conclusions
+    "single_process": dict(rows=2_000, dim=64, batch=128, rounds=2, steps_per_round=2, threads=2),
     "distributed": dict(
-        rows_list=[20_000],
-        batches=[256],
+        rows_list=[2_000],
+        batches=[64],
         methods=["ours", "sparse_ddp", "sparse_grad_ddp"],
-        budget_s=0.5,
+        budget_s=0.1,
         min_steps=3,
         max_steps=10,
         warmup=2,
     ),  # fmt: skip
     "gpu": dict(workloads=[dict(rows=100_000, dim=64, batch=4096)], steps=5, warmup=2),
-    "collection": dict(max_rows=20_000, batch=256, rounds=2, steps_per_round=2),
+    "collection": dict(max_rows=2_000, batch=32, rounds=2, steps_per_round=2),
     "scale": dict(
         worlds=[(8, None), (256, None), (256, 32)], workloads=["26 tables"], batch=128, rows_cap=1000, steps=2, in_process=True
     ),  # fmt: skip
     "dynamic": dict(batch=512, pool=5000, steps=2, rounds=1, warmup_steps=1, two_ranks=False, distinct=0),
-    "half": dict(rows=20_000, dim=64, batch=1024, steps=2, rounds=1),
+    "half": dict(rows=2_000, dim=64, batch=128, steps=2, rounds=1),
 }
 
 

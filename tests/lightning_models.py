@@ -49,7 +49,8 @@ class TwoTower(pl.LightningModule):
 
     def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         u = self.users(users)
-        if self.inject_inf_at == (self.global_rank, self.global_step) and u.requires_grad:
+        # read global_step only when injecting: a compiled forward would be recompiled at every step (a guard on it)
+        if self.inject_inf_at is not None and self.inject_inf_at == (self.global_rank, self.global_step) and u.requires_grad:
             u.register_hook(lambda g: g * float("inf"))  # an overflow in this rank's sparse gradient only
         first, second = self.items(items[:, 0]), self.items(items[:, 1])
         return self.mlp(torch.cat([u, first, second], dim=-1)).squeeze(-1)

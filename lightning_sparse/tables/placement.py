@@ -49,6 +49,10 @@ class Placement:
         self.placed = False
         self._checked: tuple[GroupRef, torch.device] | None = None  # the group and device of the last full placement
 
+    def __getstate__(self) -> dict:
+        # A pickled table (a module returned from a process) re-checks its placement where it lands.
+        return {**self.__dict__, "_checked": None}
+
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The group the shard is spread over, looked up when needed (``None`` for a local table)."""
@@ -113,8 +117,8 @@ class Placement:
             raise self._destroyed()
         if initialized:
             group = requested or dist.group.WORLD
-            if process_group is None and self._checked is not None and self._checked[0]() is group and self._checked[1] == device:
-                return Move.NONE  # placed on this very group and device before: its rank and size cannot have changed
+            if process_group is None and self._placed_before_on(group, device):
+                return Move.NONE  # its rank and size in that group cannot have changed
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
             check_device(self.name, device, group)
         else:
@@ -137,6 +141,13 @@ class Placement:
         self.replicas = dist.get_world_size(replicas) if replicas is not None else 1
         self._checked = (weakref.ref(group), device) if initialized else None
         return move
+
+    def _placed_before_on(self, group: dist.ProcessGroup, device: torch.device) -> bool:
+        """Whether the last full placement was on this very (live) group and device."""
+        if self._checked is None:
+            return False
+        group_ref, checked_device = self._checked
+        return group_ref() is group and checked_device == device
 
     def world_size_of(self, process_group: dist.ProcessGroup | None) -> int:
         """The ranks a placement over ``process_group`` (or the one asked for, or the default group) would have."""

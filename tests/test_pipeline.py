@@ -141,11 +141,16 @@ def _fabric_runs(world_size: int):
     return runs
 
 
+def _assert_bitwise(state, opt_state, p_state, p_opt_state) -> None:
+    """The module's tensors and the sparse optimizer's state of the unpipelined run equal the pipelined run's, bit for bit."""
+    assert state.keys() == p_state.keys() and all(torch.equal(state[k], p_state[k]) for k in state)
+    assert len(opt_state) == len(p_opt_state) > 0 and all(torch.equal(a, b) for a, b in zip(opt_state, p_opt_state))
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fabric_pipelined_trains_bitwise_as_unpipelined(rank_pools, world_size):
     for (state, opt_state, _), (p_state, p_opt_state, seen) in rank_pools(world_size).run(_fabric_runs, world_size):
-        assert state.keys() == p_state.keys() and all(torch.equal(state[k], p_state[k]) for k in state)
-        assert len(opt_state) == len(p_opt_state) > 0 and all(torch.equal(a, b) for a, b in zip(opt_state, p_opt_state))
+        _assert_bitwise(state, opt_state, p_state, p_opt_state)
         assert len(seen) > 2 and all(ahead == looked_up for ahead, looked_up in seen)  # every users lookup took its round ahead
 
 
@@ -179,8 +184,7 @@ def _trainer_runs(world_size: int):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_trainer_pipelined_trains_bitwise_as_unpipelined(rank_pools, world_size):
     for (state, opt_state, _), (p_state, p_opt_state, seen) in rank_pools(world_size).run(_trainer_runs, world_size):
-        assert state.keys() == p_state.keys() and all(torch.equal(state[k], p_state[k]) for k in state)
-        assert len(opt_state) == len(p_opt_state) > 0 and all(torch.equal(a, b) for a, b in zip(opt_state, p_opt_state))
+        _assert_bitwise(state, opt_state, p_state, p_opt_state)
         # Each epoch's first batch goes unpipelined and sends the second ahead; at each step the next batch was sent
         # ahead (but at an epoch's last batch), and every users lookup after the first of its epoch took its round.
         ahead_of_step = [issued - taken for issued, taken in seen]

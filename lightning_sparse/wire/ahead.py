@@ -42,14 +42,14 @@ def ahead_peers(peers: Peers, timeout: timedelta | None = None) -> Peers:
     if peers.alone:
         return peers
     group = peers.group if peers.group is not None else dist.group.WORLD
-    ranks = dist.get_process_group_ranks(group)
-    if len(ranks) != dist.get_world_size():
-        raise ValueError(
-            f"A pipelined lookup needs tables sharded over all {dist.get_world_size()} ranks; these are sharded over "
-            f"ranks {ranks}. HINT: leave sharding_group_size unset to pipeline, or iterate the loader unpipelined."
-        )
     ahead = _AHEAD.get(group)
-    if ahead is None:
+    if ahead is None:  # the first round ahead over this group: check it and make its ahead group (once, not per batch)
+        ranks = dist.get_process_group_ranks(group)
+        if len(ranks) != dist.get_world_size():
+            raise ValueError(
+                f"A pipelined lookup needs tables sharded over all {dist.get_world_size()} ranks; these are sharded over "
+                f"ranks {ranks}. HINT: leave sharding_group_size unset to pipeline, or iterate the loader unpipelined."
+            )
         ahead = _AHEAD[group] = dist.new_group(ranks, backend=dist.get_backend(group), timeout=timeout)
     return replace(peers, group=ahead)
 

@@ -5,8 +5,10 @@ Two workloads (issue 43), each fit three ways in one run, on the same batches:
 * ``dlrm``: 26 tables of 200k x 64 (one id per table and sample, skewed ids), batch 16,384, with
   examples/dlrm's MLPs (bottom 13 -> 64 -> 32 -> 64, pairwise dots, top -> 128 -> 64 -> 1) and its
   dense Adam; ours in one ``SparseEmbeddingCollection``;
-* ``recommender``: examples/recommender.py's model (users 1M x 32 and items 100k x 32, its MLP on
-  ``[u, i, u * i]``), batch 16,384;
+* ``one_table``: a one-table recommender: users and items in one table of 1.1M x 32 (items after the
+  1M users), looked up as ``[batch, 2]`` ids, with examples/recommender.py's MLP on ``[u, i, u * i]``,
+  batch 16,384. (The run of 2026-11-27, ``recommender`` in benchmarks/results/gpu_trainer.json, was
+  examples/recommender.py's two-table model instead: two tables stepping one after the other.)
 
 and the ways:
 
@@ -48,7 +50,7 @@ from model import mlp  # noqa: E402 - examples/dlrm's MLPs
 
 WORKLOADS = {
     "dlrm": dict(tables=26, rows=200_000, dim=64, batch=16_384),
-    "recommender": dict(users=1_000_000, items=100_000, dim=32, batch=16_384),
+    "one_table": dict(users=1_000_000, items=100_000, dim=32, batch=16_384),
 }
 WAYS = ("ours captured", "ours eager", "torch ddp")
 DENSE = 13  # examples/dlrm's dense features
@@ -64,15 +66,16 @@ class Bench(LightningModule):
         dim = sizes["dim"]
         if workload == "dlrm":
             rows = {f"C{i + 1}": sizes["rows"] for i in range(sizes["tables"])}
-        else:
-            rows = {"user": sizes["users"], "item": sizes["items"]}
+        else:  # one table: users, then items
+            rows = {"pair": sizes["users"] + sizes["items"]}
         if kind == "ours":
             import lightning_sparse as ls
 
             made = {name: ls.SparseEmbedding(n, dim, seed=i) for i, (name, n) in enumerate(rows.items())}
-            self.tables = ls.SparseEmbeddingCollection(made) if workload == "dlrm" else nn.ModuleDict(made)
+            self.tables = ls.SparseEmbeddingCollection(made) if workload == "dlrm" else made["pair"]
         else:
-            self.tables = nn.ModuleDict({name: nn.Embedding(n, dim, sparse=True) for name, n in rows.items()})
+            made = {name: nn.Embedding(n, dim, sparse=True) for name, n in rows.items()}
+            self.tables = nn.ModuleDict(made) if workload == "dlrm" else made["pair"]
             self.automatic_optimization = False  # two optimizers: the tables' Adagrad and the MLP's Adam
         if workload == "dlrm":
             self.bottom, vectors = mlp([DENSE, 64, 32, dim]), len(rows) + 1
@@ -86,13 +89,13 @@ class Bench(LightningModule):
         return [*getattr(self, "bottom", nn.Identity()).parameters(), *self.top.parameters()]
 
     def forward(self, dense: torch.Tensor, ids: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.kind == "ours" and self.workload == "dlrm":
+        if self.workload == "one_table":  # ids [batch, 2]: (user, item) rows of the one table
+            u, i = self.tables(ids["pair"]).unbind(1)
+            return self.top(torch.cat([u, i, u * i], dim=-1)).squeeze(-1)
+        if self.kind == "ours":
             embedded = self.tables(ids)
         else:
             embedded = {name: self.tables[name](value) for name, value in ids.items()}
-        if self.workload == "recommender":
-            u, i = embedded["user"], embedded["item"]
-            return self.top(torch.cat([u, i, u * i], dim=-1)).squeeze(-1)
         x = self.bottom(dense)
         vectors = torch.stack([x, *embedded.values()], dim=1)
         dots = torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1).index_select(1, self.pairs)
@@ -123,8 +126,7 @@ class Bench(LightningModule):
     def configure_sparse_optimizers(self):
         import lightning_sparse as ls
 
-        return ls.SparseAdagrad(list(self.tables.values()) if self.workload == "recommender" else [self.tables],
-                                lr=SPARSE_LR, capturable=self.capturable) if self.kind == "ours" else None  # fmt: skip
+        return ls.SparseAdagrad([self.tables], lr=SPARSE_LR, capturable=self.capturable) if self.kind == "ours" else None
 
 
 class FixedBatches(Dataset):
@@ -132,13 +134,15 @@ class FixedBatches(Dataset):
 
     def __init__(self, workload: str, sizes: dict[str, int], length: int, device: torch.device, distinct: int = 8) -> None:
         gen = torch.Generator().manual_seed(0)
-        names = {f"C{i + 1}": sizes["rows"] for i in range(sizes.get("tables", 0))} or {
-            "user": sizes["users"],
-            "item": sizes["items"],
-        }
         batch = sizes["batch"]
         skewed = lambda rows: (rows * torch.rand(batch, generator=gen) ** 4).long()  # noqa: E731
-        self.batches = [(torch.randn(batch, DENSE, generator=gen).to(device), {n: skewed(r).to(device) for n, r in names.items()},
+
+        def ids() -> dict[str, torch.Tensor]:
+            if workload == "one_table":  # (user, item) rows: items after the users
+                return {"pair": torch.stack([skewed(sizes["users"]), sizes["users"] + skewed(sizes["items"])], dim=1)}
+            return {f"C{i + 1}": skewed(sizes["rows"]) for i in range(sizes["tables"])}
+
+        self.batches = [(torch.randn(batch, DENSE, generator=gen).to(device), {n: i.to(device) for n, i in ids().items()},
                          torch.randint(0, 2, (batch,), generator=gen).float().to(device)) for _ in range(distinct)]  # fmt: skip
         self.length = length
 

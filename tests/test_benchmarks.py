@@ -178,7 +178,7 @@ def test_the_trainer_benchmark_fits_every_way_at_tiny_sizes(monkeypatch, tmp_pat
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_trainer
 
-    workloads = {"dlrm": dict(tables=3, rows=200, dim=8, batch=32), "recommender": dict(users=300, items=50, dim=8, batch=32)}
+    workloads = {"dlrm": dict(tables=3, rows=200, dim=8, batch=32), "one_table": dict(users=300, items=50, dim=8, batch=32)}
     doc = gpu_trainer.run(workloads, steps=2, warmup=3, device="cpu", graphs=CallAgainGraphs(), out=tmp_path / "trainer.json")
     assert not torch.distributed.is_initialized(), "the fits' process groups are destroyed (later tests in this process)"
     assert json.loads((tmp_path / "trainer.json").read_text()) == json.loads(json.dumps(doc))

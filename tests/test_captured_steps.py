@@ -136,11 +136,19 @@ def _refusal(captured: dict, module_kwargs: dict, trainer_kwargs: dict, loader=N
     raise AssertionError("no CaptureRefused")
 
 
+def _nothing_ahead(batch) -> dict:
+    """A pipeline's ``inputs`` (the refusal comes before any batch)."""
+    return {}
+
+
 def test_what_cannot_be_replayed_is_refused_by_name_before_any_capture(rank_pools):
     many = dict(dense="Adagrad", scheduler=True, sparse_kwargs={"lr": 0.2})
-    message, captures = rank_pools(1).run(_refusal, {}, many, dict(accumulate_grad_batches=2, callbacks=[AfterBackward()]))[0]
+    message, captures = rank_pools(1).run(
+        _refusal, {"pipeline": _nothing_ahead}, many, dict(accumulate_grad_batches=2, callbacks=[AfterBackward()])
+    )[0]
     for expected in ("- Adagrad has no capturable step", "- SparseAdagrad(capturable=False)", "- StepLR schedules SparseAdagrad",
-                     "- accumulate_grad_batches=2", "- the callback AfterBackward overrides on_after_backward"):  # fmt: skip
+                     "- accumulate_grad_batches=2", "- the callback AfterBackward overrides on_after_backward",
+                     "- pipeline=: the next batch's ids"):  # fmt: skip
         assert expected in message, message
     assert message.rstrip().split("\n")[-1].startswith("HINT: ") and captures == 0
     message, captures = rank_pools(1).run(_refusal, {}, dict(problem="host read"), {})[0]

@@ -174,6 +174,9 @@ def problems(trainer: Any, strategy: CapturedSparseDDPStrategy) -> list[tuple[st
     if strategy.world_size > 1:
         found.append((f"{strategy.world_size} processes: the all-to-all sizes each message on the host",
                       "train on one GPU (devices=1)"))  # fmt: skip
+    if strategy._pipeline is not None:
+        found.append(("pipeline=: the next batch's ids would be sent ahead by Python that a replay skips",
+                      "leave pipeline unset (it pays on several ranks, which a captured step does not run on)"))  # fmt: skip
     if not module.automatic_optimization:
         found.append(("manual optimization: the Trainer hands the strategy no whole step to capture",
                       "capture your own step as docs/guide/gpu.md shows"))  # fmt: skip

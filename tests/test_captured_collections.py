@@ -9,6 +9,7 @@ graphs on a GPU) train such collections as their eager runs do.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import lightning_models as lm
@@ -92,6 +93,37 @@ def test_a_mixed_or_dynamic_collections_step_reads_the_host_never_and_trains_as_
         if isinstance(table, ls.DynamicEmbedding):
             for key, value in table.slot_state().items():
                 assert torch.equal(value, other.slot_state()[key]), key
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_a_copy_of_a_mixed_collection_steps_its_parts_as_the_original(device, monkeypatch):
+    """A deep copy (as pickling makes one) of a placed collection holds its own parts: the optimizer finds their rounds."""
+    monkeypatch.setenv(backend.ENV, "triton")
+    collection = _collection("mixed", device).materialize()  # placed: its parts made
+    copied = copy.deepcopy(collection)
+    for unit in (collection, copied):
+        opt = ls.SparseAdagrad([unit], lr=0.2)
+        for step in range(2):
+            _step(unit, opt, _features(step, device, "mixed"))
+    for name, table in collection.tables.items():
+        assert torch.equal(copied.tables[name].shard, table.shard), name
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_an_id_out_of_range_in_a_part_of_a_mixed_collection_raises_at_the_step_naming_the_feature(device, monkeypatch):
+    """The part's range check speaks for the collection: the feature and table named as the per-table path names them."""
+    monkeypatch.setenv(backend.ENV, "triton")
+    collection = _collection("mixed", device)
+    opt = ls.SparseAdagrad([collection], lr=0.2)
+    before = {name: t.shard.clone() for name, t in collection.tables.items()}
+    features = _features(0, device, "mixed")
+    features["item"][3] = 120  # the second part's first feature; its table has 120 rows
+    sum(out.pow(2).sum() for out in collection(features).values()).backward()
+    if device == "cuda":
+        torch.cuda.synchronize()  # the verdict's copy is on the host by the step
+    with pytest.raises(IndexError, match=r"Feature 'item' \(table 'items'\) of SparseEmbeddingCollection got id 120 on"):
+        opt.step()
+    assert all(torch.equal(t.shard, before[name]) for name, t in collection.tables.items())
 
 
 # ---------------------------------------------------------------- the Trainer's and Fabric's captured steps

@@ -147,7 +147,8 @@ class SparseEmbeddingCollection(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # a copy holds its own tables (weak references do not pickle)
         super().__setstate__(state)
-        joint_lookup.hold(self)
+        for unit in [self, *getattr(self.lookups, "parts", [])]:  # and its parts on one GPU (lookup.units.Part)
+            joint_lookup.hold(unit)
         compiled.register_copy(self)
 
     # ------------------------------------------------------------------ placement

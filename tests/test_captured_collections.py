@@ -44,8 +44,9 @@ def _features(step: int, device: str, kind: str) -> dict:
     gen = torch.Generator().manual_seed(step)
     tags = ls.JaggedIds(torch.randint(0, 50, (40,), generator=gen).to(device), lengths=torch.tensor([2, 3] * 8).to(device))
     items = torch.randint(0, 120, (16,), generator=gen)  # a dynamic table: any ids
-    return {"user": (300 * torch.rand(16, generator=gen) ** 3).long().to(device), "item": (items * 7 + 1 if kind == "dynamic" else items).to(device), "tags": tags,
-            "also": torch.randint(0, 300, (16,), generator=gen).to(device)}  # fmt: skip
+    users, also = (300 * torch.rand(16, generator=gen) ** 3).long(), torch.randint(0, 300, (16,), generator=gen)
+    return {"user": users.to(device), "item": (items * 7 + 1 if kind == "dynamic" else items).to(device), "tags": tags,
+            "also": also.to(device)}  # fmt: skip
 
 
 def _step(collection, opt, features: dict) -> None:

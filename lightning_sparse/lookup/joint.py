@@ -11,10 +11,12 @@ are untouched), and the kernels reach the tables through their addresses.
 
 It takes a round when the collection is on one GPU (or Triton's interpreter), and every feature is
 well-formed as the host sees it: tables of one dim, dtype and output dtype in one gather; others in
-parts of one kind each (:class:`~lightning_sparse.lookup.units.Part`, a lookup unit of its own to the gather and the
-step), a dynamic table's ids turned into its rows first (:func:`~lightning_sparse.lookup.units.resolve_dynamic_ids`); any other round goes through the lookup engine (:mod:`lightning_sparse.lookup.engine`), which names the
-problem. Ids out of range and offsets that do not fit are found on the device and raised as
-for one table (:mod:`lightning_sparse.lookup.range_check`): at the next step or lookup of the collection.
+parts of one kind each (:class:`~lightning_sparse.lookup.units.Part`, a lookup unit of its own to
+the gather and the step), a dynamic table's ids turned into its rows first
+(:func:`~lightning_sparse.lookup.units.resolve_dynamic_ids`); any other round goes through the lookup engine
+(:mod:`lightning_sparse.lookup.engine`), which names the problem. Ids out of range and offsets that do not fit are
+found on the device and raised as for one table (:mod:`lightning_sparse.lookup.range_check`): at the next step or
+lookup of the collection.
 
 On a CPU (float32 tables) the same round runs by torch ops (:func:`~lightning_sparse.kernels.bags.torch_gather_bags`):
 one ``index_select`` or ``F.embedding_bag`` per feature, the check and the record for all features at once; input
@@ -86,7 +88,8 @@ def fits(collection: SparseEmbeddingCollection) -> bool:
     """Whether the collection's rounds can take this path (its tables; each round's input is checked by :func:`read`).
 
     One rank. With Triton: no stochastically rounded half table (tables of several dims or dtypes go in parts, dynamic
-    tables' ids turn into rows first: :class:`Joint`); on a CPU one dim and dtype, float32 only, no dynamic table (the per-table path's arithmetic, op for op, is float32's there).
+    tables' ids turn into rows first: :class:`Joint`); on a CPU one dim and dtype, float32 only, no dynamic table (the
+    per-table path's arithmetic, op for op, is float32's there).
     """
     tables = collection.table_list
     first = tables[0]
@@ -183,10 +186,7 @@ def grads_zeros(rows: int, dim: int, grads: tuple[Tensor | None, ...]) -> Tensor
 
 def gather_features(collection: SparseEmbeddingCollection, read_in: list[ReadFeature], kept: KeptDeviceTables
                     ) -> dict[str, Tensor] | None:  # fmt: skip
-    """The round on one GPU of the features :func:`read` read; ``None`` if it cannot take it (then the engine does).
-
-    ``kept``: the path's device tables.
-    """
+    """The round on one GPU of what :func:`read` read; ``None`` if it cannot (the engine does). ``kept``: its device tables."""
     if not uses_triton(collection.table_list[0].shard):
         return _gather_on_cpu(collection, read_in) if read_in else None
     tables, check = collection.table_list, collection.range_check

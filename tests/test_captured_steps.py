@@ -284,13 +284,13 @@ def test_a_fabric_step_that_cannot_replay_is_refused_by_name(rank_pools):
     assert "- Adagrad has no capturable step" in message and message.split("\n")[-1].startswith("HINT: ")
 
 
-class MixedCollection(lm.CollectionTower):
-    """Its collection holds a float32 and a bf16 table (it steps table by table); optimized by hand when ``manual``."""
+class RoundedCollection(lm.CollectionTower):
+    """Its collection holds a bf16 table rounded stochastically (it steps table by table); optimized by hand when ``manual``."""
 
     def __init__(self, **kwargs) -> None:
-        lm.TwoTower.__init__(self, sparse_kwargs={"lr": 0.2, "capturable": True}, **kwargs)
+        lm.TwoTower.__init__(self, sparse_kwargs={"lr": 0.2}, **kwargs)  # (capturable=True refuses such a table itself)
         users, _ = self._modules.pop("users"), self._modules.pop("items")
-        items = ls.SparseEmbedding(lm.ITEMS, lm.DIM, seed=2, dtype=torch.bfloat16, stochastic_rounding=False)
+        items = ls.SparseEmbedding(lm.ITEMS, lm.DIM, seed=2, dtype=torch.bfloat16)
         self.embeddings = ls.SparseEmbeddingCollection({"users": users, "items": items},
                                                        features={"user": "users", "first": "items", "second": "items"})  # fmt: skip
 
@@ -299,7 +299,7 @@ def _refused_configuration() -> str:
     lm.lightning_env(0, 1)
     trainer = lm.trainer(1, strategy=ls.CapturedSparseDDPStrategy(graphs=CallAgainGraphs()), max_steps=1)
     try:
-        trainer.fit(MixedCollection(manual=True))
+        trainer.fit(RoundedCollection(manual=True))
     except CaptureRefused as err:
         return str(err)
     raise AssertionError("no CaptureRefused")
@@ -307,7 +307,8 @@ def _refused_configuration() -> str:
 
 def test_manual_optimization_and_a_collection_that_steps_table_by_table_are_refused(rank_pools):
     message = rank_pools(1).run(_refused_configuration)[0]
-    assert "- manual optimization" in message and "mixes dims or dtypes" in message and "embeddings.tables.items" in message
+    assert "- manual optimization" in message and "embeddings.tables.items, rounded stochastically" in message
+    assert "stochastic_rounding=False for its half tables" in message
     assert message.split("\n")[-1].startswith("HINT: ")
 
 

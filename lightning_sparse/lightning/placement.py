@@ -20,9 +20,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_sparse.kernels.rounding import HALF
 from lightning_sparse.lightning import compat
 from lightning_sparse.tables.collection import SparseEmbeddingCollection
-from lightning_sparse.tables.dynamic import DynamicEmbedding
 from lightning_sparse.tables.embedding import SparseEmbedding
 from lightning_sparse.wire.replicas import sharding_groups
 
@@ -210,16 +210,16 @@ def optimizer_problems(optimizers: list[Optimizer], scheduler_configs: list[Any]
 
 
 def collection_problems(collection: SparseEmbeddingCollection) -> list[tuple[str, str]]:
-    """(what, fix) of a collection that steps table by table after a host read (mixed dims or dtypes, dynamic tables)."""
-    tables = collection.table_list
-    kinds = {(t.embedding_dim, t.dtype) for t in tables}
-    fix = "one collection per (dim, dtype) of static tables, or leave capture off"
-    if any(isinstance(t, DynamicEmbedding) for t in tables):
-        return [(f"the collection of {', '.join(t.name for t in tables)} holds dynamic tables: it steps table by table "
-                 f"after a host read", fix)]  # fmt: skip
-    if len(kinds) > 1:
-        return [(f"the collection of {', '.join(t.name for t in tables)} mixes dims or dtypes {sorted(map(str, kinds))}: "
-                 f"it steps table by table after a host read", fix)]  # fmt: skip
+    """(what, fix) of a collection that steps table by table after a host read: one holding a stochastically rounded half table.
+
+    Tables of several dims or dtypes, and dynamic tables, take the joint path on one GPU, in parts
+    (:class:`~lightning_sparse.lookup.joint.Joint`): no host read.
+    """
+    rounded = [t.name for t in collection.table_list if t.dtype in HALF and t.stochastic_rounding is not False]
+    if rounded:
+        return [(f"the collection of {', '.join(t.name for t in collection.table_list)} holds {', '.join(rounded)}, rounded "
+                 f"stochastically (draws keyed by the host's step count): it steps table by table after a host read",
+                 "stochastic_rounding=False for its half tables, or leave capture off")]  # fmt: skip
     return []
 
 

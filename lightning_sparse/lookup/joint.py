@@ -9,11 +9,14 @@ grow with the number of tables, as FBGEMM's table-batched embeddings do, without
 tables into one buffer: each table keeps its own shard (checkpoints, resharding and ``state_dict``
 are untouched), and the kernels reach the tables through their addresses.
 
-It takes a round when the tables are plain ``SparseEmbedding``\\ s of one dim, dtype and output
-dtype on one GPU (or Triton's interpreter), and every feature is well-formed as the host sees it;
-any other round goes through the lookup engine (:mod:`lightning_sparse.lookup.engine`), which names the
-problem. Ids out of range and offsets that do not fit are found on the device and raised as
-for one table (:mod:`lightning_sparse.lookup.range_check`): at the next step or lookup of the collection.
+It takes a round when the collection is on one GPU (or Triton's interpreter), and every feature is
+well-formed as the host sees it: tables of one dim, dtype and output dtype in one gather; others in
+parts of one kind each (:class:`~lightning_sparse.lookup.units.Part`, a lookup unit of its own to
+the gather and the step), a dynamic table's ids turned into its rows first
+(:func:`~lightning_sparse.lookup.units.resolve_dynamic_ids`); any other round goes through the lookup engine
+(:mod:`lightning_sparse.lookup.engine`), which names the problem. Ids out of range and offsets that do not fit are
+found on the device and raised as for one table (:mod:`lightning_sparse.lookup.range_check`): at the next step or
+lookup of the collection.
 
 On a CPU (float32 tables) the same round runs by torch ops (:func:`~lightning_sparse.kernels.bags.torch_gather_bags`):
 one ``index_select`` or ``F.embedding_bag`` per feature, the check and the record for all features at once; input
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -38,6 +41,7 @@ from lightning_sparse.kernels.runs import RuleState, table_entries
 from lightning_sparse.lookup.engine import Round
 from lightning_sparse.lookup.features import ID_DTYPES, ID_SOURCE_DTYPES, JaggedIds, as_feature_dict, code_of
 from lightning_sparse.lookup.pending import Bags
+from lightning_sparse.lookup.units import ReadFeature, parts_of, resolve_dynamic_ids
 from lightning_sparse.lookup.verdict import check_round
 from lightning_sparse.wire.header import Headers, LookupHeader
 
@@ -83,32 +87,24 @@ def holders(table: ShardedTable) -> list[SparseEmbeddingCollection]:
 def fits(collection: SparseEmbeddingCollection) -> bool:
     """Whether the collection's rounds can take this path (its tables; each round's input is checked by :func:`read`).
 
-    One rank, no dynamic table, one dim, dtype and output dtype; with Triton no stochastically rounded half table, on a
-    CPU float32 only (the per-table path's arithmetic, op for op, is float32's there).
+    One rank. With Triton: no stochastically rounded half table (tables of several dims or dtypes go in parts, dynamic
+    tables' ids turn into rows first: :class:`Joint`); on a CPU one dim and dtype, float32 only, no dynamic table (the
+    per-table path's arithmetic, op for op, is float32's there).
     """
     tables = collection.table_list
     first = tables[0]
-    if first.world_size != 1 or first.replicas != 1 or any(t.resolves_ids for t in tables):  # dynamic tables: slots first
-        return False
-    if len({(t.embedding_dim, t.dtype, t.output_dtype or t.dtype, t.device) for t in tables}) != 1:
+    if first.world_size != 1 or first.replicas != 1:
         return False
     if uses_triton(first.shard):
-        return not (first.dtype in HALF and first.stochastic_rounding is not False)
+        return not any(t.dtype in HALF and t.stochastic_rounding is not False for t in tables)
+    if any(t.resolves_ids for t in tables) or len({(t.embedding_dim, t.dtype, t.output_dtype or t.dtype) for t in tables}) != 1:
+        return False
     return first.device.type == "cpu" and first.dtype == (first.output_dtype or first.dtype) == torch.float32
 
 
 def key_shift(collection: SparseEmbeddingCollection) -> int:
     """Bits of a row in a key: keys are ``table << shift | row``."""
     return max(t.shard.shape[0] for t in collection.table_list).bit_length()
-
-
-class ReadFeature(NamedTuple):
-    """A given feature as the gather reads it (:func:`read`)."""
-
-    name: str
-    feature: Feature  # what the kernel reads
-    shape: tuple[int, ...]  # its output's shape
-    dtype_code: int  # its ids' dtype, as the range check reports it
 
 
 def read(collection: SparseEmbeddingCollection, features: Mapping[str, Any]) -> list[ReadFeature] | None:
@@ -188,12 +184,9 @@ def grads_zeros(rows: int, dim: int, grads: tuple[Tensor | None, ...]) -> Tensor
     return like.new_zeros(rows, dim)
 
 
-def gather_features(collection: SparseEmbeddingCollection, features: Mapping[str, Any], kept: KeptDeviceTables
+def gather_features(collection: SparseEmbeddingCollection, read_in: list[ReadFeature], kept: KeptDeviceTables
                     ) -> dict[str, Tensor] | None:  # fmt: skip
-    """The round on one GPU; ``None`` if it cannot take it (then the engine does). ``kept``: the path's device tables."""
-    read_in = read(collection, features)
-    if read_in is None:
-        return None
+    """The round on one GPU of what :func:`read` read; ``None`` if it cannot (the engine does). ``kept``: its device tables."""
     if not uses_triton(collection.table_list[0].shard):
         return _gather_on_cpu(collection, read_in) if read_in else None
     tables, check = collection.table_list, collection.range_check
@@ -268,19 +261,39 @@ def raise_failed(collection: SparseEmbeddingCollection, failed: list[int] | None
 
 
 class Joint:
-    """A collection's lookups in one process (the path a collection that :func:`fits` takes): every feature at once.
+    """A collection's lookups in one process (the path a collection that :func:`fits` takes): one gather per part.
 
-    A round whose input the kernel cannot judge (see :func:`read`) goes through the engine's
-    round instead (``fallback``), which names the problem.
+    Every feature is read first, then dynamic tables admit ids: a round whose input the kernel cannot judge
+    (see :func:`read`) goes through the engine's round instead (``fallback``), which names the problem.
     """
 
     def __init__(self, collection: SparseEmbeddingCollection) -> None:
-        self.collection, self.fallback, self.kept = collection, Round(collection), KeptDeviceTables()
+        self.collection, self.fallback, self.parts = collection, Round(collection), parts_of(collection)
+        for part in self.parts:
+            hold(part)  # the optimizer finds a part's rounds through its tables
+        self.kept = [KeptDeviceTables() for _ in self.parts]
 
     def lookup(self, features: Any) -> dict[str, Tensor]:
         given = as_feature_dict(features)
-        out = gather_features(self.collection, given, self.kept) if given is not None else None
+        out = self._gather(given) if given is not None else None
         return out if out is not None else self.fallback.lookup(features)
+
+    def _gather(self, given: dict[str, Any]) -> dict[str, Tensor] | None:
+        if len(self.parts) == 1:
+            read_in = read(self.collection, given)
+            return None if read_in is None else gather_features(self.collection, resolve_dynamic_ids(self.collection, read_in),
+                                                                  self.kept[0])  # fmt: skip
+        names = self.collection.feature_names
+        reads = [read(part, {n: v for n, v in given.items() if n in part.feature_names}) for part in self.parts]
+        if any(name not in names for name in given) or any(read_in is None for read_in in reads):
+            return None
+        out: dict[str, Tensor] = {}
+        for part, read_in, kept in zip(self.parts, reads, self.kept):
+            if resolve_dynamic_ids(part, read_in):
+                out.update(gather_features(part, read_in, kept))
+            else:  # no round of its own: an earlier round's bad input is raised at this lookup all the same
+                raise_failed(part, part.range_check.failed(1))
+        return {name: out[name] for name in names if name in out}  # the engine's order
 
     def serve(self, route: Route) -> None:
         self.fallback.serve(route)

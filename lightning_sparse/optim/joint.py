@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 
 def units_with_rounds(tables: list[SparseEmbedding]) -> list[SparseEmbeddingCollection]:
-    """The collections of ``tables`` that recorded rounds on one GPU since the last step, each once."""
+    """The collections of ``tables`` (or their parts: :class:`~lightning_sparse.lookup.units.Part`) that recorded rounds on one
+    GPU since the last step, each once."""
     found: dict[int, SparseEmbeddingCollection] = {}
     for table in tables:
         for unit in holders(table):

@@ -1,9 +1,10 @@
 """SparseEmbeddingCollection: many tables, many features, one exchange round per lookup.
 
 The module holds the tables and says which feature reads which table and how it is pooled. Its
-lookup path is chosen when its tables are placed: in one process, with tables of one dim and dtype,
-every feature at once (:class:`~lightning_sparse.lookup.joint.Joint`: on one GPU in one kernel, on a
-CPU one gather per feature); elsewhere the engine's rounds
+lookup path is chosen when its tables are placed: in one process, every feature at once
+(:class:`~lightning_sparse.lookup.joint.Joint`: on one GPU one kernel per (dim, dtype) of its tables, a
+dynamic table's ids turned into rows first; on a CPU, with float32 tables of one dim, one gather per feature);
+elsewhere the engine's rounds
 (:class:`~lightning_sparse.lookup.engine.Round`), as for a single table, after its dynamic tables
 turned their ids into rows.
 """
@@ -146,7 +147,8 @@ class SparseEmbeddingCollection(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # a copy holds its own tables (weak references do not pickle)
         super().__setstate__(state)
-        joint_lookup.hold(self)
+        for unit in [self, *getattr(self.lookups, "parts", [])]:  # and its parts on one GPU (lookup.units.Part)
+            joint_lookup.hold(unit)
         compiled.register_copy(self)
 
     # ------------------------------------------------------------------ placement

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from run_queue import RunQueueWaits
 
 # Tests that can run on a GPU are parametrized with these: CPU (gloo) always, CUDA when present.
 DEVICES = [
@@ -74,7 +75,8 @@ def assert_replicas_identical(results: list[tuple[torch.Tensor, ...]], group_siz
 # server, a fresh single-threaded process, is safe to fork. Each rank is still its own process.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torchmetrics", "rank_pool"]
 
-# A job that has not answered in this long means the pool is broken.
+# A job that has not answered in this long, plus the time its ranks waited for a CPU (tests/run_queue.py), means the
+# pool is broken: a hung rank fails at this limit on any machine, a job slowed by a loaded one does not.
 JOB_TIMEOUT_S = 120
 
 
@@ -164,6 +166,7 @@ class RankPool:
             inbox.put(job)
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
+        waits = RunQueueWaits([p.pid for p in self._procs])
         while len(results) < self.world_size:
             try:
                 rank, data = self._outbox.get(timeout=1)
@@ -177,9 +180,14 @@ class RankPool:
                 for r in dead:
                     code = self._procs[r].exitcode
                     results[r] = RankError("ProcessDied", f"rank {r} exited with code {code}", "")
-            elif time.monotonic() > deadline:
+                continue
+            waits.sample()
+            if time.monotonic() > deadline + waits.most():
                 self.broken = True
-                raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s")
+                raise TimeoutError(
+                    f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s "
+                    f"(plus the {waits.most():.0f} s they waited for a CPU)"
+                )
         return [results[r] for r in range(self.world_size)]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = JOB_TIMEOUT_S) -> list[Any]:

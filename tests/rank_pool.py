@@ -73,7 +73,10 @@ def assert_replicas_identical(results: list[tuple[torch.Tensor, ...]], group_siz
 # Ranks are forked from one server process that imported these once (multiprocessing's
 # forkserver): a rank starts in a fraction of a second instead of importing torch again, and the
 # server, a fresh single-threaded process, is safe to fork. Each rank is still its own process.
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torchmetrics", "rank_pool"]
+# lightning_sparse (and with it Lightning, dynamo and triton) and tests/lightning_models.py, which
+# nearly every job imports: 1.3 s of CPU once per server instead of once per rank (about 40 ranks a run).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torchmetrics", "lightning_sparse", "lightning_models",
+           "rank_pool"]  # fmt: skip
 
 # A job that has not answered in this long, plus the time its ranks waited for a CPU (tests/run_queue.py), means the
 # pool is broken: a hung rank fails at this limit on any machine, a job slowed by a loaded one does not.
@@ -119,8 +122,9 @@ def _worker(rank: int, world_size: int, port: int, device: str, inbox: mp.Queue,
     )
     # The modules every job imports (PRELOAD) live as long as the rank: frozen, the interpreter's
     # finalization skips its garbage-collection passes over them (seconds per rank at exit, all
-    # ranks at once). Frozen before anything imports triton (Lightning, dynamo): nanobind reports
-    # the objects of a module that finalization could not collect as leaks.
+    # ranks at once). triton is among them (lightning_sparse imports it through Lightning and
+    # dynamo): nanobind would report its frozen objects as leaks at a finalization, but a rank of
+    # the forkserver ends with os._exit (no finalization) and the server itself freezes nothing.
     gc.freeze()
     try:
         while (job := inbox.get()) is not None:

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from run_queue import RunQueueWaits
 
 # Tests that can run on a GPU are parametrized with these: CPU (gloo) always, CUDA when present.
 DEVICES = [
@@ -72,9 +73,13 @@ def assert_replicas_identical(results: list[tuple[torch.Tensor, ...]], group_siz
 # Ranks are forked from one server process that imported these once (multiprocessing's
 # forkserver): a rank starts in a fraction of a second instead of importing torch again, and the
 # server, a fresh single-threaded process, is safe to fork. Each rank is still its own process.
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torchmetrics", "rank_pool"]
+# lightning_sparse (and with it Lightning, dynamo and triton) and tests/lightning_models.py, which
+# nearly every job imports: 1.3 s of CPU once per server instead of once per rank (about 40 ranks a run).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torchmetrics", "lightning_sparse", "lightning_models",
+           "rank_pool"]  # fmt: skip
 
-# A job that has not answered in this long means the pool is broken.
+# A job that has not answered in this long, plus the time its ranks waited for a CPU (tests/run_queue.py), means the
+# pool is broken: a hung rank fails at this limit on any machine, a job slowed by a loaded one does not.
 JOB_TIMEOUT_S = 120
 
 
@@ -117,8 +122,9 @@ def _worker(rank: int, world_size: int, port: int, device: str, inbox: mp.Queue,
     )
     # The modules every job imports (PRELOAD) live as long as the rank: frozen, the interpreter's
     # finalization skips its garbage-collection passes over them (seconds per rank at exit, all
-    # ranks at once). Frozen before anything imports triton (Lightning, dynamo): nanobind reports
-    # the objects of a module that finalization could not collect as leaks.
+    # ranks at once). triton is among them (lightning_sparse imports it through Lightning and
+    # dynamo): nanobind would report its frozen objects as leaks at a finalization, but a rank of
+    # the forkserver ends with os._exit (no finalization) and the server itself freezes nothing.
     gc.freeze()
     try:
         while (job := inbox.get()) is not None:
@@ -164,6 +170,7 @@ class RankPool:
             inbox.put(job)
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
+        waits = RunQueueWaits([p.pid for p in self._procs])
         while len(results) < self.world_size:
             try:
                 rank, data = self._outbox.get(timeout=1)
@@ -177,9 +184,14 @@ class RankPool:
                 for r in dead:
                     code = self._procs[r].exitcode
                     results[r] = RankError("ProcessDied", f"rank {r} exited with code {code}", "")
-            elif time.monotonic() > deadline:
+                continue
+            waits.sample()
+            if time.monotonic() > deadline + waits.most():
                 self.broken = True
-                raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s")
+                raise TimeoutError(
+                    f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s "
+                    f"(plus the {waits.most():.0f} s they waited for a CPU)"
+                )
         return [results[r] for r in range(self.world_size)]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = JOB_TIMEOUT_S) -> list[Any]:

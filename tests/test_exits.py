@@ -14,6 +14,7 @@ import gc
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -93,21 +94,33 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _release(with_ddp: bool) -> dict:
-    """Run the exit handler's work by hand: are the group's worker threads gone, is the process quiet?"""
+def _release(with_ddp: bool, turns: str) -> dict:
+    """Run the exit handler's work by hand: are the group's worker threads gone, is the process quiet?
+
+    One rank at a time, in rank order (``turns``: a folder the ranks share): a rank that destroys its group closes its
+    connections, which wakes a thread of each peer to handle the close. A peer checking itself meanwhile would see that
+    thread runnable (for long on a loaded machine) and take it for one the release left busy. The rank waiting for its
+    turn polls for a file: no thread of any process is woken by it.
+    """
     if with_ddp:  # DDP keeps a C++ reference to the group, even once the wrapper is freed (torch 2.13)
         head = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
         head(torch.ones(1, 2)).sum().backward()
     out = torch.empty(2)
     dist.all_to_all_single(out, torch.arange(2.0))
-    before = _threads()
-    exits.release_process_groups()  # this process imported torch.distributed.checkpoint: the group stays
-    return {"initialized": dist.is_initialized(), "quiet": exits._runnable_threads() == 0, "threads": (before, _threads())}
+    rank, done = dist.get_rank(), Path(turns)
+    while not all((done / f"released-{r}").exists() for r in range(rank)):
+        time.sleep(0.001)
+    try:
+        before = _threads()
+        exits.release_process_groups()  # this process imported torch.distributed.checkpoint: the group stays
+        return {"initialized": dist.is_initialized(), "quiet": exits._runnable_threads() == 0, "threads": (before, _threads())}
+    finally:
+        (done / f"released-{rank}").touch()
 
 
 @pytest.mark.parametrize("with_ddp", [False, True], ids=["free", "held-by-ddp"])
-def test_release_destroys_the_groups_and_drains_their_workers(regrouping_pool, with_ddp):
-    results = regrouping_pool.run(_then_new_group, free_port(), _release, with_ddp, timeout=60)
+def test_release_destroys_the_groups_and_drains_their_workers(regrouping_pool, with_ddp, tmp_path):
+    results = regrouping_pool.run(_then_new_group, free_port(), _release, with_ddp, str(tmp_path), timeout=60)
     for result in results:
         assert not result["initialized"] and result["quiet"], result
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_sparse.kernels.backend import launches, uses_triton
-from lightning_sparse.kernels.hashes import ROW_MULTIPLIER
 from lightning_sparse.kernels.host import KeptValues, host_tensor
+from lightning_sparse.kernels.rows import ROW_MULTIPLIER
 
 _INT32_LIMIT = 2**31 - 1
 

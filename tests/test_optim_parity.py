@@ -118,6 +118,27 @@ def test_the_gpu_path_matches_every_setting_s_reference(monkeypatch, case, devic
     torch.testing.assert_close(emb.full_weight().cpu(), expected, rtol=1e-5, atol=1e-6)
 
 
+CPU_KERNELS = ["torch", pytest.param("numba", marks=pytest.mark.skipif(not backend.numba_available(), reason="needs numba"))]
+
+
+@pytest.mark.parametrize("kernels", CPU_KERNELS)
+@pytest.mark.parametrize("case", [*CASES, *SETTINGS])
+def test_the_cpu_update_matches_every_reference(monkeypatch, case, kernels):
+    """Both CPU updates, one process: torch ops (:mod:`lightning_sparse.optim.functional`) and numba's fused kernel (what
+    ``auto`` picks on a CPU when numba imports, so the multi-rank tests above run it), against torch's optimizers."""
+    monkeypatch.setenv(backend.ENV, kernels)
+    name, kwargs = {**CASES, **SETTINGS}[case]
+    emb = ls.SparseEmbedding(N, D, seed=SEED)
+    opt = getattr(ls, name)([emb], **kwargs)
+    batches = make_batches()
+    for ids, target in batches:
+        batch_loss(emb(ids), target).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    expected = reference_train(name, kwargs, ls.init.normal()(torch.arange(N), D, SEED), batches)
+    torch.testing.assert_close(emb.full_weight(), expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("case", [*CASES, *SETTINGS])
 def test_each_setting_moves_its_reference(case):
     """Left at its default, each setting of a case changes the trained table by more than the parity tests' tolerance:

@@ -15,6 +15,7 @@ from host_reads import HostReads
 from test_gpu_path import AtenOps
 
 import lightning_sparse as ls
+from lightning_sparse.kernels import backend
 from lightning_sparse.lookup.engine import Round
 from lightning_sparse.lookup.joint import Joint
 
@@ -78,9 +79,12 @@ def _train(optimizer: str, kwargs: dict, joint: bool, duplicate_grads: str = "su
 
 
 @pytest.mark.parametrize("optimizer, kwargs", OPTIMIZERS)
-@pytest.mark.parametrize("duplicate_grads", ["sum", "mean"])
-def test_the_joint_cpu_step_trains_bitwise_as_the_per_table_path(optimizer, kwargs, duplicate_grads):
-    """Ids, 2-D and jagged bags pooled by sum, weighted sum and mean; tables at different steps; two lookups in a step."""
+@pytest.mark.parametrize("duplicate_grads, kernels", [("sum", "auto"), ("mean", "auto"), ("mean", "torch")])
+def test_the_joint_cpu_step_trains_bitwise_as_the_per_table_path(monkeypatch, optimizer, kwargs, duplicate_grads, kernels):
+    """Ids, 2-D and jagged bags pooled by sum, weighted sum and mean; tables at different steps; two lookups in a step.
+
+    Both CPU updates (``auto``: numba's kernel where numba imports; ``torch``: the torch ops), each on both paths."""
+    monkeypatch.setenv(backend.ENV, kernels)
     expected = _train(optimizer, kwargs, False, duplicate_grads)
     got = _train(optimizer, kwargs, True, duplicate_grads)
     for part, name in zip(range(2), ("tables", "optimizer state")):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lightning_sparse as ls
 from lightning_sparse.kernels import RuleState, Runs, StochasticRounding, UpdateRule, backend, segment_sum, sort_runs, update_rows
 from lightning_sparse.kernels import rows as kernel_rows
 from lightning_sparse.kernels import runs as kernel_runs
@@ -48,9 +49,20 @@ DEVICE_SCALARS_TOLERANCE = dict(rtol=1e-6, atol=1e-7)
 ONE_ULP_OF_ONE = dict(rtol=0, atol=1.2e-7)
 
 
+# The fused update's implementations: Triton's (on CPU through its interpreter, or on a GPU), and numba's on CPU tensors.
+UPDATE_DEVICES = [*KERNEL_DEVICES, pytest.param("numba", marks=pytest.mark.skipif(not backend.numba_available(),
+                                                                                  reason="needs numba"))]  # fmt: skip
+
+
 @pytest.fixture
 def triton_kernels(monkeypatch):
     monkeypatch.setenv(backend.ENV, "triton")
+
+
+def _update_kernels(monkeypatch, device: str) -> str:
+    """The device of an UPDATE_DEVICES case, its kernels chosen: ``"numba"`` is numba's on CPU tensors."""
+    monkeypatch.setenv(backend.ENV, "numba" if device == "numba" else "triton")
+    return "cpu" if device == "numba" else device
 
 
 def _skewed_keys(n: int, rows: int, seed: int) -> torch.Tensor:
@@ -117,10 +129,11 @@ def _case(name: str, dim: int):
                                                   lr=lr, **adam)  # fmt: skip
 
 
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("device", UPDATE_DEVICES)
 @pytest.mark.parametrize("case", ["sgd", "sgd_decay", "adagrad", "rowwise_adagrad", "adam_row", "adamw_global"])
 @pytest.mark.parametrize("scaling", ["sum", "mean", "divided"])
-def test_fused_update_matches_the_sum_then_the_functional_update(triton_kernels, device, case, scaling):
+def test_fused_update_matches_the_sum_then_the_functional_update(monkeypatch, device, case, scaling):
+    device = _update_kernels(monkeypatch, device)
     dim = 6
     keys = _skewed_keys(300, 40, seed=4)
     values = torch.randn(300, dim, generator=torch.Generator().manual_seed(5))
@@ -175,8 +188,9 @@ def test_one_launch_updates_many_tables_as_each_table_alone(triton_kernels, devi
         assert int(counters[t]) == len(distinct)
 
 
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_fused_update_of_distinct_rows_needs_no_sort(triton_kernels, device):
+@pytest.mark.parametrize("device", UPDATE_DEVICES)
+def test_fused_update_of_distinct_rows_needs_no_sort(monkeypatch, device):
+    device = _update_kernels(monkeypatch, device)
     rows = torch.tensor([5, 2, 9, 0])
     grad = torch.randn(4, 3)
     table = torch.randn(10, 3)
@@ -185,6 +199,70 @@ def test_fused_update_of_distinct_rows_needs_no_sort(triton_kernels, device):
     expected = table.clone()
     F.sgd_(expected, rows, grad.clone(), lr=0.5, weight_decay=0.0)
     torch.testing.assert_close(fused.cpu(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not backend.numba_available(), reason="needs numba")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_cpu_kernel_skips_placeholder_runs_weighs_counts_and_keeps_float64(monkeypatch, dtype):
+    """numba's update: weighted values, runs of placeholders only (counts 0: row and state untouched), the distinct-key
+    counter, a float64 table summed and stepped in float64; a verdict that shows a bad id updates and counts nothing."""
+    monkeypatch.setenv(backend.ENV, "numba")
+    gen = torch.Generator().manual_seed(12)
+    keys = _skewed_keys(300, 40, seed=13)
+    values, weights = torch.randn(300, 5, generator=gen, dtype=dtype), torch.rand(300, generator=gen, dtype=dtype)
+    present = (keys % 3 != 0).to(dtype)  # rows 0, 3, 6, ... have placeholders only
+    table, state = torch.randn(40, 5, generator=gen, dtype=dtype), torch.full((40, 5), 0.1, dtype=dtype)
+    fused, fused_state, counter = table.clone(), state.clone(), torch.zeros((), dtype=torch.int64)
+    runs = sort_runs(keys, 40)
+    rule = UpdateRule("adagrad", 0.2, state=RuleState(first=fused_state), eps=1e-10, weight_decay=0.05)
+    update_rows(runs, values, fused, rule, counts=present, weights=weights.index_select(0, runs.perm), unique=counter)
+    rows, sums, _ = _distinct(keys, values * weights.unsqueeze(1))
+    kept = rows % 3 != 0
+    expected, expected_state = table.clone(), state.clone()
+    F.adagrad_(expected, expected_state, rows[kept], sums[kept], clr=0.2, weight_decay=0.05, eps=1e-10)
+    tolerance = GPU_PATH_TOLERANCE if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(fused, expected, **tolerance)
+    torch.testing.assert_close(fused_state, expected_state, **tolerance)
+    assert torch.equal(fused[rows[~kept]], table[rows[~kept]]) and len(rows[~kept]) > 0
+    assert int(counter) == len(rows)  # every run counts, placeholders' too (as the Triton kernel counts)
+    before = fused.clone()
+    update_rows(runs, values, fused, rule, verdict=torch.tensor([0, 40]), unique=counter)  # id 40 of a 40-row table
+    assert torch.equal(fused, before) and int(counter) == len(rows)
+
+
+@pytest.mark.skipif(not backend.numba_available(), reason="needs numba")
+def test_the_cpu_kernel_runs_from_two_threads_at_once(monkeypatch):
+    """Two Python threads step their own tables through numba's parallel kernel at the same time, with 2 threads each
+    (numba's workqueue layer aborts the process on overlapping launches): each ends as when it ran alone."""
+    import threading
+
+    monkeypatch.setenv(backend.ENV, "numba")
+
+    def train(seed: int, out: dict) -> None:
+        emb = ls.SparseEmbedding(500, 16, seed=seed)
+        opt = ls.SparseAdam([emb], lr=0.01)
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(30):
+            emb(_skewed_keys(4000, 500, seed=int(torch.randint(0, 1000, (), generator=gen)))).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        out[seed] = emb.full_weight()
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone, together = {}, {}
+        for seed in (1, 2):
+            train(seed, alone)
+        workers = [threading.Thread(target=train, args=(seed, together)) for seed in (1, 2)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        torch.set_num_threads(threads_before)
+    for seed in (1, 2):
+        assert torch.equal(together[seed], alone[seed]), f"table {seed}"
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -389,3 +467,40 @@ def test_every_kernel_compiles_for_an_h100_without_spills(h100_builds):
                or build["registers"] > 128 or build["stack"] > -(-build["local"] // 8) * 8
                or (build["local"] and build["calls"] != libdevice)}  # fmt: skip
     assert not too_big, (version, too_big)
+
+
+def test_the_package_imports_numba_at_its_first_step_not_with_the_package():
+    """No module the package imports at load time (module level, followed from ``lightning_sparse``) imports numba or the
+    numba kernels: they come with the first CPU step that takes them (``backend.numba_module``)."""
+    import ast
+
+    package = Path(ls.__file__).parent
+    loaded, pending, numba_at_load = set(), ["lightning_sparse"], []
+    while pending:
+        name = pending.pop()
+        if name in loaded:
+            continue
+        loaded.add(name)
+        path = package.parent / (name.replace(".", "/") + ".py")
+        path = path if path.exists() else package.parent / name.replace(".", "/") / "__init__.py"
+        tree = ast.parse(path.read_text())
+        top = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+        inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(f)}
+        for node in (n for n in top if id(n) not in inside):
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_sparse"):
+                targets += [f"{node.module}.{a.name}" for a in node.names]
+            for target in targets:
+                if target.split(".")[0] == "numba" or target.endswith("numba_runs"):
+                    numba_at_load.append(f"{name} imports {target}")
+                elif (
+                    target.startswith("lightning_sparse")
+                    and (package.parent / target.replace(".", "/")).with_suffix(".py").exists()
+                ):
+                    pending.append(target)
+                elif (
+                    target.startswith("lightning_sparse") and (package.parent / target.replace(".", "/") / "__init__.py").exists()
+                ):
+                    pending.append(target)
+    assert "lightning_sparse.kernels.backend" in loaded and "lightning_sparse.optim.fused" in loaded
+    assert not numba_at_load, numba_at_load

@@ -107,15 +107,33 @@ def test_the_gpu_path_matches_every_setting_s_reference(monkeypatch, case, devic
     """The fused update kernels (Triton; on CPU through its interpreter), one process, against the same references."""
     monkeypatch.setenv(backend.ENV, "triton")
     name, kwargs = SETTINGS[case]
+    got, expected = train_in_one_process(name, kwargs, make_batches()[:3], device)  # (the interpreter: seconds a step)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def train_in_one_process(name: str, kwargs: dict, batches, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(the table trained by ``ls.<name>`` in this process, on ``device``; the torch reference's table)."""
     emb = ls.SparseEmbedding(N, D, seed=SEED, device=device)
     opt = getattr(ls, name)([emb], **kwargs)
-    batches = make_batches()[:3]  # (the interpreter runs each kernel as Python: seconds a step)
     for ids, target in batches:
         batch_loss(emb(ids.to(device)), target.to(device)).mean().backward()
         opt.step()
         opt.zero_grad()
-    expected = reference_train(name, kwargs, ls.init.normal()(torch.arange(N), D, SEED), batches)
-    torch.testing.assert_close(emb.full_weight().cpu(), expected, rtol=1e-5, atol=1e-6)
+    return emb.full_weight().cpu(), reference_train(name, kwargs, ls.init.normal()(torch.arange(N), D, SEED), batches)
+
+
+CPU_KERNELS = ["torch", pytest.param("numba", marks=pytest.mark.skipif(not backend.numba_available(), reason="needs numba"))]
+
+
+@pytest.mark.parametrize("kernels", CPU_KERNELS)
+@pytest.mark.parametrize("case", [*CASES, *SETTINGS])
+def test_the_cpu_update_matches_every_reference(monkeypatch, case, kernels):
+    """Both CPU updates, one process: torch ops (:mod:`lightning_sparse.optim.functional`) and numba's fused kernel (what
+    ``auto`` picks on a CPU when numba imports, so the multi-rank tests above run it), against torch's optimizers."""
+    monkeypatch.setenv(backend.ENV, kernels)
+    name, kwargs = {**CASES, **SETTINGS}[case]
+    got, expected = train_in_one_process(name, kwargs, make_batches())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", [*CASES, *SETTINGS])

@@ -1,6 +1,7 @@
-"""Device kernels of the sparse path, each with its plain torch counterpart (see ``backend.py`` for which runs)."""
+"""Device kernels of the sparse path (Triton; numba for the CPU's fused update), each with its plain torch counterpart (see
+``backend.py`` for which runs)."""
 
-from lightning_sparse.kernels.backend import computes_in_triton, gpu_path, launches, uses_triton
+from lightning_sparse.kernels.backend import computes_in_triton, gpu_path, launches, uses_numba, uses_triton
 from lightning_sparse.kernels.runs import (
     RuleState,
     Runs,
@@ -26,5 +27,6 @@ __all__ = [
     "sort_runs",
     "table_entries",
     "update_rows",
+    "uses_numba",
     "uses_triton",
 ]

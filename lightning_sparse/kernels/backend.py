@@ -1,15 +1,28 @@
-"""Which implementation runs a kernel: Triton on a GPU, plain torch elsewhere.
+"""Which implementation runs a kernel: Triton on a GPU, numba or plain torch on a CPU.
 
 Every kernel in this folder has two implementations of one contract: a Triton kernel, for
 CUDA tensors, and plain torch ops, for CPU tensors (fast there: ``index_select``,
 ``F.embedding_bag``) and for a GPU without Triton. :func:`uses_triton` picks one per call.
+The optimizer's fused update has a third, for CPU tensors: a numba kernel
+(:mod:`lightning_sparse.kernels.numba_runs`), which :func:`uses_numba` picks when numba imports.
 
 ``LIGHTNING_SPARSE_KERNELS`` overrides the choice, for tests and A/B benchmarks:
 
 * ``torch``: plain torch everywhere, also on a GPU;
 * ``triton``: Triton everywhere, also for CPU tensors, which Triton runs only in its
   interpreter (``TRITON_INTERPRET=1``, set before triton is imported): how the suite runs the
-  GPU's code path on a CPU, where it counts the path's ops and host reads.
+  GPU's code path on a CPU, where it counts the path's ops and host reads;
+* ``numba``: numba for CPU tensors (an error if it does not import), plain torch for CUDA tensors without Triton.
+
+numba is imported at its first use (:func:`numba_module`), never with the package. Its parallel kernels run
+on :func:`numba_threads`: torch's thread count (``torch.get_num_threads()``), and numba's ``workqueue``
+threading layer unless ``NUMBA_THREADING_LAYER`` names another. Why workqueue: it is numba's own thread pool,
+loads no second OpenMP runtime beside torch's (numba's ``omp`` layer links the system's libgomp, torch
+wheels bring their own; two runtimes each spin their threads on the same cores) and survives a ``fork``
+(DataLoader workers), which GNU OpenMP does not promise; ``tbb`` is seldom installed. Its one limit: two
+threads launching parallel kernels at once abort the process. :func:`numba_threads` holds a process-wide lock
+around every launch of this package (and the kernels hold the GIL), so its own launches never overlap; numba
+code of the user's own that runs parallel kernels from other threads should set ``NUMBA_THREADING_LAYER=tbb``.
 
 :data:`launches` counts Triton kernel launches, for the tests that count a step's kernels, and makes
 the launch's device current: Triton launches on the current CUDA device and its current stream, so
@@ -26,16 +39,20 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import cache
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
 ENV = "LIGHTNING_SPARSE_KERNELS"
-CHOICES = ("auto", "torch", "triton")
+CHOICES = ("auto", "torch", "triton", "numba")
+NUMBA_LAYER = "workqueue"  # numba's threading layer unless NUMBA_THREADING_LAYER names one (see the module's docstring)
 # The (torch, Triton) releases the GPU path has run on, on a GPU (README's status table; docs/guide/gpu.md, "Versions").
 # The suite also compiles the kernels for sm_90 with Triton 3.6 and 3.9 and runs them in 3.9's interpreter.
 RAN_ON_A_GPU = (("2.11", "3.6"),)
@@ -71,7 +88,8 @@ launches = Launches()
 
 
 def choice() -> str:
-    """``LIGHTNING_SPARSE_KERNELS`` (default ``auto``: Triton for CUDA tensors when triton is installed)."""
+    """``LIGHTNING_SPARSE_KERNELS`` (default ``auto``: Triton for CUDA tensors when triton is installed, numba for CPU
+    tensors when numba is)."""
     value = os.environ.get(ENV, "auto")
     if value not in CHOICES:
         raise ValueError(f"Invalid {ENV}={value!r}. HINT: use one of {CHOICES}.")
@@ -110,6 +128,57 @@ def uses_triton(tensor: Tensor) -> bool:
         _versions_checked(True)
         return True
     return False
+
+
+@cache
+def numba_available() -> bool:
+    """Whether numba imports (a dependency: the CPU's fused update; without it the CPU takes plain torch ops)."""
+    try:
+        numba_module()
+    except ImportError:
+        return False
+    return True
+
+
+def uses_numba(tensor: Tensor) -> bool:
+    """Whether the CPU kernels for ``tensor`` (a table's shard) run in numba: CPU tensors, unless ``torch`` or ``triton``
+    is chosen."""
+    wanted = choice()
+    if tensor.device.type != "cpu" or wanted in ("torch", "triton"):
+        return False
+    if wanted == "numba" and not numba_available():
+        raise RuntimeError(f"{ENV}=numba but numba does not import. HINT: pip install numba, or set {ENV}=torch.")
+    return numba_available()
+
+
+@cache
+def numba_module() -> ModuleType:
+    """numba, imported now (the first use), its threading layer :data:`NUMBA_LAYER` unless ``NUMBA_THREADING_LAYER`` is set.
+
+    The layer is the process's (numba reads ``NUMBA_THREADING_LAYER`` when it is imported, and child processes inherit
+    it): where numba was imported before, it keeps the layer it was given.
+    """
+    if "numba" not in sys.modules:
+        os.environ.setdefault("NUMBA_THREADING_LAYER", NUMBA_LAYER)
+    import numba
+
+    return numba
+
+
+_numba_launch = threading.Lock()
+
+
+@contextmanager
+def numba_threads() -> Iterator[None]:
+    """Around a launch of a parallel numba kernel: ``torch.get_num_threads()`` threads (at most numba's pool), one launch
+    at a time in the process (the workqueue layer aborts on two at once; see the module's docstring).
+
+    numba's thread count is the calling thread's own, so it is set at every launch.
+    """
+    numba = numba_module()
+    with _numba_launch:
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        yield
 
 
 def _release(version: str) -> tuple[int, int]:

@@ -28,8 +28,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels.hashes import hashes, seed_salt
-from lightning_sparse.kernels.rows import copy_rows
+from lightning_sparse.kernels.rows import copy_rows, hashes, seed_salt
 
 
 class GlobalRows(Protocol):

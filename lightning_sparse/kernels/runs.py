@@ -9,9 +9,9 @@ written to memory.
 
 Both run in Triton on a GPU (:mod:`lightning_sparse.kernels.triton_runs`) with no host read:
 the kernels find the runs from the keys. :func:`segment_sum` has a plain torch implementation
-(``F.embedding_bag``, fast on CPU); :func:`update_rows` is Triton only: on CPU the optimizer
-sums with :func:`segment_sum` and updates with :mod:`lightning_sparse.optim.functional`, the
-reference the Triton update is tested against.
+(``F.embedding_bag``, fast on CPU); :func:`update_rows` runs on CPU tensors in numba
+(:mod:`lightning_sparse.kernels.numba_runs`); without either the optimizer sums with :func:`segment_sum`
+and updates with :mod:`lightning_sparse.optim.functional`, the reference both kernels are tested against.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_sparse.kernels.backend import launches, uses_triton
-from lightning_sparse.kernels.hashes import ROW_MULTIPLIER
+from lightning_sparse.kernels.backend import launches, uses_numba, uses_triton
 from lightning_sparse.kernels.host import KeptValues, host_tensor
+from lightning_sparse.kernels.rows import ROW_MULTIPLIER
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -85,11 +85,8 @@ class UpdateRule:
 
 @dataclass(frozen=True)
 class StochasticRounding:
-    """Stochastic rounding of a bf16 table's new rows (:mod:`lightning_sparse.kernels.rounding`).
-
-    ``salt`` is the hash salt of the update's draws (``rounding.noise_salt``); a local row ``r``
-    is global row ``r * global_mul + global_add`` (the draws are a hash of global rows).
-    """
+    """Stochastic rounding of a bf16 table's new rows (:mod:`lightning_sparse.kernels.rounding`): ``salt`` is the hash
+    salt of the update's draws (``rounding.noise_salt``); a local row ``r`` is global row ``r * global_mul + global_add``."""
 
     salt: int
     global_mul: int = 1
@@ -114,13 +111,8 @@ class TableSet:
     counter: Tensor | None = None
 
 
-def table_entries(
-    tables: list[Tensor],
-    states: list[RuleState],
-    counters: list[Tensor | None],
-    scalars: list[tuple[float, float, float]],
-    kept: KeptValues | None = None,
-) -> Tensor:
+def table_entries(tables: list[Tensor], states: list[RuleState], counters: list[Tensor | None],
+                  scalars: list[tuple[float, float, float]], kept: KeptValues | None = None) -> Tensor:  # fmt: skip
     """The ``[T, 8]`` entries of a :class:`TableSet` on the tables' device (one copy from pinned host memory, no wait).
 
     Per table: its rows, the state its rule reads, its unique-id counter (``None``: none) and its step's scalars
@@ -187,7 +179,8 @@ def update_rows(
     verdict: Tensor | None = None,
     unique: Tensor | None = None,
 ) -> None:
-    """Apply ``rule`` to the table row of each run (its key) with the run's summed values as gradient. Triton only.
+    """Apply ``rule`` to the table row of each run (its key) with the run's summed values as gradient: in Triton, or (CPU
+    tensors, one table, no stochastic rounding; :func:`~lightning_sparse.kernels.backend.uses_numba`) in numba.
 
     ``table``: one table, or a :class:`TableSet` (keys name table and row; each table's scalars
     and counter come from its entry, the rest of ``rule`` is shared; no stochastic rounding).
@@ -206,6 +199,11 @@ def update_rows(
     if rule.family not in FAMILIES[1:]:
         raise ValueError(f"Invalid update family: {rule.family!r}. HINT: use one of {FAMILIES[1:]}.")
     many = table if isinstance(table, TableSet) else None
+    if many is None and rounding is None and uses_numba(table):
+        from lightning_sparse.kernels import numba_runs
+
+        return numba_runs.update(runs.keys, runs.perm, values, table, rule, counts=counts, weights=weights, mean=mean,
+                                 divisor=divisor, verdict=verdict, unique=unique)  # fmt: skip
     if many is not None and rounding is not None:
         raise ValueError("update_rows: stochastic rounding takes one table at a time.")
     rows, state = (many.rows, many.state) if many is not None else (table, rule.state)

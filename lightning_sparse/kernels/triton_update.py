@@ -80,7 +80,7 @@ class RowPointers(NamedTuple):
 
 @triton.jit
 def _lowbias32(x):
-    """Chris Wellons' lowbias32 on int32 holding 32 bits (lightning_sparse.kernels.hashes._hash32_, op for op)."""
+    """Chris Wellons' lowbias32 on int32 holding 32 bits (lightning_sparse.kernels.rows._hash32_, op for op)."""
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * 2146121005  # 0x7FEB352D
     x = x ^ ((x >> 15) & 0x1FFFF)
@@ -90,7 +90,7 @@ def _lowbias32(x):
 
 @triton.jit
 def hash_bits(global_rows, columns, salt, row_multiplier):
-    """``[rows, columns]`` int32 of 32 random bits: lightning_sparse.kernels.hashes.hashes for these rows and columns."""
+    """``[rows, columns]`` int32 of 32 random bits: lightning_sparse.kernels.rows.hashes for these rows and columns."""
     x = global_rows.to(tl.int64) * row_multiplier + salt
     row_keys = (x ^ (x >> 32)).to(tl.int32)
     return _lowbias32(row_keys[:, None] + columns[None, :] * -1640531527)  # 0x9E3779B9 as int32

@@ -15,8 +15,9 @@ on a GPU or a CPU alike. ``step()`` here:
    over all ranks (DGL's semantics);
 4. updates only the touched rows and their state. On a GPU, steps 3 and 4 are one sort and
    one fused kernel (:func:`lightning_sparse.kernels.update_rows`): each row's gradient is
-   summed and applied in registers, with no host read; elsewhere, one sort and a segment sum,
-   then the rule's torch ops (:mod:`lightning_sparse.optim.functional`).
+   summed and applied in registers, with no host read; on a CPU with numba, one sort and its
+   twin (:mod:`lightning_sparse.kernels.numba_runs`); elsewhere (a half CPU table, or without
+   numba), one sort and a segment sum, then the rule's torch ops (:mod:`lightning_sparse.optim.functional`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_sparse.kernels import UpdateRule
+from lightning_sparse.kernels import UpdateRule, uses_triton
 from lightning_sparse.kernels.rounding import HALF, compute_dtype
 from lightning_sparse.kernels.rows import put as rows_put
 from lightning_sparse.optim import checks, fused, joint, joint_cpu, row_grads
@@ -204,7 +205,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
     def _apply(self, table: SparseEmbedding, state: dict[str, Tensor], group: dict[str, Any], grads: TableGrads) -> None:
         """Sum the table's gradient rows per row and update those rows by this step's :meth:`rule`."""
         use_fused = fused.applies(table)
-        if use_fused and group["capturable"]:  # the step count on the device, the scalars computed there
+        if use_fused and group["capturable"] and uses_triton(table.shard):  # the step count on the device, the scalars there
             step, table_sets = (state["step"].double() if "step" in state else 0), self.table_sets
         else:
             step, table_sets = int(state.get("step", 0)), None

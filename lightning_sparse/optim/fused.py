@@ -1,4 +1,4 @@
-"""A table's step through the fused GPU update (:func:`~lightning_sparse.kernels.update_rows`).
+"""A table's step through the fused update (:func:`~lightning_sparse.kernels.update_rows`): Triton on a GPU, numba on a CPU.
 
 The optimizer's :class:`~lightning_sparse.kernels.UpdateRule` says which family, which state and the step's scalars
 (learning rate, step size). Two ways to hand the scalars over:
@@ -30,6 +30,7 @@ from lightning_sparse.kernels import (
     sort_runs,
     table_entries,
     update_rows,
+    uses_numba,
     uses_triton,
 )
 from lightning_sparse.kernels.host import KeptValues
@@ -41,7 +42,10 @@ if TYPE_CHECKING:
 
 
 def applies(table: SparseEmbedding) -> bool:
-    """Whether the fused kernel steps ``table``: Triton for its device, and float32, bf16, or fp16 rounded to nearest."""
+    """Whether the fused kernel steps ``table``: Triton for its device, and float32, bf16, or fp16 rounded to nearest; or
+    numba for a CPU table of float32 or float64 (a half table's rounding stays with the torch ops)."""
+    if uses_numba(table.shard):
+        return table.dtype in (torch.float32, torch.float64) and table.shard.is_contiguous()
     fusable = table.dtype in (torch.float32, torch.bfloat16) or (
         table.dtype == torch.float16 and table.stochastic_rounding is False
     )

@@ -5,7 +5,9 @@ The CPU's side of :mod:`lightning_sparse.optim.joint`: the rounds' keys over all
 gradients, times their weights), and the optimizer's rule runs once on all the tables' rows
 (:func:`~lightning_sparse.optim.update.torch_update`, the arithmetic of :mod:`lightning_sparse.optim.functional`). Each
 table keeps its own shard and state, so reading and writing rows is one op per table (:class:`Tables`); the scalars
-that differ per table (Adagrad's decayed learning rate, Adam's step size) become one value per row.
+that differ per table (Adagrad's decayed learning rate, Adam's step size) become one value per row. With numba
+(:func:`~lightning_sparse.kernels.uses_numba`, as the per-table path) the rule runs as numba's fused update instead, one
+call per table on its distinct rows and their sums (:func:`~lightning_sparse.kernels.update_rows`).
 
 The sums add each key's gradients in the order of its ids, as the engine's backward does, and the arithmetic is the
 per-table path's, op for op: a collection trains bitwise as when its tables step one by one.
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_sparse.kernels import RuleState, UpdateRule
+from lightning_sparse.kernels import RuleState, Runs, UpdateRule, update_rows, uses_numba
 from lightning_sparse.kernels.rows import copy_rows
 from lightning_sparse.optim.update import torch_update
 from lightning_sparse.wire.grouping import SortedKeys
@@ -108,11 +110,15 @@ def update(tables: list[SparseEmbedding], keys: Tensor, values: Tensor, sources:
         grad = grad / torch.diff(offsets, append=offsets.new_full((1,), len(keys))).to(grad.dtype).unsqueeze(1)
     for t in stepped:
         tables[t].stats.unique_ids += sizes[t]
+    rows = (unique & ((1 << shift) - 1)).split(sizes)
+    if uses_numba(values):  # numba's fused update: each table's distinct rows, its own rule and scalars, one call each
+        for t, table_grad in zip(stepped, grad.split([sizes[t] for t in stepped])):
+            update_rows(Runs(rows[t]), table_grad, tables[t].shard, rules[t])
+        return
     # A key's row in the joined state: its row, after the rows of the tables before its table.
     before = list(itertools.accumulate((len(t.shard) for t in tables[:-1]), initial=0))
     before = [rows_before - (i << shift) for i, rows_before in enumerate(before)]
     joint_rows = unique + torch.repeat_interleave(torch.tensor(before), torch.tensor(sizes), output_size=below[-1])
-    rows = (unique & ((1 << shift) - 1)).split(sizes)
     at, first = [rows[t] for t in stepped], rules[stepped[0]]
     rule = replace(first, state=RuleState(*(joint[id(v)] if v is not None else None for v in first.state)),
                    lr=_per_row([rules[t].lr for t in stepped], at, first.family),

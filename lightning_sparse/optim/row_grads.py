@@ -3,7 +3,7 @@
 They are what :func:`~lightning_sparse.wire.grads_exchange.grads_to_owners` delivered (:func:`owned_grads`):
 with one rank the table's pending lookups' gradient rows as they are, one per id for a lookup of
 one table (``gather``), one per distinct row for the lookup engine's. Rows may repeat; the update sums them (the fused
-:func:`~lightning_sparse.kernels.update_rows` on a GPU, :func:`summed` otherwise).
+:func:`~lightning_sparse.kernels.update_rows` on a GPU, or with numba on a CPU; :func:`summed` otherwise).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ state it reads by name, the step's scalars by name). :func:`update_table` applie
 place, as ``torch.optim.adagrad(..., fused=)`` does:
 
 * ``fused``: one sort and one fused launch that sums each row's gradient and updates the row in registers
-  (:func:`lightning_sparse.optim.fused.update`, :func:`lightning_sparse.kernels.update_rows`);
+  (:func:`lightning_sparse.optim.fused.update`, :func:`lightning_sparse.kernels.update_rows`: Triton on a GPU, numba
+  on a CPU);
 * else one sort and a segment sum (:func:`lightning_sparse.optim.row_grads.summed`), then :func:`torch_update`: the
   arithmetic of :mod:`lightning_sparse.optim.functional`, which the fused kernel is tested against.
 """

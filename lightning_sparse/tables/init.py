@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lightning_sparse.kernels import computes_in_triton, gpu_path
 from lightning_sparse.kernels import rows as kernel_rows
-from lightning_sparse.kernels.hashes import hashes
+from lightning_sparse.kernels.rows import hashes
 
 RowInit = Callable[[Tensor, int, int], Tensor]
 

@@ -1,0 +1,191 @@
+"""numba: the fused update of :func:`~lightning_sparse.kernels.update_rows` for CPU tensors, the Triton runs kernel's twin.
+
+One pass over the sorted keys finds the runs (a run: the positions of one distinct key); then, in parallel
+over stretches of about equal numbers of positions (a hot row's long run stays in one stretch), each run's
+values are summed through ``perm`` into a row buffer, scaled (``mean``: by the run's occurrences, else by
+``divisor``), and the optimizer's rule is applied to the table row and its state, each read once and written
+once: no gathered copies of rows or state, no row gradient written to memory.
+
+The arithmetic is :mod:`lightning_sparse.optim.functional`'s, formula for formula, in the table's dtype
+(float32 or float64; each state tensor in its own dtype), with IEEE division and square root and no
+fastmath. What differs from the torch ops, within the suite's tolerance (``rtol=1e-5, atol=1e-6``) and not
+bit for bit:
+
+* no fused multiply-add: torch's vectorized ``add(alpha=)``, ``addcmul`` and ``lerp`` may use FMA;
+* ``lerp`` (Adam's ``exp_avg``) is written in torch's two forms, ``m + w (g - m)`` for a weight below 0.5, else
+  ``g - (g - m)(1 - w)``, element by element;
+* row-wise Adagrad adds ``sum(g^2) / dim`` in order, where torch squares a ``vector_norm`` (a pairwise sum's
+  square root);
+* each run's values are added in sorted order, as ``F.embedding_bag`` adds them (so a row's sum matches
+  the torch path's, but for the FMA above), in the values' dtype, then rounded to the table's.
+
+The scalars are torch's: Python numbers rounded once to the table's dtype (``1 - lr * weight_decay`` and
+Adam's step size computed in double first, as torch receives them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_sparse.kernels.backend import numba_module, numba_threads
+
+numba = numba_module()
+
+FAMILIES = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = range(len(FAMILIES))
+# The kernel's flags (ints) and scalars (the table's dtype), by position in their tuples.
+FLAGS = ("family", "has_perm", "has_weights", "has_counts", "mean", "divide", "weight_decay", "decoupled", "row_bias",
+         "lerp_from_end")  # fmt: skip
+SCALARS = ("lr", "step_size", "decay", "weight_decay", "eps", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "one",
+           "divisor", "dim")  # fmt: skip
+(FAMILY, HAS_PERM, HAS_WEIGHTS, HAS_COUNTS, MEAN, DIVIDE, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END) = range(len(FLAGS))
+(LR, STEP_SIZE, DECAY, DECAY_L2, EPS, BETA1, BETA2, ONE_MINUS_BETA1, ONE_MINUS_BETA2, ONE, DIVISOR, DIM) = range(len(SCALARS))
+# Stretches of sorted positions per thread, handed out one at a time (chunk size 1): a stretch of cold ids (a row to
+# update per position) takes longer than one of a hot id's run, and a thread that drew slow ones is not left behind.
+STRETCHES_PER_THREAD = 4
+
+
+@numba.njit(cache=True)
+def run_starts(keys: np.ndarray, starts: np.ndarray) -> int:
+    """``starts[u]``: the first position of run ``u`` of the sorted ``keys``; ``starts[runs]`` is ``len(keys)``. Returns
+    the number of runs."""
+    runs = 0
+    for i in range(keys.shape[0]):
+        if i == 0 or keys[i] != keys[i - 1]:
+            starts[runs] = i
+            runs += 1
+    starts[runs] = keys.shape[0]
+    return runs
+
+
+@numba.njit(parallel=True, cache=True)
+def update_runs(table, first, second, per_row, row_step, values, perm, weights, counts, keys, starts, runs, stretches, flags,
+                scalars):  # fmt: skip
+    """The rule on the table row of each run (``keys[starts[u]]``), its gradient the run's values summed (module doc)."""
+    n, dim = keys.shape[0], table.shape[1]
+    for stretch in numba.prange(stretches):
+        low = np.searchsorted(starts[:runs], stretch * n // stretches)
+        high = np.searchsorted(starts[:runs], (stretch + 1) * n // stretches)
+        total = np.empty(dim, dtype=values.dtype)
+        g = np.empty(dim, dtype=table.dtype)
+        cast = np.empty(2, dtype=table.dtype)  # a number in the table's dtype (numba types arithmetic as NumPy does)
+        for u in range(low, high):
+            total[:] = 0
+            count = total[0]  # (zero, in the values' dtype)
+            for k in range(starts[u], starts[u + 1]):
+                source = perm[k] if flags[HAS_PERM] else k
+                if flags[HAS_WEIGHTS]:
+                    for j in range(dim):
+                        total[j] += values[source, j] * weights[k]
+                else:
+                    for j in range(dim):
+                        total[j] += values[source, j]
+                count += counts[source] if flags[HAS_COUNTS] else 1
+            if flags[HAS_COUNTS] and not count > 0:  # placeholders only (ranks without a gradient): no update
+                continue
+            cast[0] = count
+            for j in range(dim):
+                g[j] = total[j]
+                if flags[MEAN]:  # duplicate_grads="mean": divided by the occurrences
+                    g[j] = g[j] / cast[0]
+                elif flags[DIVIDE]:  # "sum" on several ranks: divided by their number
+                    g[j] = g[j] / scalars[DIVISOR]
+            _apply(table, first, second, per_row, row_step, keys[starts[u]], g, cast, flags, scalars)
+
+
+@numba.njit(cache=True)
+def _apply(table, first, second, per_row, row_step, row, g, cast, flags, scalars):
+    """One step of the rule on ``table[row]`` and its state, with gradient ``g`` (functional.py, formula for formula)."""
+    family, dim, lr = flags[FAMILY], table.shape[1], scalars[LR]
+    if flags[WEIGHT_DECAY] and not (family == ADAM and flags[DECOUPLED]):  # L2: g += weight_decay * row
+        for j in range(dim):
+            g[j] = g[j] + scalars[DECAY_L2] * table[row, j]
+    if family == SGD:  # row -= lr * g
+        for j in range(dim):
+            table[row, j] = table[row, j] + g[j] * -lr
+    elif family == ADAGRAD:  # sum += g^2; row -= clr * g / (sqrt(sum) + eps)
+        for j in range(dim):
+            total = first[row, j] + g[j] * g[j]
+            first[row, j] = total
+            table[row, j] = table[row, j] + g[j] / (np.sqrt(total) + scalars[EPS]) * -lr
+    elif family == ROWWISE_ADAGRAD:  # sum += mean(g^2); row -= lr * g / (sqrt(sum) + eps)
+        squares = g[0] * g[0]
+        for j in range(1, dim):
+            squares += g[j] * g[j]
+        total = per_row[row] + squares / scalars[DIM]
+        per_row[row] = total
+        scale = scalars[ONE] / (np.sqrt(total) + scalars[EPS]) * -lr
+        for j in range(dim):
+            table[row, j] = table[row, j] + g[j] * scale
+    else:  # Adam (lazy): m = lerp(m, g, 1 - beta1); v = beta2 v + (1 - beta2) g^2
+        corrected1 = corrected2 = scalars[ONE]
+        if flags[ROW_BIAS]:  # each row's own step t: row -= lr * m_hat / (sqrt(v_hat) + eps)
+            row_step[row] += 1
+            cast[1] = row_step[row]
+            corrected2 = scalars[ONE] - scalars[BETA2] ** cast[1]
+            corrected1 = scalars[ONE] - scalars[BETA1] ** cast[1]
+        for j in range(dim):
+            value, m, v = table[row, j], first[row, j], second[row, j]
+            if flags[WEIGHT_DECAY] and flags[DECOUPLED]:  # AdamW: row *= 1 - lr * weight_decay
+                value = value * scalars[DECAY]
+            if flags[LERP_FROM_END]:
+                m = g[j] - (g[j] - m) * (scalars[ONE] - scalars[ONE_MINUS_BETA1])
+            else:
+                m = m + scalars[ONE_MINUS_BETA1] * (g[j] - m)
+            v = v * scalars[BETA2] + scalars[ONE_MINUS_BETA2] * g[j] * g[j]
+            first[row, j], second[row, j] = m, v
+            if flags[ROW_BIAS]:
+                delta = m / ((np.sqrt(v / corrected2) + scalars[EPS]) * corrected1) * -lr
+            else:  # one step for the table: step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t)
+                delta = m / (np.sqrt(v) + scalars[EPS]) * -scalars[STEP_SIZE]
+            table[row, j] = value + delta
+
+
+def update(runs_keys: Tensor, perm: Tensor | None, values: Tensor, table: Tensor, rule: Any, *, counts: Tensor | None,
+           weights: Tensor | None, mean: bool, divisor: float, verdict: Tensor | None, unique: Tensor | None) -> None:  # fmt: skip
+    """:func:`~lightning_sparse.kernels.update_rows` on CPU tensors: one table (no ``TableSet``), no stochastic rounding.
+
+    ``rule``: the :class:`~lightning_sparse.kernels.UpdateRule`. Every array goes in contiguous, in one dtype per
+    argument (int64 keys and counters, the table's dtype for its scalars), so one compiled kernel serves every family.
+    """
+    if rule.family not in FAMILIES:
+        raise ValueError(f"Invalid update family: {rule.family!r}. HINT: use one of {FAMILIES}.")
+    if verdict is not None and not (int(verdict[0]) >= 0 and int(verdict[1]) < table.shape[0]):
+        return  # bad input since the verdict was cleared: nothing is updated, nothing counted (as the Triton kernel)
+    keys = runs_keys.to(torch.int64).contiguous().numpy()
+    starts = np.empty(len(keys) + 1, dtype=np.int64)
+    runs = run_starts(keys, starts)
+    state, (beta1, beta2), family = rule.state, rule.betas, rule.family
+    shard, values = table.detach().numpy(), values.detach().contiguous()
+    spare, no_rows = shard[:0], np.empty(0, dtype=shard.dtype)  # for state a family does not read (never touched)
+    flags = (FAMILIES.index(family), perm is not None, weights is not None, counts is not None, mean, (not mean) and divisor != 1.0,
+             rule.weight_decay != 0.0, rule.decoupled_weight_decay, rule.row_bias, 1.0 - beta1 >= 0.5)  # fmt: skip
+    numbers = (rule.lr, rule.step_size, 1.0 - rule.lr * rule.weight_decay, rule.weight_decay, rule.eps, beta1, beta2,
+               1.0 - beta1, 1.0 - beta2, 1.0, divisor, table.shape[1])  # fmt: skip
+    # Tuples, not arrays: values the compiler knows no store can change, so it keeps them in registers and vectorizes.
+    flags, scalars = tuple(int(flag) for flag in flags), tuple(shard.dtype.type(float(number)) for number in numbers)
+    per_row = state.per_row.numpy() if family == "rowwise_adagrad" else no_rows
+    row_step = state.per_row.numpy() if family == "adam" and rule.row_bias else keys[:0]
+    with numba_threads(), numba.parallel_chunksize(1):
+        stretches = min(runs, numba.get_num_threads() * STRETCHES_PER_THREAD)
+        update_runs(shard, _array(state.first, spare), _array(state.second, spare), per_row, row_step, values.numpy(),
+                    perm.numpy() if perm is not None else keys, _column(weights, values), _column(counts, values), keys,
+                    starts, runs, stretches, flags, scalars)  # fmt: skip
+    if unique is not None:
+        unique.add_(runs)
+
+
+def _array(tensor: Tensor | None, spare: np.ndarray) -> np.ndarray:
+    """A state tensor as an array; ``None``: ``spare`` (a family's unused state, of the type the kernel was compiled for)."""
+    return tensor.detach().numpy() if tensor is not None else spare
+
+
+def _column(tensor: Tensor | None, values: Tensor) -> np.ndarray:
+    """Weights or counts as a contiguous array in the values' dtype (as the torch path sums them); ``None``: an empty one."""
+    if tensor is None:
+        return np.empty(0, dtype=values.numpy().dtype)
+    return tensor.to(values.dtype).contiguous().numpy()

@@ -9,7 +9,12 @@ CUDA tensors, and plain torch ops, for CPU tensors (fast there: ``index_select``
 * ``torch``: plain torch everywhere, also on a GPU;
 * ``triton``: Triton everywhere, also for CPU tensors, which Triton runs only in its
   interpreter (``TRITON_INTERPRET=1``, set before triton is imported): how the suite runs the
-  GPU's code path on a CPU, where it counts the path's ops and host reads.
+  GPU's code path on a CPU, where it counts the path's ops and host reads;
+* ``numba``: numba for CPU tensors (an error if it does not import), plain torch for CUDA tensors without Triton.
+
+A dynamic table's slot map runs its probes on CPU tensors in numba (:func:`uses_numba`,
+:mod:`lightning_sparse.tables.slot_kernels`) when numba imports, else in plain torch: the same results.
+numba is imported at its first use (:func:`numba_module`), never with the package.
 
 :data:`launches` counts Triton kernel launches, for the tests that count a step's kernels, and makes
 the launch's device current: Triton launches on the current CUDA device and its current stream, so
@@ -30,12 +35,13 @@ import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import cache
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
 ENV = "LIGHTNING_SPARSE_KERNELS"
-CHOICES = ("auto", "torch", "triton")
+CHOICES = ("auto", "torch", "triton", "numba")
 # The (torch, Triton) releases the GPU path has run on, on a GPU (README's status table; docs/guide/gpu.md, "Versions").
 # The suite also compiles the kernels for sm_90 with Triton 3.6 and 3.9 and runs them in 3.9's interpreter.
 RAN_ON_A_GPU = (("2.11", "3.6"),)
@@ -110,6 +116,35 @@ def uses_triton(tensor: Tensor) -> bool:
         _versions_checked(True)
         return True
     return False
+
+
+@cache
+def numba_available() -> bool:
+    """Whether numba imports (a dependency: the CPU kernels; without it the CPU takes plain torch ops)."""
+    try:
+        numba_module()
+    except ImportError:
+        return False
+    return True
+
+
+def uses_numba(tensor: Tensor) -> bool:
+    """Whether the CPU kernels for ``tensor`` (a table's shard) run in numba: CPU tensors, unless ``torch`` or ``triton``
+    is chosen."""
+    wanted = choice()
+    if tensor.device.type != "cpu" or wanted in ("torch", "triton"):
+        return False
+    if wanted == "numba" and not numba_available():
+        raise RuntimeError(f"{ENV}=numba but numba does not import. HINT: pip install numba, or set {ENV}=torch.")
+    return numba_available()
+
+
+@cache
+def numba_module() -> ModuleType:
+    """numba, imported now (the first use)."""
+    import numba
+
+    return numba
 
 
 def _release(version: str) -> tuple[int, int]:

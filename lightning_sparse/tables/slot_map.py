@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.kernels import gpu_path, uses_triton
+from lightning_sparse.kernels.backend import uses_numba
 
 NULL_SLOT = 0  # never a key's: an entry holding it is empty, and padding may write it
 RESERVED = -1  # an entry that reserve() handed out and write() has not filled yet
@@ -85,9 +86,9 @@ class SlotMap:
         """Move the map's tensors to ``device``."""
         self.buckets, self.keys, self.entry_of = (t.to(device) for t in (self.buckets, self.keys, self.entry_of))
 
-    def used(self) -> Tensor:
-        """``[num_slots]`` bool: which slots hold a key."""
-        return self.entry_of < self.scratch
+    def used(self, slots: Tensor | None = None) -> Tensor:
+        """``[num_slots]`` bool: which slots hold a key (or which of ``slots``)."""
+        return (self.entry_of if slots is None else self.entry_of.index_select(0, slots)) < self.scratch
 
     def find(self, keys: Tensor, groups: Tensor | None = None) -> Tensor:
         """The slot of each key (keys may repeat), the null slot where the map does not hold it.
@@ -98,10 +99,25 @@ class SlotMap:
             from lightning_sparse.kernels import triton_slots
 
             return triton_slots.find(keys, self.buckets, self.keys, self.mask)
+        if uses_numba(self.buckets):
+            return self.find_and_stamp(keys, None, None, 0, 0)[0]
         groups = self.groups(keys) if groups is None else groups
         held = self.buckets.index_select(0, groups.view(-1)).view(len(keys), 2 * WIDTH)
         hit = self.keys.index_select(0, held.view(-1)).view_as(held) == keys.unsqueeze(1)
         return (hit * held).sum(dim=1, dtype=torch.int64)  # one hit at most (an empty entry holds the null slot: adds 0)
+
+    def find_and_stamp(self, keys: Tensor, last_used: Tensor | None, requests: Tensor | None, now: int,
+                       counts: Tensor | int) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """:meth:`find` in numba (a CPU's, where :func:`~lightning_sparse.kernels.backend.uses_numba`), stamping as it goes.
+
+        Where ``counts > 0``, a found slot's ``last_used`` becomes ``now`` and its ``requests`` grow by
+        the count. Returns (the slots, the positions of the keys without one whose count is > 0).
+        """
+        from lightning_sparse.tables import slot_kernels
+
+        none = self.keys[:0]  # (not written: every count is 0)
+        last_used, requests = (none if t is None else t for t in (last_used, requests))
+        return slot_kernels.find_and_stamp(keys, self.buckets, self.keys, self.mask, last_used, requests, now, counts)
 
     def groups(self, keys: Tensor) -> Tensor:
         """``[len(keys), 2]``: a key's two groups (never the same one), from its low bits and from bits 32 and up."""
@@ -123,6 +139,10 @@ class SlotMap:
             from lightning_sparse.kernels import triton_slots
 
             return triton_slots.reserve(keys, valid, self.buckets, self.mask)
+        if uses_numba(self.buckets):  # one loop, the same entries (tables/slot_kernels.py)
+            from lightning_sparse.tables import slot_kernels
+
+            return slot_kernels.reserve(keys, valid, self.buckets, self.mask, ascending)
         n = len(keys)
         groups = self.groups(keys) if groups is None else groups
         held = (self.buckets.index_select(0, groups.view(-1)).view(n, 2, WIDTH) > NULL_SLOT).sum(dim=2)  # slots, not claims

@@ -24,12 +24,11 @@ null slot, whose counters are reset), and eviction, which needs a ``topk`` over 
 only when the batch may find too few free slots (:class:`~lightning_sparse.tables.free_slots.FreeSlots`
 keeps the host's floor on them). So a one-process step can also be captured in a CUDA graph. On
 a CPU, where a host read costs nothing, batches are compacted to their exact sizes instead
-(``nonzero``).
+(``nonzero``), the map's loops run in numba where it imports (``slot_kernels``), and ``"lru"``
+takes its victims from an order kept between batches (:class:`~lightning_sparse.tables.free_slots.LruQueue`).
 """
 
 from __future__ import annotations
-
-import warnings
 
 import numpy as np
 import torch
@@ -110,25 +109,17 @@ class SlotTable:
         keys are): the caller initializes those rows and resets their optimizer state. On a
         GPU's path the last two are padded with the null slot (and position 0).
         """
-        if uses_numba(self.map.buckets) and valid is None:  # a CPU's: find and stamp in one loop
-            groups, real = None, None
-            slots, index = self.map.find_and_stamp(keys, self.last_used, self.requests, int(self.now), requests)
-            if distinct or not len(index):  # (nothing stamped the null slot)
-                counts = requests if isinstance(requests, int) else requests.index_select(0, index)
-                given = self._admit(keys.index_select(0, index), counts, None) if len(index) else slots[:0]
-                kept = torch.from_numpy(np.flatnonzero(given.numpy()))
-                slots.numpy()[index.numpy()] = given.numpy()
-                return slots, given.index_select(0, kept), index.index_select(0, kept)
-        else:
-            groups = None if uses_triton(self.map.buckets) else self.map.groups(keys)  # the torch path's, for find and reserve
-            slots = self.map.find(keys, groups)  # the null slot where no row
-            if isinstance(requests, int) and not requests:
-                return slots, slots[:0], slots[:0]
-            asked = valid if isinstance(requests, int) else both(requests > 0, valid)
-            stamp = slots if asked is None else torch.where(asked, slots, NULL_SLOT)
-            self.last_used.index_copy_(0, stamp, self.now.expand(len(stamp)))  # (index_fill_ would read a tensor value)
-            self.requests.index_add_(0, stamp, torch.full_like(stamp, requests) if isinstance(requests, int) else requests)
-            index, real = select(both(slots == NULL_SLOT, asked))  # the entries without a row
+        groups = (
+            None if uses_triton(self.map.buckets) or uses_numba(self.map.buckets) else self.map.groups(keys)
+        )  # the torch ops'
+        slots = self.map.find(keys, groups)  # the null slot where no row
+        if isinstance(requests, int) and not requests:
+            return slots, slots[:0], slots[:0]
+        asked = valid if isinstance(requests, int) else both(requests > 0, valid)
+        stamp = slots if asked is None else torch.where(asked, slots, NULL_SLOT)
+        self.last_used.index_copy_(0, stamp, self.now.expand(len(stamp)))  # (index_fill_ would read a tensor value)
+        self.requests.index_add_(0, stamp, torch.full_like(stamp, requests) if isinstance(requests, int) else requests)
+        index, real = select(both(slots == NULL_SLOT, asked))  # the entries without a row
         if len(index):
             new_keys = keys.index_select(0, index)
             if distinct:
@@ -158,6 +149,21 @@ class SlotTable:
         self.last_used[NULL_SLOT : NULL_SLOT + 1].fill_(0)
         self.requests[NULL_SLOT : NULL_SLOT + 1].fill_(0)
         return slots, new_slots, new_index
+
+    def resolve_ids(self, ids: Tensor, requests: int) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`resolve` for raw ids that may repeat, on a CPU with numba: no sort of the batch, the same decisions.
+
+        Returns (the slot of each id, the slots given to new ids, their ids). New ids are admitted in
+        ascending order of their keys, each once, as :meth:`resolve` admits a sort's distinct keys.
+        """
+        slots, keys, missing = self.map.lookup_ids(ids, self.last_used, self.requests, int(self.now), requests)
+        if not requests or not len(missing):
+            return slots, slots[:0], ids[:0]
+        new_keys, first, inverse = np.unique(keys.numpy()[missing.numpy()], return_index=True, return_inverse=True)
+        given = self._admit(torch.from_numpy(new_keys), requests, None).numpy()
+        slots.numpy()[missing.numpy()] = given[inverse]
+        kept = np.flatnonzero(given)
+        return slots, torch.from_numpy(given[kept]), ids.index_select(0, missing[torch.from_numpy(first[kept])])
 
     def _admit(self, keys: Tensor, counts: Tensor | int, candidates: Tensor | None, groups: Tensor | None = None) -> Tensor:
         """Slots for new distinct keys where ``candidates`` (default: all): admitted, placed in the map and given one, else null.
@@ -265,7 +271,7 @@ class SlotTable:
         self.map.clear()
         self.map.keys.copy_(keys)
         held = torch.nonzero(used).view(-1)
-        self._placed(held, self.map.place(keys.index_select(0, held), held))
+        self.map.place(keys.index_select(0, held), held)
         self.last_used.copy_(last_used)
         self.requests.copy_(requests)
         self.clock = clock
@@ -286,15 +292,8 @@ class SlotTable:
         order = torch.argsort(score, descending=True, stable=True)[: self.capacity]
         num_free = int(self.free.count)
         taken = self.free.stack[num_free - len(order) : num_free].flip(0)
-        placed = self._placed(taken, self.map.place(keys.index_select(0, order), taken))
+        placed = self.map.place(keys.index_select(0, order), taken)
         self.last_used.index_copy_(0, taken, last_used.index_select(0, order))
         self.requests.index_copy_(0, taken, requests.index_select(0, order))
         self.free.reset(torch.cat([self.free.stack[: num_free - len(order)], taken[~placed].flip(0)]))
         return torch.full_like(keys, -1).index_copy_(0, order, torch.where(placed, taken, -1))
-
-    def _placed(self, slots: Tensor, placed: Tensor) -> Tensor:
-        """``placed``, after warning if some keys of ``slots`` found no room in the map (they are dropped)."""
-        if not bool(placed.all()):
-            warnings.warn(f"{int((~placed).sum())} ids of a checkpoint found no room in the slot map and were dropped.",
-                          stacklevel=3)  # fmt: skip
-        return placed

@@ -36,6 +36,8 @@ their bound (a GPU's) need no compaction.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -77,6 +79,7 @@ class SlotMap:
         self.buckets = torch.zeros((groups + 1, WIDTH), dtype=torch.int32, device=device)  # NULL_SLOT: empty
         self.keys = torch.zeros(num_slots, dtype=torch.int64, device=device)  # valid where the slot is in use
         self.entry_of = torch.full((num_slots,), self.scratch, dtype=torch.int64, device=device)  # scratch: not in use
+        self._seen: Tensor | None = None  # lookup_ids's marks, made at its first call
 
     @property
     def device(self) -> torch.device:
@@ -99,25 +102,26 @@ class SlotMap:
             from lightning_sparse.kernels import triton_slots
 
             return triton_slots.find(keys, self.buckets, self.keys, self.mask)
-        if uses_numba(self.buckets):
-            return self.find_and_stamp(keys, None, None, 0, 0)[0]
+        if uses_numba(self.buckets):  # one loop (tables/slot_kernels.py)
+            from lightning_sparse.tables import slot_kernels
+
+            return slot_kernels.find(keys, self.buckets, self.keys, self.mask)
         groups = self.groups(keys) if groups is None else groups
         held = self.buckets.index_select(0, groups.view(-1)).view(len(keys), 2 * WIDTH)
         hit = self.keys.index_select(0, held.view(-1)).view_as(held) == keys.unsqueeze(1)
         return (hit * held).sum(dim=1, dtype=torch.int64)  # one hit at most (an empty entry holds the null slot: adds 0)
 
-    def find_and_stamp(self, keys: Tensor, last_used: Tensor | None, requests: Tensor | None, now: int,
-                       counts: Tensor | int) -> tuple[Tensor, Tensor]:  # fmt: skip
-        """:meth:`find` in numba (a CPU's, where :func:`~lightning_sparse.kernels.backend.uses_numba`), stamping as it goes.
+    def lookup_ids(self, ids: Tensor, last_used: Tensor, requests: Tensor, now: int, count: int) -> tuple[Tensor, Tensor, Tensor]:
+        """A CPU's lookup of raw ids (they may repeat) in one numba loop: their keys (``mix``), found and stamped at once.
 
-        Where ``counts > 0``, a found slot's ``last_used`` becomes ``now`` and its ``requests`` grow by
-        the count. Returns (the slots, the positions of the keys without one whose count is > 0).
+        Each distinct id found gets last use ``now`` and ``count`` more requests, once. Returns (the
+        slot of each id, its key, the positions of the ids without a slot).
         """
         from lightning_sparse.tables import slot_kernels
 
-        none = self.keys[:0]  # (not written: every count is 0)
-        last_used, requests = (none if t is None else t for t in (last_used, requests))
-        return slot_kernels.find_and_stamp(keys, self.buckets, self.keys, self.mask, last_used, requests, now, counts)
+        if self._seen is None or len(self._seen) != self.num_slots:
+            self._seen = torch.zeros(self.num_slots, dtype=torch.bool)  # which slots this call stamped (cleared after)
+        return slot_kernels.lookup_ids(ids, self.buckets, self.keys, self.mask, last_used, requests, now, count, self._seen)
 
     def groups(self, keys: Tensor) -> Tensor:
         """``[len(keys), 2]``: a key's two groups (never the same one), from its low bits and from bits 32 and up."""
@@ -213,4 +217,8 @@ class SlotMap:
             entries = self.reserve(chunk_keys)
             self.write(entries, chunk_keys, chunk_slots)
             placed.append(entries >= 0)
-        return torch.cat(placed) if placed else torch.ones_like(keys, dtype=torch.bool)
+        placed = torch.cat(placed) if placed else torch.ones_like(keys, dtype=torch.bool)
+        if not bool(placed.all()):
+            warnings.warn(f"{int((~placed).sum())} ids of a checkpoint found no room in the slot map and were dropped.",
+                          stacklevel=3)  # fmt: skip
+        return placed

@@ -23,6 +23,8 @@ wheels bring their own; two runtimes each spin their threads on the same cores) 
 threads launching parallel kernels at once abort the process. :func:`numba_threads` holds a process-wide lock
 around every launch of this package (and the kernels hold the GIL), so its own launches never overlap; numba
 code of the user's own that runs parallel kernels from other threads should set ``NUMBA_THREADING_LAYER=tbb``.
+A dynamic table's slot map runs its probes on CPU tensors in numba (:func:`uses_numba`,
+:mod:`lightning_sparse.tables.slot_kernels`, one thread) when numba imports, else in plain torch: the same results.
 
 :data:`launches` counts Triton kernel launches, for the tests that count a step's kernels, and makes
 the launch's device current: Triton launches on the current CUDA device and its current stream, so
@@ -132,7 +134,7 @@ def uses_triton(tensor: Tensor) -> bool:
 
 @cache
 def numba_available() -> bool:
-    """Whether numba imports (a dependency: the CPU's fused update; without it the CPU takes plain torch ops)."""
+    """Whether numba imports (a dependency: the CPU's fused update and slot map; without it the CPU takes plain torch ops)."""
     try:
         numba_module()
     except ImportError:

@@ -87,7 +87,7 @@ def copy_rows(dst: Tensor, rows: Tensor, src: Tensor) -> Tensor:
 
 
 def _as_words(t: Tensor) -> bool:
-    size, word = t.element_size(), torch.empty((), dtype=_WORD).element_size()
+    size, word = t.element_size(), _WORD.itemsize
     return (t.dim() == 2 and t.stride(1) == 1 and (t.shape[1] * size) % word == 0 and (t.stride(0) * size) % word == 0
             and t.data_ptr() % word == 0 and not t.is_complex())  # fmt: skip
 

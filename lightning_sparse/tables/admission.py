@@ -14,7 +14,7 @@ waits (it keeps the null row) and counts as *rejected*. With ``ttl``, slots unus
 than ``ttl`` steps are freed at each step.
 
 Admission: with ``admit_after=k > 1``, training requests for ids without a row are counted in a
-:class:`~lightning_sparse.tables.sketch.CountSketch`; an id gets a row on the request that brings
+:class:`~lightning_sparse.tables.free_slots.CountSketch`; an id gets a row on the request that brings
 its count to ``k``. A request is one rank's lookup asking for the id (however often the id occurs
 in that rank's batch).
 
@@ -24,54 +24,33 @@ null slot, whose counters are reset), and eviction, which needs a ``topk`` over 
 only when the batch may find too few free slots (:class:`~lightning_sparse.tables.free_slots.FreeSlots`
 keeps the host's floor on them). So a one-process step can also be captured in a CUDA graph. On
 a CPU, where a host read costs nothing, batches are compacted to their exact sizes instead
-(``nonzero``).
+(``nonzero``), the map's loops run in numba where it imports (``slot_kernels``), and ``"lru"``
+takes its victims from an order kept between batches (:class:`~lightning_sparse.tables.free_slots.LruQueue`).
 """
 
 from __future__ import annotations
 
-import warnings
-
+import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels import uses_triton
-from lightning_sparse.tables.free_slots import FreeSlots
-from lightning_sparse.tables.sketch import CountSketch
+from lightning_sparse.kernels import gpu_path, uses_triton
+from lightning_sparse.kernels.backend import uses_numba
+from lightning_sparse.tables.free_slots import (
+    ADMISSIONS,
+    EVICTIONS,
+    EXPIRATIONS,
+    REJECTIONS,
+    CountSketch,
+    FreeSlots,
+    LruQueue,
+    SlotStats,
+)
 from lightning_sparse.tables.slot_map import NULL_SLOT, SlotMap, both, select
 from lightning_sparse.wire.grouping import SortedKeys
 
 EVICTION = ("lru", "lfu")
 _LAST = 2**63 - 1  # sorts after every key and every score
-ADMISSIONS, EVICTIONS, EXPIRATIONS, REJECTIONS = range(4)  # SlotTable.counters
-
-
-def _total(which: int) -> property:
-    return property(lambda self: int(self._table.counters[which]), doc="Since the last reset (a host read).")
-
-
-class SlotStats:
-    """One owner's running totals of slot decisions, read from its device counters when asked, and its occupancy.
-
-    :meth:`reset` zeroes the totals (``occupancy`` is a level, not a total).
-    """
-
-    admissions, evictions, expirations, rejections = (_total(which) for which in range(4))
-
-    def __init__(self, table: SlotTable) -> None:
-        self._table = table
-
-    @property
-    def clock(self) -> int:
-        """The table's :attr:`SlotTable.clock`: sparse optimizer steps taken (a host read)."""
-        return self._table.clock
-
-    @property
-    def occupancy(self) -> int:
-        """The table's :attr:`SlotTable.occupancy`: how many ids this owner holds (a host read)."""
-        return self._table.occupancy
-
-    def reset(self) -> None:
-        self._table.counters.zero_()
 
 
 class SlotTable:
@@ -92,6 +71,7 @@ class SlotTable:
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)
         self.stats = SlotStats(self)
         self.free = FreeSlots(capacity, device)
+        self.lru = LruQueue()  # a CPU's "lru" eviction order (the GPU's path and "lfu" take a topk over the slots)
 
     @property
     def clock(self) -> int:
@@ -101,6 +81,7 @@ class SlotTable:
     @clock.setter
     def clock(self, value: int) -> None:
         self.now.fill_(value)
+        self.lru.forget()
 
     @property
     def occupancy(self) -> int:
@@ -113,6 +94,7 @@ class SlotTable:
         self.last_used, self.requests, self.counters, self.now = (
             t.to(device) for t in (self.last_used, self.requests, self.counters, self.now))  # fmt: skip
         self.free.to(device)
+        self.lru.forget()
         if self.sketch is not None:
             self.sketch.to(device)
 
@@ -127,7 +109,9 @@ class SlotTable:
         keys are): the caller initializes those rows and resets their optimizer state. On a
         GPU's path the last two are padded with the null slot (and position 0).
         """
-        groups = None if uses_triton(self.map.buckets) else self.map.groups(keys)  # the torch path's, for find and reserve
+        groups = (
+            None if uses_triton(self.map.buckets) or uses_numba(self.map.buckets) else self.map.groups(keys)
+        )  # the torch ops'
         slots = self.map.find(keys, groups)  # the null slot where no row
         if isinstance(requests, int) and not requests:
             return slots, slots[:0], slots[:0]
@@ -135,8 +119,7 @@ class SlotTable:
         stamp = slots if asked is None else torch.where(asked, slots, NULL_SLOT)
         self.last_used.index_copy_(0, stamp, self.now.expand(len(stamp)))  # (index_fill_ would read a tensor value)
         self.requests.index_add_(0, stamp, torch.full_like(stamp, requests) if isinstance(requests, int) else requests)
-        wanting = both(slots == NULL_SLOT, asked)
-        index, real = select(wanting)  # the entries without a row
+        index, real = select(both(slots == NULL_SLOT, asked))  # the entries without a row
         if len(index):
             new_keys = keys.index_select(0, index)
             if distinct:
@@ -167,6 +150,21 @@ class SlotTable:
         self.requests[NULL_SLOT : NULL_SLOT + 1].fill_(0)
         return slots, new_slots, new_index
 
+    def resolve_ids(self, ids: Tensor, requests: int) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`resolve` for raw ids that may repeat, on a CPU with numba: no sort of the batch, the same decisions.
+
+        Returns (the slot of each id, the slots given to new ids, their ids). New ids are admitted in
+        ascending order of their keys, each once, as :meth:`resolve` admits a sort's distinct keys.
+        """
+        slots, keys, missing = self.map.lookup_ids(ids, self.last_used, self.requests, int(self.now), requests)
+        if not requests or not len(missing):
+            return slots, slots[:0], ids[:0]
+        new_keys, first, inverse = np.unique(keys.numpy()[missing.numpy()], return_index=True, return_inverse=True)
+        given = self._admit(torch.from_numpy(new_keys), requests, None).numpy()
+        slots.numpy()[missing.numpy()] = given[inverse]
+        kept = np.flatnonzero(given)
+        return slots, torch.from_numpy(given[kept]), ids.index_select(0, missing[torch.from_numpy(first[kept])])
+
     def _admit(self, keys: Tensor, counts: Tensor | int, candidates: Tensor | None, groups: Tensor | None = None) -> Tensor:
         """Slots for new distinct keys where ``candidates`` (default: all): admitted, placed in the map and given one, else null.
 
@@ -179,6 +177,8 @@ class SlotTable:
             estimate = self.sketch.add(keys, counts if candidates is None else counts * candidates)
             chosen = both(estimate >= self.admit_after, candidates)
         entries = self.map.reserve(keys, chosen, groups=groups, ascending=True)  # (the real keys are; padding takes no entry)
+        if uses_numba(self.map.buckets):
+            return self._place(entries, keys, counts, len(keys) if chosen is None else int(chosen.sum()))
         got, slots = self._take(entries >= 0, len(keys))
         self.map.write(entries, keys, slots)  # (an entry whose key got no slot is given back)
         self.last_used.index_copy_(0, slots, self.now.expand(len(slots)))
@@ -188,6 +188,20 @@ class SlotTable:
             self.requests.index_copy_(0, slots, counts)
         asked = len(keys) if chosen is None else chosen.sum()
         self.counters[REJECTIONS].add_(asked - got.sum())  # no slot to be had (or a full group of the map)
+        return slots
+
+    def _place(self, entries: Tensor, keys: Tensor, counts: Tensor | int, asked: int) -> Tensor:
+        """A CPU's :meth:`_take` and ``map.write`` in one numba loop (``slot_kernels.place``): the same slots and counts."""
+        from lightning_sparse.tables import slot_kernels
+
+        victims, evicted, free = keys[:0], 0, int(self.free.count)
+        if self.free.may_run_short(len(keys)) and int((entries >= 0).sum()) > free:
+            victims, evicted = self._evict(int((entries >= 0).sum()) - free, len(keys))
+            victims, evicted = victims[: int(evicted)], int(evicted)
+        slots, taken = slot_kernels.place(entries, keys, counts, victims, self.free.stack, free, self.map.buckets,
+                                          self.map.keys, self.map.entry_of, self.last_used, self.requests, int(self.now))  # fmt: skip
+        self.free.taken(taken - evicted)
+        self.counters.add_(torch.tensor([taken, evicted, 0, asked - taken]))  # ADMISSIONS, EVICTIONS, EXPIRATIONS, REJECTIONS
         return slots
 
     def _take(self, wanted: Tensor, bound: int) -> tuple[Tensor, Tensor]:
@@ -217,6 +231,10 @@ class SlotTable:
 
         Returns them in ascending order (padded with ``_LAST``) and how many there are.
         """
+        if self.eviction == "lru" and not gpu_path(self.last_used):  # a CPU's: the next ones of the kept order
+            victims = self.lru.victims(int(short), self.map.used, self.last_used, int(self.now))
+            self.map.remove(victims)
+            return torch.cat([torch.sort(victims).values, victims.new_full((1,), _LAST)]), len(victims)
         unpinned = self.map.used() & (self.last_used < self.now)
         score = self.last_used if self.eviction == "lru" else self.requests
         slot_numbers = torch.arange(len(score), device=score.device)
@@ -253,7 +271,7 @@ class SlotTable:
         self.map.clear()
         self.map.keys.copy_(keys)
         held = torch.nonzero(used).view(-1)
-        self._placed(held, self.map.place(keys.index_select(0, held), held))
+        self.map.place(keys.index_select(0, held), held)
         self.last_used.copy_(last_used)
         self.requests.copy_(requests)
         self.clock = clock
@@ -274,15 +292,8 @@ class SlotTable:
         order = torch.argsort(score, descending=True, stable=True)[: self.capacity]
         num_free = int(self.free.count)
         taken = self.free.stack[num_free - len(order) : num_free].flip(0)
-        placed = self._placed(taken, self.map.place(keys.index_select(0, order), taken))
+        placed = self.map.place(keys.index_select(0, order), taken)
         self.last_used.index_copy_(0, taken, last_used.index_select(0, order))
         self.requests.index_copy_(0, taken, requests.index_select(0, order))
         self.free.reset(torch.cat([self.free.stack[: num_free - len(order)], taken[~placed].flip(0)]))
         return torch.full_like(keys, -1).index_copy_(0, order, torch.where(placed, taken, -1))
-
-    def _placed(self, slots: Tensor, placed: Tensor) -> Tensor:
-        """``placed``, after warning if some keys of ``slots`` found no room in the map (they are dropped)."""
-        if not bool(placed.all()):
-            warnings.warn(f"{int((~placed).sum())} ids of a checkpoint found no room in the slot map and were dropped.",
-                          stacklevel=3)  # fmt: skip
-        return placed

@@ -17,8 +17,9 @@ owner of an id hands out its slot. A lookup on 2 or more ranks is one round trip
 
 Every sparse optimizer works as for a ``SparseEmbedding``. A collection's dynamic tables turn
 ids into row numbers first (:meth:`DynamicEmbedding.rows_of`, a round per table, of kind 1) and
-then join the collection's row round. With one rank there is no round: one sort of the keys
-gives the distinct ids, their slots, and the runs the backward adds up.
+then join the collection's row round. With one rank there is no round: on a CPU with numba one
+loop finds each id's slot (:meth:`DynamicEmbedding.assign_ids`), elsewhere one sort of the keys
+gives the distinct ids and their slots.
 
 A sparse optimizer that holds the table resets the optimizer state of every slot given to a new
 id, and after each step calls :meth:`DynamicEmbedding.after_step`, which moves the clock (slots
@@ -181,12 +182,26 @@ class DynamicEmbedding(SparseEmbedding):
         """
         slots, new_slots, new_index = self.slots.resolve(keys, requests, distinct=distinct, valid=valid)
         if len(new_slots):  # on a GPU's path: the batch's bound, padded with the null slot (zeroed again below)
-            new_ids = ids_of(new_index) if ids_of is not None else unmix(keys.index_select(0, new_index))
-            put(self._shard, new_slots, self._init_rows(new_ids), skip=NULL_SLOT)
-            for optimizer in self._optimizers:
-                optimizer.reset_rows(self._shard, new_slots, skip=NULL_SLOT)
-            self._shard[NULL_SLOT].zero_()  # (where the torch path put the padding's rows)
+            self._start_rows(new_slots, ids_of(new_index) if ids_of is not None else unmix(keys.index_select(0, new_index)))
         return slots
+
+    @torch.no_grad()
+    def assign_ids(self, ids: Tensor, requests: int) -> Tensor:
+        """The slot of each of ``ids`` (flat int64, they may repeat) on a CPU with numba: :meth:`assign` without a sort.
+
+        The same slots and decisions as :meth:`assign` of the ids' sorted distinct keys (``SlotTable.resolve_ids``).
+        """
+        slots, new_slots, new_ids = self.slots.resolve_ids(ids, requests)
+        if len(new_slots):
+            self._start_rows(new_slots, new_ids)
+        return slots
+
+    def _start_rows(self, new_slots: Tensor, new_ids: Tensor) -> None:
+        """New ids' rows start from ``init``, their optimizer state afresh (padding: the null slot, zeroed again)."""
+        put(self._shard, new_slots, self._init_rows(new_ids), skip=NULL_SLOT)
+        for optimizer in self._optimizers:
+            optimizer.reset_rows(self._shard, new_slots, skip=NULL_SLOT)
+        self._shard[NULL_SLOT].zero_()  # (where the torch path put the padding's rows)
 
     # ------------------------------------------------------------------ optimizer steps
     def watch(self, optimizer: Any) -> None:

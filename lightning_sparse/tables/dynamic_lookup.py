@@ -1,5 +1,5 @@
-"""A DynamicEmbedding's lookup paths: one sort with one rank (:class:`LocalRounds`), a keyed round trip with several
-(:class:`KeyedRounds`). The table takes one when it is placed.
+"""A DynamicEmbedding's lookup paths: one rank (:class:`LocalRounds`: one numba loop on a CPU, else one sort), a keyed
+round trip with several (:class:`KeyedRounds`). The table takes one when it is placed.
 
 See :mod:`lightning_sparse.tables.dynamic` for the round trip. A path reads the table's placement
 (``peers``, ``device``, ``rank``), its shard, ``pending``, ``stats`` and ``lookup_unit``, its
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.kernels import gpu_path
+from lightning_sparse.kernels.backend import uses_numba
 from lightning_sparse.kernels.host import to_device
 from lightning_sparse.lookup.engine import serve
 from lightning_sparse.lookup.features import Problem, read_ids
@@ -40,6 +41,7 @@ class DynamicEmbedding(ShardedTable, Protocol):
     def rows_per_rank(self) -> int: ...
     def assign(self, keys: Tensor, requests: Tensor | int, ids_of: Callable[[Tensor], Tensor] | None = None,
                distinct: bool = False, valid: Tensor | None = None) -> Tensor: ...  # fmt: skip
+    def assign_ids(self, ids: Tensor, requests: int) -> Tensor: ...
 
 
 # ``LookupHeader.kind`` of a round that turns ids into rows (a collection's dynamic tables), and of one
@@ -55,7 +57,7 @@ def _read(table: DynamicEmbedding, ids: Any, kind: int = 0) -> tuple[Tensor, Loo
 
 
 class LocalRounds:
-    """One rank, the owner of every id: one sort of the ids' keys gives the distinct ids, their slots, and the runs."""
+    """One rank, the owner of every id: each id's slot from one numba loop (a CPU's), or from one sort of the ids' keys."""
 
     def __init__(self, table: DynamicEmbedding) -> None:
         self.table = table
@@ -67,22 +69,23 @@ class LocalRounds:
         in the same order as for a SparseEmbedding: both tables train alike, bit for bit.
         """
         table = self.table
-        slots, runs = self._slots(ids)
-        table.stats.ids_looked_up += len(runs.sorted)
-        rows = gather(table, slots.index_select(0, runs.inverse()))
+        slots = self.rows_of(ids)
+        table.stats.ids_looked_up += len(slots)
+        rows = gather(table, slots)
         return {table.name: rows.view(*ids.shape, table.embedding_dim)}
 
     def rows_of(self, ids: Any) -> Tensor:
-        """The row of each id (flat int64), admitting ids on a training lookup."""
-        slots, runs = self._slots(ids)
-        return slots.index_select(0, runs.inverse())
+        """The row (slot) of each id (flat int64), admitting ids on a training lookup.
 
-    def _slots(self, ids: Any) -> tuple[Tensor, SortedKeys]:
-        """The slot of each distinct id (one sort of their keys), and the sort."""
+        On a CPU with numba, one loop finds each id's slot (``DynamicEmbedding.assign_ids``); else
+        one sort of the ids' keys gives the distinct ids, their slots, and each id's place among them.
+        """
         table = self.table
         flat, header, problem = _read(table, ids)
         if problem.error != OK:
             check_round(table.lookup_unit, Headers.of(header), problem)  # raises
+        if uses_numba(flat):
+            return table.assign_ids(flat, int(torch.is_grad_enabled()))
         runs, valid = SortedKeys(mix(flat)), None
         if gpu_path(flat) and len(flat):
             valid = runs.finish_padded()  # no host read for the number of distinct ids
@@ -92,7 +95,8 @@ class LocalRounds:
         def ids_of(index: Tensor) -> Tensor:  # the ids of the distinct keys at ``index`` (only new ones are asked for)
             return flat.index_select(0, runs.perm.index_select(0, runs.offsets.index_select(0, index)))
 
-        return table.assign(runs.unique, int(torch.is_grad_enabled()), ids_of=ids_of, distinct=True, valid=valid), runs
+        slots = table.assign(runs.unique, int(torch.is_grad_enabled()), ids_of=ids_of, distinct=True, valid=valid)
+        return slots.index_select(0, runs.inverse())
 
     def serve(self, route: Route) -> None:
         raise RuntimeError(f"{self.table.name} has one rank: no other rank looks it up. HINT: report this.")

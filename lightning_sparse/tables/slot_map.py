@@ -36,10 +36,13 @@ their bound (a GPU's) need no compaction.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
 from lightning_sparse.kernels import gpu_path, uses_triton
+from lightning_sparse.kernels.backend import uses_numba
 
 NULL_SLOT = 0  # never a key's: an entry holding it is empty, and padding may write it
 RESERVED = -1  # an entry that reserve() handed out and write() has not filled yet
@@ -76,6 +79,7 @@ class SlotMap:
         self.buckets = torch.zeros((groups + 1, WIDTH), dtype=torch.int32, device=device)  # NULL_SLOT: empty
         self.keys = torch.zeros(num_slots, dtype=torch.int64, device=device)  # valid where the slot is in use
         self.entry_of = torch.full((num_slots,), self.scratch, dtype=torch.int64, device=device)  # scratch: not in use
+        self._seen: Tensor | None = None  # lookup_ids's marks, made at its first call
 
     @property
     def device(self) -> torch.device:
@@ -85,9 +89,9 @@ class SlotMap:
         """Move the map's tensors to ``device``."""
         self.buckets, self.keys, self.entry_of = (t.to(device) for t in (self.buckets, self.keys, self.entry_of))
 
-    def used(self) -> Tensor:
-        """``[num_slots]`` bool: which slots hold a key."""
-        return self.entry_of < self.scratch
+    def used(self, slots: Tensor | None = None) -> Tensor:
+        """``[num_slots]`` bool: which slots hold a key (or which of ``slots``)."""
+        return (self.entry_of if slots is None else self.entry_of.index_select(0, slots)) < self.scratch
 
     def find(self, keys: Tensor, groups: Tensor | None = None) -> Tensor:
         """The slot of each key (keys may repeat), the null slot where the map does not hold it.
@@ -98,10 +102,26 @@ class SlotMap:
             from lightning_sparse.kernels import triton_slots
 
             return triton_slots.find(keys, self.buckets, self.keys, self.mask)
+        if uses_numba(self.buckets):  # one loop (tables/slot_kernels.py)
+            from lightning_sparse.tables import slot_kernels
+
+            return slot_kernels.find(keys, self.buckets, self.keys, self.mask)
         groups = self.groups(keys) if groups is None else groups
         held = self.buckets.index_select(0, groups.view(-1)).view(len(keys), 2 * WIDTH)
         hit = self.keys.index_select(0, held.view(-1)).view_as(held) == keys.unsqueeze(1)
         return (hit * held).sum(dim=1, dtype=torch.int64)  # one hit at most (an empty entry holds the null slot: adds 0)
+
+    def lookup_ids(self, ids: Tensor, last_used: Tensor, requests: Tensor, now: int, count: int) -> tuple[Tensor, Tensor, Tensor]:
+        """A CPU's lookup of raw ids (they may repeat) in one numba loop: their keys (``mix``), found and stamped at once.
+
+        Each distinct id found gets last use ``now`` and ``count`` more requests, once. Returns (the
+        slot of each id, its key, the positions of the ids without a slot).
+        """
+        from lightning_sparse.tables import slot_kernels
+
+        if self._seen is None or len(self._seen) != self.num_slots:
+            self._seen = torch.zeros(self.num_slots, dtype=torch.bool)  # which slots this call stamped (cleared after)
+        return slot_kernels.lookup_ids(ids, self.buckets, self.keys, self.mask, last_used, requests, now, count, self._seen)
 
     def groups(self, keys: Tensor) -> Tensor:
         """``[len(keys), 2]``: a key's two groups (never the same one), from its low bits and from bits 32 and up."""
@@ -123,6 +143,10 @@ class SlotMap:
             from lightning_sparse.kernels import triton_slots
 
             return triton_slots.reserve(keys, valid, self.buckets, self.mask)
+        if uses_numba(self.buckets):  # one loop, the same entries (tables/slot_kernels.py)
+            from lightning_sparse.tables import slot_kernels
+
+            return slot_kernels.reserve(keys, valid, self.buckets, self.mask, ascending)
         n = len(keys)
         groups = self.groups(keys) if groups is None else groups
         held = (self.buckets.index_select(0, groups.view(-1)).view(n, 2, WIDTH) > NULL_SLOT).sum(dim=2)  # slots, not claims
@@ -193,4 +217,8 @@ class SlotMap:
             entries = self.reserve(chunk_keys)
             self.write(entries, chunk_keys, chunk_slots)
             placed.append(entries >= 0)
-        return torch.cat(placed) if placed else torch.ones_like(keys, dtype=torch.bool)
+        placed = torch.cat(placed) if placed else torch.ones_like(keys, dtype=torch.bool)
+        if not bool(placed.all()):
+            warnings.warn(f"{int((~placed).sum())} ids of a checkpoint found no room in the slot map and were dropped.",
+                          stacklevel=3)  # fmt: skip
+        return placed

@@ -34,6 +34,7 @@ _MASK = (1 << _BITS) - 1
 # SplitMix64's finalizer: xor-shift, multiply, xor-shift, multiply, xor-shift (all invertible).
 _SHIFTS = (30, 27, 31)
 _MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+MIX_SHIFTS, MIX_MULTIPLIERS = _SHIFTS, _MULTIPLIERS  # for loops that mix ids as :func:`mix` does (tables/slot_kernels.py)
 
 
 def _signed(value: int) -> int:

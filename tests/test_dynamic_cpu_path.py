@@ -54,8 +54,10 @@ def test_the_numba_loops_make_the_same_decisions_and_rows_as_the_torch_ops(case,
         assert torch.equal(looped.slot_state()[name], value), name
     fields = ("admissions", "evictions", "expirations", "rejections", "occupancy")
     assert [getattr(looped.slot_stats, n) for n in fields] == [getattr(exact.slot_stats, n) for n in fields]
-    for got, want in zip(looped.export(), exact.export()):
-        assert torch.equal(got, want)  # the same update path: bit for bit
+    (ids, rows), (exact_ids, exact_rows) = looped.export(), exact.export()
+    assert torch.equal(ids, exact_ids)
+    # the decisions are compared bit for bit above; the rows went through each choice's update (numba's fused one or torch ops)
+    torch.testing.assert_close(rows, exact_rows, rtol=1e-5, atol=1e-6)
     assert exact.slot_stats.evictions > 0 if "full" in case else exact.slot_stats.admissions > 0
 
 

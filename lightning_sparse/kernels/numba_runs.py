@@ -1,7 +1,7 @@
 """numba: the fused update of :func:`~lightning_sparse.kernels.update_rows` for CPU tensors, the Triton runs kernel's twin.
 
 One pass over the sorted keys finds the runs (a run: the positions of one distinct key); then, in parallel
-over stretches of about equal numbers of positions (a hot row's long run stays in one stretch), each run's
+over stretches of about equal numbers of runs (each a row to read and write: the cost of a stretch), each run's
 values are summed through ``perm`` into a row buffer, scaled (``mean``: by the run's occurrences, else by
 ``divisor``), and the optimizer's rule is applied to the table row and its state, each read once and written
 once: no gathered copies of rows or state, no row gradient written to memory.
@@ -25,6 +25,7 @@ Adam's step size computed in double first, as torch receives them).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -44,9 +45,11 @@ SCALARS = ("lr", "step_size", "decay", "weight_decay", "eps", "beta1", "beta2", 
            "divisor", "dim")  # fmt: skip
 (FAMILY, HAS_PERM, HAS_WEIGHTS, HAS_COUNTS, MEAN, DIVIDE, WEIGHT_DECAY, DECOUPLED, ROW_BIAS, LERP_FROM_END) = range(len(FLAGS))
 (LR, STEP_SIZE, DECAY, DECAY_L2, EPS, BETA1, BETA2, ONE_MINUS_BETA1, ONE_MINUS_BETA2, ONE, DIVISOR, DIM) = range(len(SCALARS))
-# Stretches of sorted positions per thread, handed out one at a time (chunk size 1): a stretch of cold ids (a row to
-# update per position) takes longer than one of a hot id's run, and a thread that drew slow ones is not left behind.
+# Stretches of runs per thread, handed out one at a time (chunk size 1): a stretch holding a hot id's long run takes
+# longer, and a thread that drew it is not left behind. (Stretches of equal numbers of positions instead left most rows
+# of skewed ids to one thread: 2 threads ran no faster than one.)
 STRETCHES_PER_THREAD = 4
+COMPILED = (FAMILY, HAS_PERM, HAS_WEIGHTS, WEIGHT_DECAY, DECOUPLED, ROW_BIAS)  # the flags each kernel is compiled for
 
 
 @numba.njit(cache=True)
@@ -62,42 +65,60 @@ def run_starts(keys: np.ndarray, starts: np.ndarray) -> int:
     return runs
 
 
-@numba.njit(parallel=True, cache=True)
-def update_runs(table, first, second, per_row, row_step, values, perm, weights, counts, keys, starts, runs, stretches, flags,
-                scalars):  # fmt: skip
-    """The rule on the table row of each run (``keys[starts[u]]``), its gradient the run's values summed (module doc)."""
-    n, dim = keys.shape[0], table.shape[1]
-    for stretch in numba.prange(stretches):
-        low = np.searchsorted(starts[:runs], stretch * n // stretches)
-        high = np.searchsorted(starts[:runs], (stretch + 1) * n // stretches)
-        total = np.empty(dim, dtype=values.dtype)
-        g = np.empty(dim, dtype=table.dtype)
-        cast = np.empty(2, dtype=table.dtype)  # a number in the table's dtype (numba types arithmetic as NumPy does)
-        for u in range(low, high):
-            total[:] = 0
-            count = total[0]  # (zero, in the values' dtype)
-            for k in range(starts[u], starts[u + 1]):
-                source = perm[k] if flags[HAS_PERM] else k
-                if flags[HAS_WEIGHTS]:
-                    for j in range(dim):
-                        total[j] += values[source, j] * weights[k]
-                else:
-                    for j in range(dim):
-                        total[j] += values[source, j]
-                count += counts[source] if flags[HAS_COUNTS] else 1
-            if flags[HAS_COUNTS] and not count > 0:  # placeholders only (ranks without a gradient): no update
-                continue
-            cast[0] = count
-            for j in range(dim):
-                g[j] = total[j]
-                if flags[MEAN]:  # duplicate_grads="mean": divided by the occurrences
-                    g[j] = g[j] / cast[0]
-                elif flags[DIVIDE]:  # "sum" on several ranks: divided by their number
-                    g[j] = g[j] / scalars[DIVISOR]
-            _apply(table, first, second, per_row, row_step, keys[starts[u]], g, cast, flags, scalars)
+@functools.cache
+def update_runs(family: int, has_perm: int, has_weights: int, weight_decay: int, decoupled: int, row_bias: int) -> Any:
+    """The kernel for these flags (:data:`COMPILED`), compiled at its first call and cached on disk.
+
+    They are the closure's constants, not arguments: the compiler drops the branches they rule out of the inner loops
+    (the sum's and the rule's) and vectorizes what is left; with every flag an argument, Adam's update took about twice
+    as long. The other flags (once per row, or rare) stay arguments: each constant multiplies the kernels compiled
+    (about 5 s each, once per machine).
+    """
+
+    @numba.njit(parallel=True, cache=True)
+    def kernel(table, first, second, per_row, row_step, values, perm, weights, counts, keys, starts, runs, stretches, given,
+               scalars):  # fmt: skip
+        """The rule on the table row of each run (``keys[starts[u]]``), its gradient the run's values summed."""
+        flags = (family, has_perm, has_weights, given[3], given[4], given[5], weight_decay, decoupled, row_bias, given[9])
+        for stretch in numba.prange(stretches):
+            _stretch(table, first, second, per_row, row_step, values, perm, weights, counts, keys, starts,
+                     stretch * runs // stretches, (stretch + 1) * runs // stretches, flags, scalars)  # fmt: skip
+
+    return kernel
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
+def _stretch(table, first, second, per_row, row_step, values, perm, weights, counts, keys, starts, low, high, flags, scalars):
+    """Runs ``low`` to ``high``: each summed into a row gradient and applied (inlined into the kernel with its flags)."""
+    dim = table.shape[1]
+    total = np.empty(dim, dtype=values.dtype)
+    g = np.empty(dim, dtype=table.dtype)
+    cast = np.empty(2, dtype=table.dtype)  # a number in the table's dtype (numba types arithmetic as NumPy does)
+    for u in range(low, high):
+        total[:] = 0
+        count = total[0]  # (zero, in the values' dtype)
+        for k in range(starts[u], starts[u + 1]):
+            source = perm[k] if flags[HAS_PERM] else k
+            if flags[HAS_WEIGHTS]:
+                for j in range(dim):
+                    total[j] += values[source, j] * weights[k]
+            else:
+                for j in range(dim):
+                    total[j] += values[source, j]
+            count += counts[source] if flags[HAS_COUNTS] else 1
+        if flags[HAS_COUNTS] and not count > 0:  # placeholders only (ranks without a gradient): no update
+            continue
+        cast[0] = count
+        for j in range(dim):
+            g[j] = total[j]
+            if flags[MEAN]:  # duplicate_grads="mean": divided by the occurrences
+                g[j] = g[j] / cast[0]
+            elif flags[DIVIDE]:  # "sum" on several ranks: divided by their number
+                g[j] = g[j] / scalars[DIVISOR]
+        _apply(table, first, second, per_row, row_step, keys[starts[u]], g, cast, flags, scalars)
+
+
+@numba.njit(cache=True, inline="always")
 def _apply(table, first, second, per_row, row_step, row, g, cast, flags, scalars):
     """One step of the rule on ``table[row]`` and its state, with gradient ``g`` (functional.py, formula for formula)."""
     family, dim, lr = flags[FAMILY], table.shape[1], scalars[LR]
@@ -172,7 +193,7 @@ def update(runs_keys: Tensor, perm: Tensor | None, values: Tensor, table: Tensor
     row_step = state.per_row.numpy() if family == "adam" and rule.row_bias else keys[:0]
     with numba_threads(), numba.parallel_chunksize(1):
         stretches = min(runs, numba.get_num_threads() * STRETCHES_PER_THREAD)
-        update_runs(shard, _array(state.first, spare), _array(state.second, spare), per_row, row_step, values.numpy(),
+        update_runs(*(flags[i] for i in COMPILED))(shard, _array(state.first, spare), _array(state.second, spare), per_row, row_step, values.numpy(),
                     perm.numpy() if perm is not None else keys, _column(weights, values), _column(counts, values), keys,
                     starts, runs, stretches, flags, scalars)  # fmt: skip
     if unique is not None:

@@ -38,6 +38,8 @@ class SparseAdagrad(SparseOptimizer):
     State per table: ``sum`` (like the shard) and ``step`` (int64 scalar).
     """
 
+    family = "adagrad"  # its update rule (:class:`~lightning_sparse.kernels.UpdateRule`)
+
     def __init__(
         self,
         params: Iterable[SparseEmbedding] | Iterable[dict[str, Any]],
@@ -70,7 +72,7 @@ class SparseAdagrad(SparseOptimizer):
     def rule(self, state: dict[str, Tensor], group: dict[str, Any], step: int | Tensor) -> UpdateRule:
         """torch's Adagrad with the decayed learning rate ``clr = lr / (1 + (step - 1) * lr_decay)``; ``sum`` per element."""
         clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
-        return UpdateRule("adagrad", clr, RuleState(first=state["sum"]), weight_decay=group["weight_decay"], eps=group["eps"])
+        return UpdateRule(self.family, clr, RuleState(first=state["sum"]), weight_decay=group["weight_decay"], eps=group["eps"])
 
 
 class SparseRowWiseAdagrad(SparseOptimizer):
@@ -82,6 +84,8 @@ class SparseRowWiseAdagrad(SparseOptimizer):
     Tables must be 2-D ``[rows, dim]`` (SparseEmbedding always is). Weight decay applies to the
     touched rows only. State per table: ``sum`` (``[local_rows]``) and ``step`` (int64 scalar).
     """
+
+    family = "rowwise_adagrad"  # its update rule (:class:`~lightning_sparse.kernels.UpdateRule`)
 
     def __init__(
         self,
@@ -115,5 +119,5 @@ class SparseRowWiseAdagrad(SparseOptimizer):
 
     def rule(self, state: dict[str, Tensor], group: dict[str, Any], step: int | Tensor) -> UpdateRule:
         """Row-wise Adagrad: one ``sum`` per row."""
-        return UpdateRule("rowwise_adagrad", group["lr"], RuleState(per_row=state["sum"]), weight_decay=group["weight_decay"],
+        return UpdateRule(self.family, group["lr"], RuleState(per_row=state["sum"]), weight_decay=group["weight_decay"],
                           eps=group["eps"])  # fmt: skip

@@ -31,6 +31,8 @@ class SparseAdam(SparseOptimizer):
     with ``bias_correction="row"`` also ``row_step`` (int64 per row).
     """
 
+    family = "adam"  # its update rule (:class:`~lightning_sparse.kernels.UpdateRule`)
+
     def __init__(
         self,
         params: Iterable[SparseEmbedding] | Iterable[dict[str, Any]],
@@ -80,7 +82,7 @@ class SparseAdam(SparseOptimizer):
         update), global bias correction has the step size ``lr * sqrt(1 - b2^t) / (1 - b1^t)`` of the table's ``step``."""
         lr, per_row = group["lr"], group["bias_correction"] == "row"
         return UpdateRule(
-            "adam", lr, RuleState(state["exp_avg"], state["exp_avg_sq"], state.get("row_step")),
+            self.family, lr, RuleState(state["exp_avg"], state["exp_avg_sq"], state.get("row_step")),
             weight_decay=group["weight_decay"], decoupled_weight_decay=group["decoupled_weight_decay"], eps=group["eps"],
             betas=tuple(group["betas"]), row_bias=per_row, step_size=0.0 if per_row else F.adam_step_size(lr, *group["betas"], step),
         )  # fmt: skip

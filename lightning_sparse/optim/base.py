@@ -71,6 +71,8 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
     can be captured in a CUDA graph (docs/guide/gpu.md; :mod:`lightning_sparse.optim.fused`).
     """
 
+    family: str  # the family of its update rule (:class:`~lightning_sparse.kernels.UpdateRule`): "sgd", "adagrad", ...
+
     def __init__(self, params: Iterable[SparseEmbedding] | Iterable[dict[str, Any]], defaults: dict[str, Any]) -> None:
         if not isinstance(defaults.get("check_finite", False), bool):
             raise ValueError(f"Invalid check_finite: {defaults.get('check_finite')!r}. HINT: pass True or False.")
@@ -125,7 +127,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
         group = self.param_groups[-1]
         for table in tables:
             if group["capturable"]:
-                fused.check_capturable(type(self).__name__, table)
+                fused.check_capturable(type(self).__name__, table, self.family)
             self.state[table.shard] = self.init_state(table, group)
             if group["capturable"] and "step" in self.state[table.shard]:
                 self.state[table.shard]["step"] = self.state[table.shard]["step"].to(table.device)
@@ -204,7 +206,7 @@ class SparseOptimizer(Optimizer, metaclass=abc.ABCMeta):
 
     def _apply(self, table: SparseEmbedding, state: dict[str, Tensor], group: dict[str, Any], grads: TableGrads) -> None:
         """Sum the table's gradient rows per row and update those rows by this step's :meth:`rule`."""
-        use_fused = fused.applies(table)
+        use_fused = fused.applies(table, self.family)
         if use_fused and group["capturable"] and uses_triton(table.shard):  # the step count on the device, the scalars there
             step, table_sets = (state["step"].double() if "step" in state else 0), self.table_sets
         else:

@@ -41,22 +41,29 @@ if TYPE_CHECKING:
     from lightning_sparse.tables.embedding import SparseEmbedding
 
 
-def applies(table: SparseEmbedding) -> bool:
-    """Whether the fused kernel steps ``table``: Triton for its device, and float32, bf16, or fp16 rounded to nearest; or
-    numba for a CPU table of float32 or float64 (a half table's rounding stays with the torch ops)."""
+# The families whose CPU step numba's fused update makes faster than the torch ops (benchmarks/single_process.py, 1M x 64,
+# 65,536 skewed ids, 2 threads): Adagrad 2.19x -> 2.13x torch's (within the noise), Adam 2.05x -> 3.23x; SGD's step
+# (one index_add_) went from 17.6 to 19.9 ms and row-wise Adagrad's from 21.7 to 24.7 ms with it, so they keep the torch ops.
+NUMBA_FAMILIES = ("adagrad", "adam")
+
+
+def applies(table: SparseEmbedding, family: str) -> bool:
+    """Whether the fused kernel steps ``table`` with ``family``'s rule: Triton for its device, and float32, bf16, or fp16
+    rounded to nearest; or numba for a CPU table of float32 or float64 and a family in :data:`NUMBA_FAMILIES` (a half
+    table's rounding stays with the torch ops)."""
     if uses_numba(table.shard):
-        return table.dtype in (torch.float32, torch.float64) and table.shard.is_contiguous()
+        return family in NUMBA_FAMILIES and table.dtype in (torch.float32, torch.float64) and table.shard.is_contiguous()
     fusable = table.dtype in (torch.float32, torch.bfloat16) or (
         table.dtype == torch.float16 and table.stochastic_rounding is False
     )
     return fusable and uses_triton(table.shard)
 
 
-def check_capturable(optimizer: str, table: SparseEmbedding) -> None:
+def check_capturable(optimizer: str, table: SparseEmbedding, family: str) -> None:
     """``capturable=True`` on a GPU needs the fused update without stochastic rounding, which read no host value."""
     if table.device.type != "cuda" and not uses_triton(table.shard):
         return  # elsewhere the step counts on the table's device too, and its host reads are no GPU's
-    if not (applies(table) and rounding(table, 0) is None):
+    if not (applies(table, family) and rounding(table, 0) is None):
         raise ValueError(
             f"{optimizer}(capturable=True) cannot step {table.name} ({table.dtype}) without reading the host: it needs "
             f"the fused update (float32, bf16 or fp16 tables with Triton), and no stochastic rounding, whose draws are "

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lightning_sparse.kernels import RuleState, Runs, UpdateRule, update_rows, uses_numba
 from lightning_sparse.kernels.rows import copy_rows
+from lightning_sparse.optim import fused
 from lightning_sparse.optim.update import torch_update
 from lightning_sparse.wire.grouping import SortedKeys
 
@@ -111,7 +112,9 @@ def update(tables: list[SparseEmbedding], keys: Tensor, values: Tensor, sources:
     for t in stepped:
         tables[t].stats.unique_ids += sizes[t]
     rows = (unique & ((1 << shift) - 1)).split(sizes)
-    if uses_numba(values):  # numba's fused update: each table's distinct rows, its own rule and scalars, one call each
+    if uses_numba(values) and all(
+        rules[t].family in fused.NUMBA_FAMILIES for t in stepped
+    ):  # numba's fused update: each table's distinct rows, its own rule and scalars, one call each
         for t, table_grad in zip(stepped, grad.split([sizes[t] for t in stepped])):
             update_rows(Runs(rows[t]), table_grad, tables[t].shard, rules[t])
         return

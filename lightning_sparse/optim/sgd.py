@@ -20,6 +20,8 @@ class SparseSGD(SparseOptimizer):
     nor weight decay with sparse gradients). Weight decay applies to the touched rows only.
     """
 
+    family = "sgd"  # its update rule (:class:`~lightning_sparse.kernels.UpdateRule`)
+
     def __init__(
         self,
         params: Iterable[SparseEmbedding] | Iterable[dict[str, Any]],
@@ -42,4 +44,4 @@ class SparseSGD(SparseOptimizer):
 
     def rule(self, state: dict[str, Tensor], group: dict[str, Any], step: int | Tensor) -> UpdateRule:
         """``row -= lr * (grad + weight_decay * row)``; no state read."""
-        return UpdateRule("sgd", group["lr"], weight_decay=group["weight_decay"])
+        return UpdateRule(self.family, group["lr"], weight_decay=group["weight_decay"])

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 
 # The families whose CPU step numba's fused update makes faster than the torch ops (benchmarks/single_process.py, 1M x 64,
-# 65,536 skewed ids, 2 threads): Adagrad 2.19x -> 2.13x torch's (within the noise), Adam 2.05x -> 3.23x; SGD's step
+# 65,536 skewed ids, 2 threads, quiet 2-core Xeon): Adagrad 2.19x -> 2.50x torch's, Adam 2.05x -> 3.49x; SGD's step
 # (one index_add_) went from 17.6 to 19.9 ms and row-wise Adagrad's from 21.7 to 24.7 ms with it, so they keep the torch ops.
 NUMBA_FAMILIES = ("adagrad", "adam")
 

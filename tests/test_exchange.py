@@ -14,6 +14,7 @@ from rank_pool import DEVICES
 from test_kernels import KERNEL_DEVICES
 
 import lightning_sparse as ls
+from lightning_sparse.kernels import backend
 from lightning_sparse.wire.grouping import SortedKeys, coalesce, transpose_blocks, transposed_places
 from lightning_sparse.wire.sharding import JointSharding, RowSharding
 
@@ -239,9 +240,14 @@ def _one_rank_reads():
     return len(forward_reads.calls), len(backward_reads.calls), len(step_reads.calls)
 
 
-def test_one_rank_on_a_cpu_reads_the_host_for_the_id_range_and_the_distinct_rows():
-    """The plain torch path: host reads cost nothing on a CPU. The GPU's path reads none (tests/test_gpu_path.py)."""
-    assert _one_rank_reads() == (1, 0, 1)  # the id range check; the number of distinct rows at the step
+@pytest.mark.parametrize("kernels", ["torch", "numba"])
+def test_one_rank_on_a_cpu_reads_the_host_for_the_id_range_and_the_distinct_rows(kernels, monkeypatch):
+    """On a CPU host reads cost nothing: the lookup reads the id range; the torch ops' step reads the number of distinct
+    rows, numba's fused step (Adam's) reads none. The GPU's path reads none (tests/test_gpu_path.py)."""
+    if kernels == "numba" and not backend.numba_available():
+        pytest.skip("needs numba")
+    monkeypatch.setenv(backend.ENV, kernels)
+    assert _one_rank_reads() == (1, 0, 1 if kernels == "torch" else 0)
 
 
 def test_one_rank_rounds_send_nothing_and_read_the_host_once_for_the_verdict():

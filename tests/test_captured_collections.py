@@ -17,6 +17,7 @@ import pytest
 import torch
 from graph_double import CallAgainGraphs
 from host_reads import HostReads
+from test_captured_steps import fabric_step
 from test_kernels import KERNEL_DEVICES
 from torch import nn
 
@@ -193,15 +194,7 @@ def _fabric_steps(captured: bool, device: str) -> tuple:
         model, dense_opt, sparse_opt = fabric.setup(module, torch.optim.SGD(module.mlp.parameters(), lr=0.05),
                                                     ls.SparseAdagrad([module.embeddings], lr=0.2, capturable=True))  # fmt: skip
 
-        def step(batch):
-            users, items, target = batch
-            loss = torch.nn.functional.mse_loss(model(users, items), target)
-            fabric.backward(loss)
-            dense_opt.step()
-            sparse_opt.step()
-            dense_opt.zero_grad()
-            sparse_opt.zero_grad()
-            return {"loss": loss.detach()}
+        step = fabric_step(fabric, model, dense_opt, sparse_opt)
 
         run = fabric.strategy.captured(step, graphs=CallAgainGraphs() if device == "cpu" else None) if captured else step
         data, losses = lm.dataset(25), []

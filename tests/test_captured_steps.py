@@ -227,6 +227,22 @@ def test_fifty_captured_steps_with_a_checkpoint_and_a_resume_are_bitwise_the_eag
 
 
 # ---------------------------------------------------------------- Fabric: a captured step function
+def fabric_step(fabric, model, dense_opt, sparse_opt):
+    """A plain Fabric training step of a two-tower model on ``(users, items, target)``: the step the tests capture."""
+
+    def step(batch):
+        users, items, target = batch
+        loss = torch.nn.functional.mse_loss(model(users, items), target)
+        fabric.backward(loss)
+        dense_opt.step()
+        sparse_opt.step()
+        dense_opt.zero_grad()
+        sparse_opt.zero_grad()
+        return {"loss": loss.detach()}
+
+    return step
+
+
 def _fabric_steps(captured: bool, dense: str = "SGD", device: str = "cpu") -> tuple:
     """Steps of a step function under Fabric, captured (the graph double on CPU, CUDA graphs on a GPU) or eager."""
     import lightning as L
@@ -238,15 +254,7 @@ def _fabric_steps(captured: bool, dense: str = "SGD", device: str = "cpu") -> tu
     model, dense_opt, sparse_opt = fabric.setup(module, getattr(torch.optim, dense)(module.mlp.parameters(), lr=0.05),
                                                 ls.SparseAdagrad([module.users, module.items], lr=0.2, capturable=True))  # fmt: skip
 
-    def step(batch):
-        users, items, target = batch
-        loss = torch.nn.functional.mse_loss(model(users, items), target)
-        fabric.backward(loss)
-        dense_opt.step()
-        sparse_opt.step()
-        dense_opt.zero_grad()
-        sparse_opt.zero_grad()
-        return {"loss": loss.detach()}
+    step = fabric_step(fabric, model, dense_opt, sparse_opt)
 
     graphs = CallAgainGraphs() if device == "cpu" else None  # None: the strategy's CUDA graphs
     run = fabric.strategy.captured(step, graphs=graphs) if captured else step

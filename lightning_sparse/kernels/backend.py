@@ -14,7 +14,9 @@ The optimizer's fused update has a third, for CPU tensors: a numba kernel
   GPU's code path on a CPU, where it counts the path's ops and host reads;
 * ``numba``: numba for CPU tensors (an error if it does not import), plain torch for CUDA tensors without Triton.
 
-numba is imported at its first use (:func:`numba_module`), never with the package. Its parallel kernels run
+numba is imported at its first use (:func:`numba_module`), never with the package. Its kernels are compiled at
+their first call and kept in numba's disk cache; :func:`compiled_call` makes the ranks of one host that reach a kernel
+together compile it once (a file lock), not once each. Its parallel kernels run
 on :func:`numba_threads`: torch's thread count (``torch.get_num_threads()``), and numba's ``workqueue``
 threading layer unless ``NUMBA_THREADING_LAYER`` names another. Why workqueue: it is numba's own thread pool,
 loads no second OpenMP runtime beside torch's (numba's ``omp`` layer links the system's libgomp, torch
@@ -39,6 +41,7 @@ on (:data:`RAN_ON_A_GPU`) gets one warning. Nothing is checked at import, nor on
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
@@ -181,6 +184,34 @@ def numba_threads() -> Iterator[None]:
     with _numba_launch:
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
         yield
+
+
+_compiled: set[tuple] = set()  # (kernel, argument types) this process has called: compiled or loaded from numba's cache
+
+
+def compiled_call(kernel, *args):  # noqa: ANN001, ANN201 (a numba dispatcher and its arguments)
+    """``kernel(*args)``; the first call for these argument types holds a file lock beside numba's cache of ``kernel``.
+
+    Ranks of one host start together and reach a kernel together: each would compile it (seconds of CPU each) before
+    any has written the cache. Under the lock one compiles and writes it, the others wait, then load what it wrote.
+    A process that dies holding the lock releases it (``flock``); without ``fcntl`` or a writable cache, no lock.
+    """
+    types = tuple((arg.dtype.str, arg.ndim) if hasattr(arg, "dtype") and hasattr(arg, "ndim") else type(arg) for arg in args)
+    if (kernel, types) in _compiled:
+        return kernel(*args)
+    try:
+        import fcntl
+
+        cells = tuple(cell.cell_contents for cell in kernel.py_func.__closure__ or ())  # a closure's constants
+        digest = hashlib.sha256(repr((cells, types)).encode()).hexdigest()[:16]
+        lock = open(os.path.join(kernel._cache.cache_path, f"{kernel.py_func.__qualname__}-{digest}.lock"), "a")  # noqa: SIM115
+    except (ImportError, AttributeError, OSError):
+        return kernel(*args)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = kernel(*args)
+    _compiled.add((kernel, types))
+    return result
 
 
 def _release(version: str) -> tuple[int, int]:

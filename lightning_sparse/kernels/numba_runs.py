@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels.backend import numba_module, numba_threads
+from lightning_sparse.kernels.backend import compiled_call, numba_module, numba_threads
 
 numba = numba_module()
 
@@ -179,7 +179,7 @@ def update(runs_keys: Tensor, perm: Tensor | None, values: Tensor, table: Tensor
         return  # bad input since the verdict was cleared: nothing is updated, nothing counted (as the Triton kernel)
     keys = runs_keys.to(torch.int64).contiguous().numpy()
     starts = np.empty(len(keys) + 1, dtype=np.int64)
-    runs = run_starts(keys, starts)
+    runs = compiled_call(run_starts, keys, starts)
     state, (beta1, beta2), family = rule.state, rule.betas, rule.family
     shard, values = table.detach().numpy(), values.detach().contiguous()
     spare, no_rows = shard[:0], np.empty(0, dtype=shard.dtype)  # for state a family does not read (never touched)
@@ -193,9 +193,9 @@ def update(runs_keys: Tensor, perm: Tensor | None, values: Tensor, table: Tensor
     row_step = state.per_row.numpy() if family == "adam" and rule.row_bias else keys[:0]
     with numba_threads(), numba.parallel_chunksize(1):
         stretches = min(runs, numba.get_num_threads() * STRETCHES_PER_THREAD)
-        update_runs(*(flags[i] for i in COMPILED))(shard, _array(state.first, spare), _array(state.second, spare), per_row, row_step, values.numpy(),
-                    perm.numpy() if perm is not None else keys, _column(weights, values), _column(counts, values), keys,
-                    starts, runs, stretches, flags, scalars)  # fmt: skip
+        compiled_call(update_runs(*(flags[i] for i in COMPILED)), shard, _array(state.first, spare), _array(state.second, spare),
+                      per_row, row_step, values.numpy(), perm.numpy() if perm is not None else keys, _column(weights, values),
+                      _column(counts, values), keys, starts, runs, stretches, flags, scalars)  # fmt: skip
     if unique is not None:
         unique.add_(runs)
 

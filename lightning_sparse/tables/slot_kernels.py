@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_sparse.kernels.backend import compiled_call
 from lightning_sparse.wire.hashing import MIX_MULTIPLIERS, MIX_SHIFTS
 
 WIDTH = 8  # entries of a group (slot_map.WIDTH)
@@ -138,7 +139,7 @@ def _numpy(tensor: Tensor) -> np.ndarray:
 def find(keys: Tensor, buckets: Tensor, map_keys: Tensor, mask: int) -> Tensor:
     """``SlotMap.find``: the slot of each key (0 where none)."""
     slots = np.empty(len(keys), np.int64)
-    _find(_numpy(keys.to(torch.int64)), buckets.view(-1).numpy(), map_keys.numpy(), mask, slots)
+    compiled_call(_find, _numpy(keys.to(torch.int64)), buckets.view(-1).numpy(), map_keys.numpy(), mask, slots)
     return torch.from_numpy(slots)
 
 
@@ -147,7 +148,7 @@ def reserve(keys: Tensor, valid: Tensor | None, buckets: Tensor, mask: int, asce
     order = np.arange(len(keys)) if ascending else torch.sort(keys, stable=True).indices.numpy()
     valid = np.ones(len(keys), np.bool_) if valid is None else _numpy(valid)
     entries = np.full(len(keys), -1, np.int64)
-    _reserve(_numpy(keys), order, valid, buckets.view(-1).numpy(), mask, entries)
+    compiled_call(_reserve, _numpy(keys), order, valid, buckets.view(-1).numpy(), mask, entries)
     return torch.from_numpy(entries)
 
 
@@ -158,7 +159,7 @@ def place(entries: Tensor, keys: Tensor, counts: Tensor | int, victims: Tensor, 
     placed key's slot gets last use ``now`` and its count of requests. Returns (slots, 0 where none; how many got one)."""
     slots = np.empty(len(keys), np.int64)
     counts = np.full(1, counts, np.int64) if isinstance(counts, int) else _numpy(counts.to(torch.int64))
-    taken = _place(_numpy(entries), _numpy(keys), counts, _numpy(victims), stack.numpy(), free, buckets.view(-1).numpy(),
+    taken = compiled_call(_place, _numpy(entries), _numpy(keys), counts, _numpy(victims), stack.numpy(), free, buckets.view(-1).numpy(),
                    map_keys.numpy(), entry_of.numpy(), last_used.numpy(), requests.numpy(), now, slots)  # fmt: skip
     return torch.from_numpy(slots), taken
 
@@ -171,6 +172,6 @@ def lookup_ids(ids: Tensor, buckets: Tensor, map_keys: Tensor, mask: int, last_u
     """
     ids = ids.to(torch.int64)
     slots, keys, missing = (np.empty(len(ids), np.int64) for _ in range(3))
-    misses = _lookup_ids(_numpy(ids).view(np.uint64), buckets.view(-1).numpy(), map_keys.numpy(), mask, last_used.numpy(),
+    misses = compiled_call(_lookup_ids, _numpy(ids).view(np.uint64), buckets.view(-1).numpy(), map_keys.numpy(), mask, last_used.numpy(),
                          requests.numpy(), now, count, seen.numpy(), slots, keys, missing)  # fmt: skip
     return torch.from_numpy(slots), torch.from_numpy(keys), torch.from_numpy(missing[:misses])

@@ -49,6 +49,7 @@ SCALARS = ("lr", "step_size", "decay", "weight_decay", "eps", "beta1", "beta2", 
 # longer, and a thread that drew it is not left behind. (Stretches of equal numbers of positions instead left most rows
 # of skewed ids to one thread: 2 threads ran no faster than one.)
 STRETCHES_PER_THREAD = 4
+ALL_IN = np.array([0, -1], dtype=np.int64)  # a verdict (min id, max id) of no ids: every table holds them
 COMPILED = (FAMILY, HAS_PERM, HAS_WEIGHTS, WEIGHT_DECAY, DECOUPLED, ROW_BIAS)  # the flags each kernel is compiled for
 
 
@@ -77,8 +78,13 @@ def update_runs(family: int, has_perm: int, has_weights: int, weight_decay: int,
 
     @numba.njit(parallel=True, cache=True)
     def kernel(table, first, second, per_row, row_step, values, perm, weights, counts, keys, starts, runs, stretches, given,
-               scalars):  # fmt: skip
-        """The rule on the table row of each run (``keys[starts[u]]``), its gradient the run's values summed."""
+               scalars, verdict, counter):  # fmt: skip
+        """The rule on the table row of each run (``keys[starts[u]]``), its gradient the run's values summed; nothing where
+        ``verdict`` (the min and max id) shows an id out of the table; ``counter`` (one element, or none) gains ``runs``."""
+        if verdict[0] < 0 or verdict[1] >= table.shape[0]:
+            return
+        if counter.shape[0]:
+            counter[0] += runs
         flags = (family, has_perm, has_weights, given[3], given[4], given[5], weight_decay, decoupled, row_bias, given[9])
         for stretch in numba.prange(stretches):
             _stretch(table, first, second, per_row, row_step, values, perm, weights, counts, keys, starts,
@@ -175,8 +181,6 @@ def update(runs_keys: Tensor, perm: Tensor | None, values: Tensor, table: Tensor
     """
     if rule.family not in FAMILIES:
         raise ValueError(f"Invalid update family: {rule.family!r}. HINT: use one of {FAMILIES}.")
-    if verdict is not None and not (int(verdict[0]) >= 0 and int(verdict[1]) < table.shape[0]):
-        return  # bad input since the verdict was cleared: nothing is updated, nothing counted (as the Triton kernel)
     keys = runs_keys.to(torch.int64).contiguous().numpy()
     starts = np.empty(len(keys) + 1, dtype=np.int64)
     runs = compiled_call(run_starts, keys, starts)
@@ -191,13 +195,14 @@ def update(runs_keys: Tensor, perm: Tensor | None, values: Tensor, table: Tensor
     flags, scalars = tuple(int(flag) for flag in flags), tuple(shard.dtype.type(float(number)) for number in numbers)
     per_row = state.per_row.numpy() if family == "rowwise_adagrad" else no_rows
     row_step = state.per_row.numpy() if family == "adam" and rule.row_bias else keys[:0]
+    # A verdict that shows a bad id (the input check ran before): the kernel updates and counts nothing, as Triton's.
+    bounds = verdict.numpy() if verdict is not None else ALL_IN
+    counter = unique.view(1).numpy() if unique is not None else keys[:0]
     with numba_threads(), numba.parallel_chunksize(1):
         stretches = min(runs, numba.get_num_threads() * STRETCHES_PER_THREAD)
         compiled_call(update_runs(*(flags[i] for i in COMPILED)), shard, _array(state.first, spare), _array(state.second, spare),
                       per_row, row_step, values.numpy(), perm.numpy() if perm is not None else keys, _column(weights, values),
-                      _column(counts, values), keys, starts, runs, stretches, flags, scalars)  # fmt: skip
-    if unique is not None:
-        unique.add_(runs)
+                      _column(counts, values), keys, starts, runs, stretches, flags, scalars, bounds, counter)  # fmt: skip
 
 
 def _array(tensor: Tensor | None, spare: np.ndarray) -> np.ndarray:

@@ -112,9 +112,7 @@ def update(tables: list[SparseEmbedding], keys: Tensor, values: Tensor, sources:
     for t in stepped:
         tables[t].stats.unique_ids += sizes[t]
     rows = (unique & ((1 << shift) - 1)).split(sizes)
-    if uses_numba(values) and all(
-        rules[t].family in fused.NUMBA_FAMILIES for t in stepped
-    ):  # numba's fused update: each table's distinct rows, its own rule and scalars, one call each
+    if uses_numba(values) and all(fused.applies(tables[t], rules[t].family) for t in stepped):  # numba's, one call a table
         for t, table_grad in zip(stepped, grad.split([sizes[t] for t in stepped])):
             update_rows(Runs(rows[t]), table_grad, tables[t].shard, rules[t])
         return

@@ -50,7 +50,7 @@ SCALARS = ("lr", "step_size", "decay", "weight_decay", "eps", "beta1", "beta2", 
 # of skewed ids to one thread: 2 threads ran no faster than one.)
 STRETCHES_PER_THREAD = 4
 ALL_IN = np.array([0, -1], dtype=np.int64)  # a verdict (min id, max id) of no ids: every table holds them
-COMPILED = (FAMILY, HAS_PERM, HAS_WEIGHTS, WEIGHT_DECAY, DECOUPLED, ROW_BIAS)  # the flags each kernel is compiled for
+COMPILED = (FAMILY, DECOUPLED, ROW_BIAS)  # the flags each kernel is compiled for (update_runs)
 
 
 @numba.njit(cache=True)
@@ -67,13 +67,16 @@ def run_starts(keys: np.ndarray, starts: np.ndarray) -> int:
 
 
 @functools.cache
-def update_runs(family: int, has_perm: int, has_weights: int, weight_decay: int, decoupled: int, row_bias: int) -> Any:
+def update_runs(family: int, decoupled: int, row_bias: int) -> Any:
     """The kernel for these flags (:data:`COMPILED`), compiled at its first call and cached on disk.
 
-    They are the closure's constants, not arguments: the compiler drops the branches they rule out of the inner loops
-    (the sum's and the rule's) and vectorizes what is left; with every flag an argument, Adam's update took about twice
-    as long. The other flags (once per row, or rare) stay arguments: each constant multiplies the kernels compiled
-    (about 5 s each, once per machine).
+    They are the closure's constants, not arguments: they rule branches inside the loop over a row's columns, which
+    the compiler drops and then vectorizes what is left; with every flag an argument, Adam's update took about twice
+    as long. The other flags are arguments, tested once per occurrence or per row, outside those loops (the sum has a
+    loop for each case of ``has_perm``), since each constant multiplies the kernels compiled (4 to 7 CPU-seconds each,
+    once per machine). With the sum's flags (``has_perm``, ``has_weights``) and ``weight_decay`` compiled in as well,
+    the test suite compiled 33 kernels, now 13, and the single-process benchmark's updates measured the same within
+    its run-to-run noise (two interleaved rounds each).
     """
 
     @numba.njit(parallel=True, cache=True)
@@ -85,7 +88,7 @@ def update_runs(family: int, has_perm: int, has_weights: int, weight_decay: int,
             return
         if counter.shape[0]:
             counter[0] += runs
-        flags = (family, has_perm, has_weights, given[3], given[4], given[5], weight_decay, decoupled, row_bias, given[9])
+        flags = (family, given[1], given[2], given[3], given[4], given[5], given[6], decoupled, row_bias, given[9])
         for stretch in numba.prange(stretches):
             _stretch(table, first, second, per_row, row_step, values, perm, weights, counts, keys, starts,
                      stretch * runs // stretches, (stretch + 1) * runs // stretches, flags, scalars)  # fmt: skip
@@ -103,15 +106,12 @@ def _stretch(table, first, second, per_row, row_step, values, perm, weights, cou
     for u in range(low, high):
         total[:] = 0
         count = total[0]  # (zero, in the values' dtype)
-        for k in range(starts[u], starts[u + 1]):
-            source = perm[k] if flags[HAS_PERM] else k
-            if flags[HAS_WEIGHTS]:
-                for j in range(dim):
-                    total[j] += values[source, j] * weights[k]
-            else:
-                for j in range(dim):
-                    total[j] += values[source, j]
-            count += counts[source] if flags[HAS_COUNTS] else 1
+        if flags[HAS_PERM]:  # a loop per case: the flags are arguments, tested outside the loop over the columns
+            for k in range(starts[u], starts[u + 1]):
+                count += _add(total, values, perm[k], weights, k, counts, flags)
+        else:
+            for k in range(starts[u], starts[u + 1]):
+                count += _add(total, values, k, weights, k, counts, flags)
         if flags[HAS_COUNTS] and not count > 0:  # placeholders only (ranks without a gradient): no update
             continue
         cast[0] = count
@@ -122,6 +122,19 @@ def _stretch(table, first, second, per_row, row_step, values, perm, weights, cou
             elif flags[DIVIDE]:  # "sum" on several ranks: divided by their number
                 g[j] = g[j] / scalars[DIVISOR]
         _apply(table, first, second, per_row, row_step, keys[starts[u]], g, cast, flags, scalars)
+
+
+@numba.njit(cache=True, inline="always")
+def _add(total, values, source, weights, k, counts, flags):
+    """Adds ``values[source]`` (times ``weights[k]``) to ``total``; returns what the occurrence counts."""
+    if flags[HAS_WEIGHTS]:
+        weight = weights[k]
+        for j in range(total.shape[0]):
+            total[j] += values[source, j] * weight
+    else:
+        for j in range(total.shape[0]):
+            total[j] += values[source, j]
+    return counts[source] if flags[HAS_COUNTS] else 1
 
 
 @numba.njit(cache=True, inline="always")
@@ -157,7 +170,7 @@ def _apply(table, first, second, per_row, row_step, row, g, cast, flags, scalars
             corrected1 = scalars[ONE] - scalars[BETA1] ** cast[1]
         for j in range(dim):
             value, m, v = table[row, j], first[row, j], second[row, j]
-            if flags[WEIGHT_DECAY] and flags[DECOUPLED]:  # AdamW: row *= 1 - lr * weight_decay
+            if flags[DECOUPLED]:  # AdamW (decoupled is set only with a weight decay): row *= 1 - lr * weight_decay
                 value = value * scalars[DECAY]
             if flags[LERP_FROM_END]:
                 m = g[j] - (g[j] - m) * (scalars[ONE] - scalars[ONE_MINUS_BETA1])
@@ -187,8 +200,10 @@ def update(runs_keys: Tensor, perm: Tensor | None, values: Tensor, table: Tensor
     state, (beta1, beta2), family = rule.state, rule.betas, rule.family
     shard, values = table.detach().numpy(), values.detach().contiguous()
     spare, no_rows = shard[:0], np.empty(0, dtype=shard.dtype)  # for state a family does not read (never touched)
+    adam = family == "adam"  # decoupled decay and per-row bias correction are Adam's (no other family's kernel for them)
     flags = (FAMILIES.index(family), perm is not None, weights is not None, counts is not None, mean, (not mean) and divisor != 1.0,
-             rule.weight_decay != 0.0, rule.decoupled_weight_decay, rule.row_bias, 1.0 - beta1 >= 0.5)  # fmt: skip
+             rule.weight_decay != 0.0, adam and rule.decoupled_weight_decay and rule.weight_decay != 0.0, adam and rule.row_bias,
+             1.0 - beta1 >= 0.5)  # fmt: skip
     numbers = (rule.lr, rule.step_size, 1.0 - rule.lr * rule.weight_decay, rule.weight_decay, rule.eps, beta1, beta2,
                1.0 - beta1, 1.0 - beta2, 1.0, divisor, table.shape[1])  # fmt: skip
     # Tuples, not arrays: values the compiler knows no store can change, so it keeps them in registers and vectorizes.

@@ -508,6 +508,31 @@ def test_cli_string_and_class_path_forms(rank_pools, tmp_path):
         torch.testing.assert_close(by_class[0]["state"][key], value, rtol=0, atol=0)
 
 
+LIGHTNING_AFTER = """
+import sys
+import lightning_sparse as ls
+assert not [m for m in sys.modules if m.split(".")[0] == "lightning"], "import lightning_sparse imported Lightning"
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+assert StrategyRegistry["sparse_ddp"]["strategy"] is ls.SparseDDPStrategy
+assert isinstance(STRATEGY_REGISTRY.get("sparse_ddp"), ls.FabricSparseDDPStrategy)
+trainer = Trainer(strategy="sparse_ddp", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+print(type(trainer.strategy).__name__)
+"""
+
+
+@pytest.mark.subprocesses
+def test_a_program_without_lightning_does_not_import_it_and_lightning_imported_later_knows_sparse_ddp():
+    """``import lightning_sparse`` before Lightning (as isort orders ``import`` before ``from``): Lightning's registries
+    learn ``sparse_ddp`` when Lightning is imported; a plain-torch program never pays Lightning's import."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", LIGHTNING_AFTER], capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0 and run.stdout.strip().endswith("SparseDDPStrategy"), run.stdout[-2000:] + run.stderr[-3000:]
+
+
 def _fit_with_stats(directory: str, accumulate: int, every: int) -> list[str]:
     import logging
 

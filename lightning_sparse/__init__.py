@@ -38,13 +38,13 @@ __version__ = "0.1.0"
 exits.install()
 flight_recorder.install()
 
-LIGHTNING_NAMES = ("CapturedSparseDDPStrategy", "FabricSparseDDPStrategy", "SparseDDPStrategy", "SparseMixedPrecision",
+_LIGHTNING_NAMES = ("CapturedSparseDDPStrategy", "FabricSparseDDPStrategy", "SparseDDPStrategy", "SparseMixedPrecision",
                    "SparseStatsMonitor")  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
     """The names of ``lightning_sparse.lightning``, imported on first use (PEP 562)."""
-    if name in LIGHTNING_NAMES:
+    if name in _LIGHTNING_NAMES:
         return getattr(importlib.import_module("lightning_sparse.lightning"), name)
     raise AttributeError(f"module 'lightning_sparse' has no attribute {name!r}")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
 from datetime import timedelta
 
 import lightning.pytorch as pl
@@ -526,9 +528,6 @@ print(type(trainer.strategy).__name__)
 def test_a_program_without_lightning_does_not_import_it_and_lightning_imported_later_knows_sparse_ddp():
     """``import lightning_sparse`` before Lightning (as isort orders ``import`` before ``from``): Lightning's registries
     learn ``sparse_ddp`` when Lightning is imported; a plain-torch program never pays Lightning's import."""
-    import subprocess
-    import sys
-
     run = subprocess.run([sys.executable, "-c", LIGHTNING_AFTER], capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0 and run.stdout.strip().endswith("SparseDDPStrategy"), run.stdout[-2000:] + run.stderr[-3000:]
 

@@ -209,7 +209,7 @@ def update(runs_keys: Tensor, perm: Tensor | None, values: Tensor, table: Tensor
     # Tuples, not arrays: values the compiler knows no store can change, so it keeps them in registers and vectorizes.
     flags, scalars = tuple(int(flag) for flag in flags), tuple(shard.dtype.type(float(number)) for number in numbers)
     per_row = state.per_row.numpy() if family == "rowwise_adagrad" else no_rows
-    row_step = state.per_row.numpy() if family == "adam" and rule.row_bias else keys[:0]
+    row_step = state.per_row.numpy() if flags[ROW_BIAS] else keys[:0]
     # A verdict that shows a bad id (the input check ran before): the kernel updates and counts nothing, as Triton's.
     bounds = verdict.numpy() if verdict is not None else ALL_IN
     counter = unique.view(1).numpy() if unique is not None else keys[:0]

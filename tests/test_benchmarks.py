@@ -205,3 +205,16 @@ def test_the_shared_gpu_benchmark_runs_its_ranks(monkeypatch):
     assert set(doc["step_ms"]) == {"1 rank", "2 ranks sharing the device"} and all(ms > 0 for ms in doc["step_ms"].values())
     assert doc["ratio_2_ranks_to_1"] > 0 and doc["host_syncs_per_step"] == {"1 rank": 0, "2 ranks, rank 0": 0}
     assert doc["host_syncs_at"] == {"1 rank": {}, "2 ranks, rank 0": {}}
+
+
+def test_the_huge_pages_benchmark_times_both_pages_for_every_workload(monkeypatch):
+    """benchmarks/huge_pages.py at tiny sizes (timings meaningless): each workload on both pages, the switch put back."""
+    from lightning_sparse.tables.placement import HUGE_PAGES_ENV
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import huge_pages
+
+    doc = huge_pages.run(rows=20_000, batch=64, pool=2_000, rounds=2, steps=1, warmup=1, log=lambda *_: None)
+    assert [r["workload"] for r in doc["results"]] == ["adagrad", "adam", "dynamic"]
+    assert all(set(r["ms"]) == {"4 KiB", "2 MiB"} and r["ratio_4k_over_2m"] > 0 for r in doc["results"])
+    assert HUGE_PAGES_ENV not in os.environ

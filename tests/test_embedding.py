@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 from rank_pool import COLLECTIVE_TIMEOUT_S, DEVICES
 
 import lightning_sparse as ls
+from lightning_sparse.tables import placement
 
 
 def _rank() -> tuple[int, int]:
@@ -267,3 +270,48 @@ def test_sharded_state_dicts_never_load_silently_on_another_rank(rank_pools):
     loaded = pool.run(_load, shard0)
     torch.testing.assert_close(loaded[0][1], expected[loaded[0][0]], rtol=0, atol=0)
     assert "holds rank 0's shard of 2" in loaded[1] and "HINT" in loaded[1]
+
+
+def _advised_for_huge_pages(tensor: torch.Tensor) -> bool:
+    """Whether the memory map entry holding the tensor's first whole 2 MiB page is madvised for huge pages ("hg")."""
+    address = -(-tensor.data_ptr() // placement.HUGE_PAGE_BYTES) * placement.HUGE_PAGE_BYTES
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(bound, 16) for bound in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return "hg" in line.split()[1:]
+    raise AssertionError(f"no memory map entry holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and transparent huge pages are Linux's")
+def test_a_big_cpu_shard_its_optimizer_state_and_its_slot_map_are_advised_onto_huge_pages():
+    table, dynamic = ls.SparseEmbedding(40_000, 64), ls.DynamicEmbedding(600_000, 8)
+    adam, adagrad = ls.SparseAdam([table], bias_correction="row"), ls.SparseAdagrad([dynamic])
+    table(torch.arange(5)).sum().backward()
+    dynamic(torch.arange(5)).sum().backward()
+    adam.step()
+    adagrad.step()
+    slots = dynamic.slots
+    advised = {"shard": table.shard, "dynamic shard": dynamic.shard, "adagrad sum": adagrad.state[dynamic.shard]["sum"],
+               "buckets": slots.map.buckets, "slot keys": slots.map.keys, "last use": slots.last_used,
+               **{key: adam.state[table.shard][key] for key in ("exp_avg", "exp_avg_sq")}}  # fmt: skip
+    assert all(t.nbytes >= 2 * placement.HUGE_PAGE_BYTES for t in advised.values())
+    assert {name for name, t in advised.items() if not _advised_for_huge_pages(t)} == set()
+
+
+def test_huge_page_advice_covers_the_whole_pages_inside_and_is_off_with_the_switch(monkeypatch):
+    calls = []
+    monkeypatch.setattr(placement, "_madvise", lambda: lambda start, length, advice: calls.append((start, length)))
+    rows = placement.empty_rows((3 * placement.HUGE_PAGE_BYTES // 4,), torch.float32, torch.device("cpu"))  # 3 pages' bytes
+    ((start, length),) = calls
+    assert (
+        start % placement.HUGE_PAGE_BYTES == 0 and length % placement.HUGE_PAGE_BYTES == 0 and length >= placement.HUGE_PAGE_BYTES
+    )
+    assert rows.data_ptr() <= start and start + length <= rows.data_ptr() + rows.nbytes
+    placement.empty_rows((placement.HUGE_PAGE_BYTES // 4,), torch.float32, torch.device("cpu"))  # 1 page's bytes: none inside
+    monkeypatch.setenv(placement.HUGE_PAGES_ENV, "0")
+    placement.empty_rows((3 * placement.HUGE_PAGE_BYTES // 4,), torch.float32, torch.device("cpu"))
+    assert len(calls) == 1

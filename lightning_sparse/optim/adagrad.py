@@ -12,6 +12,7 @@ from lightning_sparse.kernels import RuleState, UpdateRule
 from lightning_sparse.kernels.rounding import compute_dtype
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.tables.embedding import SparseEmbedding
+from lightning_sparse.tables.placement import empty_rows
 
 
 def _check(lr: float, weight_decay: float, initial_accumulator_value: float, eps: float) -> None:
@@ -66,7 +67,9 @@ class SparseAdagrad(SparseOptimizer):
     def init_state(self, table: SparseEmbedding, group: dict[str, Any]) -> dict[str, Tensor]:
         return {
             "step": torch.zeros((), dtype=torch.int64),
-            "sum": torch.full_like(table.shard, group["initial_accumulator_value"], dtype=compute_dtype(table.dtype)),
+            "sum": empty_rows(table.shard.shape, compute_dtype(table.dtype), table.device).fill_(
+                group["initial_accumulator_value"]
+            ),
         }
 
     def rule(self, state: dict[str, Tensor], group: dict[str, Any], step: int | Tensor) -> UpdateRule:
@@ -112,8 +115,8 @@ class SparseRowWiseAdagrad(SparseOptimizer):
             raise ValueError(f"Row-wise Adagrad needs a 2-D table, got shape {tuple(table.shard.shape)} for {table.name}.")
         return {
             "step": torch.zeros((), dtype=torch.int64),
-            "sum": torch.full(
-                (table.shard.shape[0],), group["initial_accumulator_value"], dtype=compute_dtype(table.dtype), device=table.device
+            "sum": empty_rows((table.shard.shape[0],), compute_dtype(table.dtype), table.device).fill_(
+                group["initial_accumulator_value"]
             ),
         }
 

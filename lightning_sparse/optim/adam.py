@@ -13,6 +13,7 @@ from lightning_sparse.kernels.rounding import compute_dtype
 from lightning_sparse.optim import functional as F
 from lightning_sparse.optim.base import SparseOptimizer
 from lightning_sparse.tables.embedding import SparseEmbedding
+from lightning_sparse.tables.placement import empty_rows
 
 BIAS_CORRECTIONS = ("row", "global")
 
@@ -70,11 +71,11 @@ class SparseAdam(SparseOptimizer):
         shard = table.shard
         state = {
             "step": torch.zeros((), dtype=torch.int64),
-            "exp_avg": torch.zeros_like(shard, dtype=compute_dtype(shard.dtype)),
-            "exp_avg_sq": torch.zeros_like(shard, dtype=compute_dtype(shard.dtype)),
+            "exp_avg": empty_rows(shard.shape, compute_dtype(shard.dtype), shard.device).zero_(),
+            "exp_avg_sq": empty_rows(shard.shape, compute_dtype(shard.dtype), shard.device).zero_(),
         }
         if group["bias_correction"] == "row":
-            state["row_step"] = torch.zeros(shard.shape[0], dtype=torch.int64, device=shard.device)
+            state["row_step"] = empty_rows((shard.shape[0],), torch.int64, shard.device).zero_()
         return state
 
     def rule(self, state: dict[str, Tensor], group: dict[str, Any], step: int | Tensor) -> UpdateRule:

@@ -46,6 +46,7 @@ from lightning_sparse.tables.free_slots import (
     LruQueue,
     SlotStats,
 )
+from lightning_sparse.tables.placement import empty_rows
 from lightning_sparse.tables.slot_map import NULL_SLOT, SlotMap, both, select
 from lightning_sparse.wire.grouping import SortedKeys
 
@@ -64,8 +65,8 @@ class SlotTable:
                  sketch_width: int, device: torch.device) -> None:  # fmt: skip
         self.map = SlotMap(num_slots, device)
         self.capacity, self.admit_after, self.eviction, self.ttl = capacity, admit_after, eviction, ttl
-        self.last_used = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self.requests = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.last_used = empty_rows((num_slots,), torch.int64, device).zero_()
+        self.requests = empty_rows((num_slots,), torch.int64, device).zero_()
         self.sketch = CountSketch(sketch_width, device=device) if admit_after > 1 else None
         self.now = torch.zeros((), dtype=torch.int64, device=device)  # the clock, on the device (see :attr:`clock`)
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)

@@ -44,6 +44,7 @@ from lightning_sparse.tables import init as row_init
 from lightning_sparse.tables.admission import EVICTION, NULL_SLOT, SlotStats, SlotTable
 from lightning_sparse.tables.dynamic_lookup import KeyedRounds, LocalRounds
 from lightning_sparse.tables.embedding import SparseEmbedding
+from lightning_sparse.tables.placement import empty_rows
 from lightning_sparse.wire.hashing import unmix
 
 
@@ -147,7 +148,7 @@ class DynamicEmbedding(SparseEmbedding):
 
     def _initial_rows(self, global_ids: Tensor) -> Tensor:
         # Rows get their values when an id is admitted; the null row stays zero.
-        return torch.zeros(len(global_ids), self.embedding_dim, dtype=self._shard.dtype, device=self._shard.device)
+        return empty_rows((len(global_ids), self.embedding_dim), self._shard.dtype, self._shard.device).zero_()
 
     def _lookup_path(self) -> LocalRounds | KeyedRounds:
         return LocalRounds(self) if self.world_size == 1 else KeyedRounds(self)

@@ -27,7 +27,7 @@ from lightning_sparse.lookup.range_check import RangeCheck
 from lightning_sparse.lookup.units import OneTable
 from lightning_sparse.tables import init as row_init
 from lightning_sparse.tables import shard_state
-from lightning_sparse.tables.placement import Move, Placement
+from lightning_sparse.tables.placement import Move, Placement, empty_rows
 from lightning_sparse.wire.alltoall import ExchangeStats
 from lightning_sparse.wire.exchange import Route
 from lightning_sparse.wire.sharding import SCHEMES
@@ -151,7 +151,8 @@ class SparseEmbedding(nn.Module):
         if move is not Move.NONE:
             global_ids = self.sharding.global_ids(self.rank, device=self._shard.device)
             if move is Move.CUT:  # a full local table becomes this rank's shard
-                self._shard.data = self._shard.data.index_select(0, global_ids)
+                rows = empty_rows((len(global_ids), *self._shard.shape[1:]), self._shard.dtype, self._shard.device)
+                self._shard.data = torch.index_select(self._shard.data, 0, global_ids, out=rows)
             else:
                 self._shard.data = self._initial_rows(global_ids)
         if move is not Move.NONE or self.lookups is None:

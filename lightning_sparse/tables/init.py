@@ -34,6 +34,7 @@ from torch import Tensor
 from lightning_sparse.kernels import computes_in_triton, gpu_path
 from lightning_sparse.kernels import rows as kernel_rows
 from lightning_sparse.kernels.rows import hashes
+from lightning_sparse.tables.placement import empty_rows
 
 RowInit = Callable[[Tensor, int, int], Tensor]
 
@@ -63,7 +64,7 @@ def init_rows(init: RowInit, global_ids: Tensor, embedding_dim: int, seed: int, 
 
     if len(global_ids) <= rows_per_chunk:  # one chunk: no copy
         return chunk(global_ids).to(device=like.device, dtype=like.dtype)
-    out = torch.empty(len(global_ids), embedding_dim, dtype=like.dtype, device=like.device)
+    out = empty_rows((len(global_ids), embedding_dim), like.dtype, like.device)
     for start in range(0, len(global_ids), rows_per_chunk):
         ids = global_ids[start : start + rows_per_chunk]
         out[start : start + len(ids)] = chunk(ids)

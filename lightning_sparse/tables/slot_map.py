@@ -43,6 +43,7 @@ from torch import Tensor
 
 from lightning_sparse.kernels import gpu_path, uses_triton
 from lightning_sparse.kernels.backend import uses_numba
+from lightning_sparse.tables.placement import empty_rows
 
 NULL_SLOT = 0  # never a key's: an entry holding it is empty, and padding may write it
 RESERVED = -1  # an entry that reserve() handed out and write() has not filled yet
@@ -76,9 +77,9 @@ class SlotMap:
         groups = 1 << max(1, (-(-4 * num_slots // WIDTH) - 1).bit_length())
         self.mask = groups - 1
         self.scratch = groups * WIDTH  # the first entry of the scratch group
-        self.buckets = torch.zeros((groups + 1, WIDTH), dtype=torch.int32, device=device)  # NULL_SLOT: empty
-        self.keys = torch.zeros(num_slots, dtype=torch.int64, device=device)  # valid where the slot is in use
-        self.entry_of = torch.full((num_slots,), self.scratch, dtype=torch.int64, device=device)  # scratch: not in use
+        self.buckets = empty_rows((groups + 1, WIDTH), torch.int32, device).zero_()  # NULL_SLOT: empty
+        self.keys = empty_rows((num_slots,), torch.int64, device).zero_()  # valid where the slot is in use
+        self.entry_of = empty_rows((num_slots,), torch.int64, device).fill_(self.scratch)  # scratch: not in use
         self._seen: Tensor | None = None  # lookup_ids's marks, made at its first call
 
     @property

@@ -199,8 +199,9 @@ def empty_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     """``torch.empty(shape)`` for rows a step reads and writes at random; on a CPU, on 2 MiB pages where Linux has them.
 
     The advice covers the whole 2 MiB pages inside the tensor (so tensors under 4 MiB stay as they are) and takes effect
-    as its pages are first written: fill the tensor (``fill_``, ``copy_``, ``out=``) after this call, not before.
-    A hint: where the kernel has no transparent huge pages, or none to spare, the pages are the usual ones.
+    as its pages are first written, which is why it comes with the allocation: the caller fills the tensor (``fill_``,
+    ``zero_``, ``out=``). A hint: where the kernel has no transparent huge pages, or none to spare, the pages are the
+    usual ones.
     """
     rows = torch.empty(shape, dtype=dtype, device=device)
     madvise = _madvise() if rows.device.type == "cpu" and rows.nbytes >= 2 * HUGE_PAGE_BYTES else None

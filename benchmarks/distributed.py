@@ -7,7 +7,8 @@ Methods (each in 2 fresh processes, ``ranks.py``, so peak RSS, each rank's own `
 
 * ``ours``: ``lightning_sparse.SparseEmbedding(sharding="mod")`` + ``SparseAdagrad``, plain torch loop.
   ``ours_pipelined`` (not in ``METHODS``, so run by name: ``run([100_000], [4096], ["ours", "ours_pipelined"])``)
-  is the same loop with each step's ids sent to their owners during the step before (``lightning_sparse.Pipeline``).
+  is the same loop with each step's ids sent to their owners during the step before (``lightning_sparse.Pipeline``);
+  ``ours_shared`` (also by name) the same loop with the table in shared memory (``shared_memory=True``).
 * ``sparse_ddp``: the same table in a LightningModule, ``Trainer(strategy="sparse_ddp")``.
 * ``dgl``: ``dgl.nn.NodeEmbedding`` + ``dgl.optim.SparseAdagrad`` (one table in shared memory).
 * ``sparse_grad_ddp``: ``nn.Embedding(sparse=True)`` in DistributedDataParallel + ``torch.optim.Adagrad``
@@ -74,10 +75,10 @@ def lower_bound_bytes(rank: int, ids: torch.Tensor, dim: int) -> float:
 
 
 # ---------------------------------------------------------------------- plain loops
-def build_ours(cfg: dict, rows: int, proj: torch.Tensor, pipelined: bool = False):
+def build_ours(cfg: dict, rows: int, proj: torch.Tensor, pipelined: bool = False, shared_memory: bool = False):
     import lightning_sparse as ls
 
-    emb = ls.SparseEmbedding(rows, cfg["dim"], sharding="mod", seed=0)
+    emb = ls.SparseEmbedding(rows, cfg["dim"], sharding="mod", seed=0, shared_memory=shared_memory)
     opt = ls.SparseAdagrad([emb], lr=0.1)
     # Pipelined: the steps take the batches in order, so step i looks up these objects (the values run_loop passes)
     # and sends step i + 1's ahead first.
@@ -180,8 +181,8 @@ def build_dgl(cfg: dict, rows: int, proj: torch.Tensor):
     return step, foreign.clear, stats
 
 
-BUILDERS = {"ours": build_ours, "ours_pipelined": partial(build_ours, pipelined=True), "sparse_grad_ddp": build_sparse_grad_ddp,
-            "dgl": build_dgl}  # fmt: skip
+BUILDERS = {"ours": build_ours, "ours_pipelined": partial(build_ours, pipelined=True),
+            "ours_shared": partial(build_ours, shared_memory=True), "sparse_grad_ddp": build_sparse_grad_ddp, "dgl": build_dgl}  # fmt: skip
 
 
 def run_loop(rank: int, cfg: dict, method: str, rows: int, result: dict) -> None:

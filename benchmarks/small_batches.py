@@ -1,11 +1,11 @@
-"""Two gloo ranks at small batches: ours, ours pipelined and DGL, in interleaved rounds (issue 46's acceptance).
+"""Two gloo ranks at small batches: ours, ours pipelined, ours in shared memory and DGL, in interleaved rounds (issue 46).
 
 The workload is ``distributed.py``'s (one table, Zipf ids, ``mean((rows @ proj - target)^2)``, Adagrad,
 one thread per rank), at ``batch`` ids per rank and each of ``rows_list`` table sizes. A round runs
 every method once (each in 2 fresh ranks, ``distributed.run_one``), in an order that turns from round
 to round; each method's figure in a round is its median step (a step ends when the slower rank
-ends it). Reported per table size: each method's median over rounds, and each ratio ``dgl / ours``
-and ``dgl / ours_pipelined`` as the median of the rounds' ratios, with their lowest and highest (the
+ends it). Reported per table size: each method's median over rounds, and each ratio ``dgl / ours``,
+``dgl / ours_pipelined`` and ``dgl / ours_shared`` as the median of the rounds' ratios, with their lowest and highest (the
 machine's noise).
 
     python benchmarks/small_batches.py [--rounds 5] [--rows 100000,1000000,4000000] [--batch 4096] [--out FILE]
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import distributed  # noqa: E402
 
-METHODS = ("ours", "ours_pipelined", "dgl")
+METHODS = ("ours", "ours_pipelined", "ours_shared", "dgl")
 BASELINE = "dgl"
 
 

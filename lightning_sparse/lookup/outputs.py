@@ -7,7 +7,8 @@ them with ``index_select`` (:func:`expand_rows`, whose backward is the segment s
 lookup's sort) or pool them (:mod:`lightning_sparse.lookup.pooling`). With one rank and one table
 there is nothing to deduplicate: :class:`Gather`, the lone table's lookup path, reads the shard
 straight at the ids (:func:`gather`), as ``nn.Embedding`` does, and records one gradient row per
-id, summed at the optimizer step.
+id, summed at the optimizer step. A table in one host's shared memory reads every owner's rows so
+too, at the ids' keys (:class:`SharedReads`).
 Every sum of gradient rows is :func:`lightning_sparse.kernels.segment_sum` (or the fused update).
 """
 
@@ -22,6 +23,7 @@ from lightning_sparse.kernels import rows as kernel_rows
 from lightning_sparse.kernels import uses_triton
 from lightning_sparse.lookup.features import read_ids
 from lightning_sparse.lookup.verdict import check_gather, raise_if_out_of_range
+from lightning_sparse.wire.shared_memory import Fence, map_segment
 
 if TYPE_CHECKING:
     from lightning_sparse.lookup.pending import LookupRecord
@@ -136,3 +138,75 @@ class Gather:
     def serve(self, route: Route) -> None:
         """A lone rank serves nobody; the round's :func:`~lightning_sparse.lookup.engine.serve` would answer."""
         raise RuntimeError(f"{self.unit.name} has one rank: no other rank looks it up. HINT: report this.")
+
+
+class SharedReads:
+    """A table's lookups when its ranks share one host's memory (``shared_memory=True``): every row read in place, no round.
+
+    The whole table is mapped on every rank in owner-major key order (:mod:`lightning_sparse.wire.shared_memory`),
+    each rank's shard its own block, so a lookup reads the segment at its ids' keys, as :class:`Gather` reads
+    a lone shard, and records one gradient row per id, with no route: the step sums them by row and sends
+    them to their owners (the general round of :func:`~lightning_sparse.wire.grads_exchange.grads_to_owners`),
+    and after the owners' update :meth:`after_write` fences. Bad ids raise on the rank that read them (no
+    round tells the other ranks: their next collective with it fails, naming the lost rank).
+
+    The segment is made at the first lookup (collective), and again after the shard moved (``.to()``).
+    """
+
+    def __init__(self, unit: LookupUnit) -> None:
+        table = unit.table_list[0]
+        if table.device.type != "cpu":
+            raise ValueError(f"{table.name}: shared_memory=True on {table.device}. HINT: a table in shared memory lives in the "
+                             f"host's memory: keep it on the CPU, or leave shared_memory off on a GPU.")  # fmt: skip
+        if table.replicas > 1:
+            raise ValueError(f"{table.name}: shared_memory=True under 2-D sharding ({table.replicas} replicas). HINT: leave "
+                             f"replica_group out: in shared memory every rank reads every row already.")  # fmt: skip
+        self.unit = unit
+        self.segment: Tensor | None = None  # the whole table, [world_size * block_size, dim], mapped by every rank
+        self.fence: Fence | None = None
+        self._fence_first = False  # a write that did not fence (a load): the next lookup fences before it reads
+
+    def lookup(self, ids: Any) -> dict[str, Tensor]:
+        """The table's rows at ``ids``: ``[*ids.shape, dim]``, under the table's name. Bad input raises (on this rank)."""
+        table = self.unit.table_list[0]
+        read, problem = read_ids(ids, table.name, table.device)
+        feature = check_gather(self.unit, read, problem)
+        segment = self._mapped(table)
+        table.stats.ids_looked_up += len(feature.ids)
+        keys = table.sharding.key(feature.ids)
+        dtype = table.output_dtype or table.dtype
+        with torch.no_grad():
+            rows = segment.index_select(0, keys).to(dtype)
+        if torch.is_grad_enabled():
+            record = table.pending.new_record(None, keys.clone() if keys is feature.ids else keys)
+            rows = _RecordedRows.apply(_token(rows.device), rows, record, dtype)
+        return {feature.name: rows.view(*feature.shape, table.embedding_dim)}
+
+    def after_write(self, fenced: bool = True) -> None:
+        """This rank's rows were written (a step, a load): fence now (every rank calls it), or before the next lookup."""
+        if self.fence is None:  # not mapped yet: the rows are this rank's own, and mapping them fences
+            return
+        if fenced:
+            self.fence()
+        self._fence_first = not fenced
+
+    def _mapped(self, table: ShardedTable) -> Tensor:
+        """The segment, made (collective) if the shard is not a block of it: its first lookup, or after ``.to()``."""
+        shard = table.shard
+        if self.segment is None or shard.untyped_storage().data_ptr() != self.segment.untyped_storage().data_ptr():
+            sharding = table.sharding
+            shape = (sharding.key_bound, table.embedding_dim)
+            self.segment = map_segment(shape, shard.dtype, table.process_group, table.name)
+            self.fence = self.fence or Fence(table.process_group, table.name)
+            start = table.rank * sharding.block_size
+            block = self.segment[start : start + len(shard)]
+            block.copy_(shard)
+            shard.data = block
+            self._fence_first = True  # every rank's copy lands before any rank reads
+        if self._fence_first:
+            self.after_write()
+        return self.segment
+
+    def serve(self, route: Route) -> None:
+        """Nobody asks a table in shared memory for rows: its lookups make no round."""
+        raise RuntimeError(f"{self.unit.name} is in shared memory: no other rank asks it for rows. HINT: report this.")

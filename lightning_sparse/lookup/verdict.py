@@ -128,7 +128,7 @@ def check_round(unit: Subject, headers: Headers, problem: Problem | None = None)
     check_one_unit(headers, unit.name)
     rank = headers.first(headers.column("error") != OK)
     if rank is not None:
-        own = rank == unit.rank
+        own = rank == unit.rank or len(headers) == 1  # a one-rank round's header is this rank's (a gather's, a shared table's)
         raise _error(unit, headers[rank], rank, own, problem.words if own and problem is not None else None)
 
 

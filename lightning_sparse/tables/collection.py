@@ -108,6 +108,10 @@ class SparseEmbeddingCollection(nn.Module):
             if not isinstance(table, SparseEmbedding):
                 raise TypeError(f"Table {name!r} is a {type(table).__name__}, not a SparseEmbedding. HINT: build it as "
                                 f"lightning_sparse.SparseEmbedding(num_embeddings, embedding_dim).")  # fmt: skip
+        shared = [name for name, table in tables.items() if getattr(table, "shared_memory", False)]
+        if shared:
+            raise ValueError(f"Tables {shared} have shared_memory=True, which a collection's rounds do not use. HINT: look them "
+                             f"up as tables of their own, or build them without shared_memory.")  # fmt: skip
         if len({id(t) for t in tables.values()}) != len(tables):
             raise ValueError("The same SparseEmbedding appears under two names. HINT: map two features to one table "
                              "with features={'clicked': 'item', 'candidate': 'item'}.")  # fmt: skip

@@ -16,12 +16,12 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_sparse.kernels.rounding import HALF
 from lightning_sparse.lookup import compiled
 from lightning_sparse.lookup.engine import Round
-from lightning_sparse.lookup.outputs import Gather
+from lightning_sparse.lookup.outputs import Gather, SharedReads
 from lightning_sparse.lookup.pending import PendingGrads
 from lightning_sparse.lookup.range_check import RangeCheck
 from lightning_sparse.lookup.units import OneTable
@@ -33,7 +33,7 @@ from lightning_sparse.wire.exchange import Route
 from lightning_sparse.wire.sharding import SCHEMES
 
 
-class SparseEmbedding(nn.Module):
+class SparseEmbedding(shard_state.StateDictHooks):
     """An embedding table whose rows are sharded over the ranks of a process group.
 
     Args:
@@ -60,6 +60,9 @@ class SparseEmbedding(nn.Module):
             sharding group); the optimizer sums each row's gradient over them, so the replicas
             stay identical. Both come from :func:`lightning_sparse.sharding_groups`.
         name: used in error messages and stats; the strategy sets it to the module path.
+        shared_memory: every rank of the group runs on one host: the whole table lives in one shared-memory
+            segment that every rank maps, and a lookup reads any owner's rows in place instead of asking the
+            owners (:mod:`lightning_sparse.wire.shared_memory`). CPU tables, 1-D sharding; default ``False``.
 
     The shard is **not** an ``nn.Parameter``: ``parameters()`` yields nothing, so dense
     optimizers and DDP never see it. It still follows ``.to(device)``. Construction allocates
@@ -89,6 +92,7 @@ class SparseEmbedding(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         replica_group: dist.ProcessGroup | None = None,
         name: str | None = None,
+        shared_memory: bool = False,
     ) -> None:
         super().__init__()
         _check_arguments(num_embeddings, embedding_dim, sharding, dtype, stochastic_rounding, output_dtype)
@@ -99,6 +103,7 @@ class SparseEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.sharding_scheme = sharding
         self.seed = seed
+        self.shared_memory = shared_memory
         self.has_given_name = name is not None
         self._init: row_init.RowInit = init or row_init.normal()
         # Before materialization an empty placeholder records the dtype and device that
@@ -131,7 +136,8 @@ class SparseEmbedding(nn.Module):
     dtype = property(lambda self: self._shard.dtype)
 
     process_group = property(lambda self: self.placement.process_group, doc="The group (``None``: a local table).")
-    peers = property(lambda self: self.placement.peers(self.stats), doc="Its ranks as the wire takes them (:class:`Peers`).")
+    peers = property(lambda self: self.placement.peers(self.stats, getattr(self.lookups, "fence", None)),
+                     doc="Its ranks as the wire takes them (:class:`Peers`).")  # fmt: skip
     sharding = property(lambda self: self.placement.sharding(self.num_embeddings, self.sharding_scheme))
 
     @property
@@ -161,7 +167,9 @@ class SparseEmbedding(nn.Module):
 
     def _lookup_path(self) -> Any:
         """The path of this table's lookups on its placement (a subclass may take its own)."""
-        return Gather(self.lookup_unit) if self.world_size == 1 else Round(self.lookup_unit)
+        if self.world_size == 1:
+            return Gather(self.lookup_unit)
+        return SharedReads(self.lookup_unit) if self.shared_memory else Round(self.lookup_unit)
 
     def _initial_rows(self, global_ids: Tensor) -> Tensor:  # the rows a new shard starts with (a subclass may differ)
         return self._init_rows(global_ids)
@@ -174,6 +182,7 @@ class SparseEmbedding(nn.Module):
     def reset_parameters(self) -> None:
         """Re-draw this rank's rows from ``init`` and ``seed``."""
         self.shard.copy_(self._initial_rows(self.sharding.global_ids(self.rank, device=self.device)))
+        self.rows_written(fenced=False)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> SparseEmbedding:
         # Keep the shard's identity (optimizers hold it) while following .to()/.cuda()/.half().
@@ -232,6 +241,12 @@ class SparseEmbedding(nn.Module):
 
     def after_step(self) -> None:
         """Called by the sparse optimizer after each step that held this table (a dynamic table expires ids here)."""
+        self.rows_written(fenced=True)
+
+    def rows_written(self, fenced: bool) -> None:
+        """Every rank wrote its rows (a step, a load): a table in shared memory fences now, or before its next read."""
+        if isinstance(self.lookups, SharedReads):
+            self.lookups.after_write(fenced)
 
     def adopt(self, name: str, table_index: int) -> None:
         """Called by the strategy that shards this table: its module path and position among the tables."""
@@ -240,7 +255,7 @@ class SparseEmbedding(nn.Module):
         self.table_index = table_index
         self._first_lookup_checked = True
 
-    # ------------------------------------------------------------------ the whole table and state dicts (shard_state.py)
+    # ------------------------------------------------------------------ the whole table (its state dicts: shard_state.py)
     def full_weight(self) -> Tensor:
         """The logical ``[num_embeddings, embedding_dim]`` table on every rank (for export and tests). Collective."""
         return shard_state.gather_rows(self, self.shard)
@@ -253,31 +268,11 @@ class SparseEmbedding(nn.Module):
         """This rank's rows of a full per-row tensor (the inverse of :meth:`gather_rows`)."""
         return shard_state.local_rows(self, full)
 
-    def sharded_keys(self) -> tuple[str, ...]:
-        """The state-dict entries that hold this rank's part of the table (``full_state_dict`` replaces them)."""
-        return ("shard", "_extra_state")
-
-    def full_tensors(self) -> dict[str, Tensor]:
-        """The whole table as state-dict entries, loadable on any placement: ``weight``. Collective."""
-        return {"weight": self.full_weight()}
-
-    def get_extra_state(self) -> dict[str, Any]:
-        return shard_state.extra_state(self)
-
-    def set_extra_state(self, state: Any) -> None:
-        pass  # checked in _load_from_state_dict, which sees the tensors too
-
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        self.materialize()  # first, so that the extra state records the placement
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "shard"] = self.shard if keep_vars else self.shard.detach()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        """Accepts this rank's ``shard`` (same placement) or the full logical ``weight`` table."""
-        shard_state.load(self, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)
-
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, sharding={self.sharding_scheme!r}, {self.placement.describe()}"
+        shared = ", shared_memory=True" if self.shared_memory else ""
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, sharding={self.sharding_scheme!r}{shared}, {self.placement.describe()}"
+        )
 
 
 def _check_arguments(num_embeddings: int, embedding_dim: int, sharding: str, dtype: torch.dtype,

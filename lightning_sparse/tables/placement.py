@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable
 from enum import Enum
 from functools import cache
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,9 +88,9 @@ class Placement:
             )
         return group
 
-    def peers(self, stats: ExchangeStats | None) -> Peers:
-        """The ranks of the process group, as the wire takes them, counting into ``stats``."""
-        return Peers(self.process_group, self.rank, self.world_size, stats)
+    def peers(self, stats: ExchangeStats | None, fence: Any = None) -> Peers:
+        """The ranks of the process group, as the wire takes them, counting into ``stats`` (``fence``: see :class:`Peers`)."""
+        return Peers(self.process_group, self.rank, self.world_size, stats, fence)
 
     def replica_peers(self, stats: ExchangeStats | None) -> Peers:
         """The ranks of the replica group (2-D sharding), as the wire takes them."""

@@ -24,6 +24,7 @@ class SparseEmbedding(Protocol):
     num_embeddings: int
     embedding_dim: int
     sharding_scheme: str
+    shared_memory: bool
 
     @property
     def world_size(self) -> int: ...
@@ -36,6 +37,7 @@ class SparseEmbedding(Protocol):
     @property
     def shard(self) -> Tensor: ...
     def materialize(self) -> Any: ...
+    def rows_written(self, fenced: bool) -> None: ...
 
 
 @torch.no_grad()
@@ -79,6 +81,14 @@ def extra_state(table: SparseEmbedding) -> dict[str, Any]:
     }
 
 
+def saved_shard(table: SparseEmbedding, keep_vars: bool) -> Tensor:
+    """The shard as a state dict holds it: a copy of a shard in shared memory, a view of the whole table that ``torch.save`` would write whole."""
+    if keep_vars:
+        return table.shard
+    shard = table.shard.detach()
+    return shard.clone() if table.shared_memory and table.world_size > 1 else shard
+
+
 def load(table: SparseEmbedding, state_dict: dict, prefix: str, strict: bool, missing_keys: list, unexpected_keys: list,
          error_msgs: list) -> None:  # fmt: skip
     """Load this rank's ``shard`` (same placement) or the full logical ``weight`` table into ``table``."""
@@ -112,6 +122,7 @@ def load(table: SparseEmbedding, state_dict: dict, prefix: str, strict: bool, mi
     if strict:
         ours = {prefix + name for name in ("weight", "shard", "_extra_state")}
         unexpected_keys.extend(key for key in state_dict if key.startswith(prefix) and key not in ours)
+    table.rows_written(fenced=False)
 
 
 def full_state_dict(module: nn.Module, state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -130,3 +141,33 @@ def full_state_dict(module: nn.Module, state_dict: dict[str, Any] | None = None)
                 state_dict.pop(prefix + key, None)
             state_dict.update({prefix + key: value for key, value in sub.full_tensors().items()})
     return state_dict
+
+
+class StateDictHooks(nn.Module):
+    """A table's state-dict hooks: its ``shard`` (this rank's rows) with its placement, or the whole ``weight`` on load.
+
+    The base of :class:`~lightning_sparse.SparseEmbedding`, which gives what :class:`SparseEmbedding` above names.
+    """
+
+    def sharded_keys(self) -> tuple[str, ...]:
+        """The state-dict entries that hold this rank's part of the table (``full_state_dict`` replaces them)."""
+        return ("shard", "_extra_state")
+
+    def full_tensors(self) -> dict[str, Tensor]:
+        """The whole table as state-dict entries, loadable on any placement: ``weight``. Collective."""
+        return {"weight": self.full_weight()}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return extra_state(self)
+
+    def set_extra_state(self, state: Any) -> None:
+        pass  # checked in _load_from_state_dict, which sees the tensors too
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        self.materialize()  # first, so that the extra state records the placement
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "shard"] = saved_shard(self, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        """Accepts this rank's ``shard`` (same placement) or the full logical ``weight`` table."""
+        load(self, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)

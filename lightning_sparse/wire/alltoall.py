@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,9 @@ class ExchangeStats:
 @dataclass(frozen=True)
 class Peers:
     """The ranks a stage talks to: ``group`` (``None``: the default group), this ``rank``, ``world_size``, and
-    ``stats``, where the stage counts what it sent (``None``: not counted).
+    ``stats``, where the stage counts what it sent (``None``: not counted), and ``fence``: where ranks of one
+    host meet in shared memory (a table in shared memory's :class:`~lightning_sparse.wire.shared_memory.Fence`),
+    through which :func:`exchange_counts` sends split sizes (counted in no stats: nothing crosses the network).
 
     A table makes one from its placement when it is needed (it keeps only weak references to its
     groups); a lookup unit or an optimizer counts its own traffic with :meth:`counting`.
@@ -72,6 +75,7 @@ class Peers:
     rank: int = 0
     world_size: int = 1
     stats: ExchangeStats | None = None
+    fence: Any = None
 
     @property
     def alone(self) -> bool:
@@ -96,6 +100,8 @@ def exchange_counts(send: Tensor, peers: Peers) -> Tensor:
     """
     if peers.alone:
         return send
+    if peers.fence is not None and (recv := peers.fence.exchange(send)) is not None:
+        return recv
     send = send.contiguous()
     recv = torch.empty_like(send)
     with collective("all-to-all of split sizes"):

@@ -111,12 +111,14 @@ def grads_to_owners(
 ) -> list[IncomingGrads]:
     """Stage 3: send every table's row gradients to the rows' owners.
 
-    The routed round always runs: its sizes follow from the routes, which every rank knows.
-    To each destination it carries each table's routed rows, then one control code per table
-    (whether this rank had routed rows, whether it has others, whether it looked the table up).
-    Every rank thereby learns what every rank has; if any rank has other rows, the general round
-    follows (a header of counts, then ids and values). One host read per round: the control
-    codes, the header.
+    The routed round runs if some table has a route (every rank knows the same routes): its sizes
+    follow from the routes. To each destination it carries each table's routed rows, then one
+    control code per table (whether this rank had routed rows, whether it has others, whether it
+    looked the table up). Every rank thereby learns what every rank has; if any rank has other
+    rows, the general round follows (a header of counts, then ids and values). Where no table has
+    a route (tables in shared memory, whose lookups make no round), the general round's header
+    carries the codes and there is no routed round. One host read per round: the control codes,
+    the header.
 
     ``sole`` (:func:`only_routed`, the same on every rank): no rank has other rows, so there is no
     general round, every table counts as touched, and on a GPU's path the codes stay on the device:
@@ -133,12 +135,16 @@ def grads_to_owners(
         return [_keep_local(t) for t in outgoing]
     start = time.perf_counter()
     with record_function("lightning_sparse.grads_to_owners"):
-        incoming, codes = _routed_round(outgoing, peers, wire_dtype, device, sole)
-        if codes is not None and bool((codes & _HAS_OTHERS).any()):
-            general = _general_round(outgoing, peers, wire_dtype, device)
-            for table, (rows, values) in zip(incoming, general):
-                if len(rows):
-                    table.add(rows, values, merged=True)
+        if any(t.route is not None for t in outgoing):
+            incoming, codes = _routed_round(outgoing, peers, wire_dtype, device, sole)
+            others = codes is not None and bool((codes & _HAS_OTHERS).any())
+            general = _general_round(outgoing, peers, wire_dtype, device)[1] if others else []
+        else:  # no routed round: the general round's header carries the codes
+            codes, general = _general_round(outgoing, peers, wire_dtype, device, with_codes=True)
+            incoming = _incoming(codes)
+        for table, (rows, values) in zip(incoming, general):
+            if len(rows):
+                table.add(rows, values, merged=True)
     if peers.stats is not None:
         peers.stats.exchange_seconds += time.perf_counter() - start
     return incoming
@@ -162,12 +168,7 @@ def _routed_round(outgoing, peers, wire_dtype, device, sole) -> tuple[list[Incom
     Returns the tables' rows and every rank's codes on the host (``[W, T]``), or ``None`` for the codes
     where ``sole`` keeps them on the device.
     """
-    codes = [_HAS_ROUTED * (t.routed is not None) + _HAS_OTHERS * (t.others is not None) + _LOOKED_UP * t.looked_up
-             for t in outgoing]  # fmt: skip
-    code_values = host_tensor(codes, wire_dtype, device)
-    for index, grads in enumerate(outgoing):
-        if grads.nonfinite is not None:  # device flag: no host read here
-            code_values[index] += _NONFINITE * grads.nonfinite.to(wire_dtype)
+    code_values = _codes(outgoing, wire_dtype, device)
     routed = [t for t in outgoing if t.route is not None]
     word = common_word([t.width for t in routed])
     code_width = -(-len(outgoing) // word) * word  # the codes ride as one row per destination
@@ -188,14 +189,7 @@ def _routed_round(outgoing, peers, wire_dtype, device, sole) -> tuple[list[Incom
         return _marked_pieces(outgoing, pieces, sources_codes, recv_counts[:-1], device), None
     with collective("all-to-all of gradients"):
         all_codes = sources_codes[:, : len(outgoing)].to(torch.int64).cpu()  # [W, T], the round's one host read
-    touched = ((all_codes & (_HAS_ROUTED | _HAS_OTHERS | _LOOKED_UP)) != 0).any(0).tolist()
-    nonfinite = (all_codes & _NONFINITE) != 0
-    any_nonfinite = nonfinite.any(0).tolist()
-    incoming = [IncomingGrads([], [], touched=touched[i],
-                              nonfinite_ranks=nonfinite[:, i].nonzero().view(-1).tolist() if any_nonfinite[i] else [])
-                for i in range(len(outgoing))]  # fmt: skip
-    if not routed:
-        return incoming, all_codes
+    incoming = _incoming(all_codes)
     # Sources that sent this rank rows of each routed table, and those that marked them as placeholders.
     with_rows = recv_counts[:-1] > 0  # [routed, W]
     routed_index = torch.tensor([i for i, t in enumerate(outgoing) if t.route is not None])
@@ -210,6 +204,27 @@ def _routed_round(outgoing, peers, wire_dtype, device, sole) -> tuple[list[Incom
             received, values = received.index_select(0, keep), values.index_select(0, keep)
         incoming[index].add(received, values, merged=senders[k] > 1)  # rows of several sources: a row may repeat
     return incoming, all_codes
+
+
+def _codes(outgoing: Sequence[OutgoingGrads], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """This rank's control code for each table (see :func:`grads_to_owners`), in ``dtype`` on ``device``."""
+    codes = [_HAS_ROUTED * (t.routed is not None) + _HAS_OTHERS * (t.others is not None) + _LOOKED_UP * t.looked_up
+             for t in outgoing]  # fmt: skip
+    code_values = host_tensor(codes, dtype, device)
+    for index, grads in enumerate(outgoing):
+        if grads.nonfinite is not None:  # device flag: no host read here
+            code_values[index] += _NONFINITE * grads.nonfinite.to(dtype)
+    return code_values
+
+
+def _incoming(all_codes: Tensor) -> list[IncomingGrads]:
+    """Each table's incoming gradients, empty, marked as every rank's codes (``[W, T]`` on the host) say."""
+    touched = ((all_codes & (_HAS_ROUTED | _HAS_OTHERS | _LOOKED_UP)) != 0).any(0).tolist()
+    nonfinite = (all_codes & _NONFINITE) != 0
+    any_nonfinite = nonfinite.any(0).tolist()
+    return [IncomingGrads([], [], touched=touched[i],
+                          nonfinite_ranks=nonfinite[:, i].nonzero().view(-1).tolist() if any_nonfinite[i] else [])
+            for i in range(all_codes.shape[1])]  # fmt: skip
 
 
 def _marked_pieces(outgoing, pieces, sources_codes, recv_counts, device) -> list[IncomingGrads]:
@@ -229,13 +244,30 @@ def _marked_pieces(outgoing, pieces, sources_codes, recv_counts, device) -> list
     return incoming
 
 
-def _general_round(outgoing, peers, wire_dtype, device) -> list[tuple[Tensor, Tensor]]:
-    """A header of counts per (owner, table), then rows of (local id, values) of every table in one buffer."""
+def _general_round(
+    outgoing, peers, wire_dtype, device, with_codes: bool = False
+) -> tuple[Tensor | None, list[tuple[Tensor, Tensor]]]:
+    """A header of counts per (owner, table), then rows of (local id, values) of every table in one buffer.
+
+    ``with_codes``: the header carries this rank's control codes too, and every rank's (``[W, T]`` on the host)
+    are returned; if they say that no rank has rows, no values cross.
+    """
+    codes = _codes(outgoing, torch.int64, device).unsqueeze(1).expand(len(outgoing), peers.world_size) if with_codes else None
     empty_counts = torch.zeros(peers.world_size, dtype=torch.int64, device=device)
     counts = torch.stack([t.others.counts if t.others is not None else empty_counts for t in outgoing])  # [T, W]
-    recv_counts = exchange_counts(counts.t().contiguous(), peers).t()  # [T, W]: from each source
+    sent = counts if codes is None else torch.cat([counts, codes])
+    received = exchange_counts(sent.t().contiguous(), peers).t()  # [T or 2T, W]: from each source
     with collective("all-to-all of gradient counts"):
-        host = torch.stack([counts, recv_counts]).cpu()  # the round's one host read
+        host = torch.stack([sent, received]).cpu()  # the round's one host read
+    tables = len(outgoing)
+    all_codes = host[1, tables:].t() if with_codes else None  # [W, T]
+    if all_codes is not None and not bool((all_codes & _HAS_OTHERS).any()):
+        return all_codes, []
+    return all_codes, _values_round(outgoing, peers, wire_dtype, device, counts, received[:tables], host[:, :tables])
+
+
+def _values_round(outgoing, peers, wire_dtype, device, counts, recv_counts, host) -> list[tuple[Tensor, Tensor]]:
+    """The general round's rows after its header: ``counts`` sent and ``recv_counts`` received (``[T, W]``; ``host``: both)."""
     id_width = 8 // torch.empty(0, dtype=wire_dtype).element_size()
     widths = [id_width + t.width for t in outgoing]
     wire = []

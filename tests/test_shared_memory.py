@@ -1,0 +1,236 @@
+"""Tables in one host's shared memory (``SparseEmbedding(shared_memory=True)``): lookups read every owner's rows in place.
+
+Each equality test trains the same model twice on the same batches, with the table exchanged as usual and in shared
+memory, and compares the trained tables, the optimizer state and lookups bitwise: the gradients reach the same owners
+and are summed in the same order, only the rows' way to the requester differs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import lightning_models as lm
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from rank_pool import COLLECTIVE_TIMEOUT_S
+
+import lightning_sparse as ls
+from lightning_sparse.wire import shared_memory
+
+OPTIMIZERS = {"SparseSGD": {"lr": 0.3}, "SparseAdagrad": {"lr": 0.3}, "SparseRowWiseAdagrad": {"lr": 0.3},
+              "SparseAdam": {"lr": 0.05}}  # fmt: skip
+
+
+def _segments(pid: int | None = None) -> list[str]:
+    """Our segments' names in /dev/shm (those made by process ``pid``: other tests may run beside this one)."""
+    prefix = "lightning_sparse_" if pid is None else f"lightning_sparse_{pid}_"
+    return sorted(f for f in os.listdir(shared_memory.SHM_DIR) if f.startswith(prefix))
+
+
+def _train(shared: bool, optimizer: str, sharding: str, dtype: torch.dtype = torch.float32, twice: bool = False):
+    """Six steps of one table (ids with repeats within and across ranks; the odd steps crowd 30 rows), then a lookup of
+    every row. ``twice``: a second lookup before one step."""
+    rank = dist.get_rank()
+    emb = ls.SparseEmbedding(103, 4, sharding=sharding, seed=5, dtype=dtype, shared_memory=shared)
+    opt = getattr(ls, optimizer)([emb], **OPTIMIZERS[optimizer])
+    g = torch.Generator().manual_seed(rank)
+    segments_while_training = None
+    for step in range(6):
+        ids = torch.randint(0, 30 if step % 2 else 103, (2, 40), generator=g)
+        (emb(ids).float() * torch.randn(2, 40, 4, generator=g)).sum().backward()  # (rounding tells any change of order)
+        if twice and step == 3:  # its gradient accumulates with the first's
+            (emb(ids[:, :5]).float() * torch.randn(2, 5, 4, generator=g)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        segments_while_training = segments_while_training or _segments(os.getpid())  # (rank 0 makes them)
+    with torch.no_grad():
+        every_row = emb(torch.arange(103))
+    state = [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return emb.full_weight(), every_row, state, segments_while_training
+
+
+def _both_ways(optimizer: str, sharding: str, dtype: torch.dtype = torch.float32, twice: bool = False):
+    return _train(False, optimizer, sharding, dtype, twice), _train(True, optimizer, sharding, dtype, twice)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("sharding", ["mod", "range"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_a_table_in_shared_memory_trains_bitwise_as_an_exchanged_one(rank_pools, world_size, sharding, optimizer):
+    for (weight, rows, state, _), (s_weight, s_rows, s_state, segments) in rank_pools(world_size).run(
+        _both_ways, optimizer, sharding
+    ):
+        assert torch.equal(weight, s_weight) and torch.equal(rows, s_rows)
+        assert torch.equal(rows, weight)  # a lookup of every row reads the trained table
+        assert len(state) == len(s_state) and all(torch.equal(a, b) for a, b in zip(state, s_state))
+        assert segments == []  # every segment's name is gone once the ranks mapped it: a dead job leaves nothing
+
+
+def test_two_lookups_before_a_step_add_the_same_gradients_in_another_order(rank_pools):
+    """An exchanged table's owner adds each lookup's rows as they come; a shared one's requester adds its lookups first."""
+    for (weight, rows, state, _), (s_weight, s_rows, s_state, _) in rank_pools(3).run(_both_ways, "SparseAdagrad", "mod",
+                                                                                       torch.float32, True):  # fmt: skip
+        torch.testing.assert_close(s_weight, weight, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(s_rows, rows, rtol=1e-6, atol=1e-6)
+        for a, b in zip(state, s_state):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
+def test_a_bf16_table_in_shared_memory_trains_as_an_exchanged_one(rank_pools):
+    """In float32 its gradients add up per row at the step; an exchanged table's lookup adds a row's repeats in bf16 first."""
+    for (weight, rows, state, _), (s_weight, s_rows, s_state, _) in rank_pools(2).run(
+        _both_ways, "SparseAdagrad", "mod", torch.bfloat16
+    ):
+        assert s_weight.dtype == torch.bfloat16 and torch.equal(s_rows, s_weight)
+        torch.testing.assert_close(s_weight, weight, rtol=0.02, atol=0.02)
+        torch.testing.assert_close(s_rows, rows, rtol=0.02, atol=0.02)
+        for a, b in zip(state, s_state):
+            torch.testing.assert_close(b, a, rtol=0.02, atol=0.02)
+
+
+def _state_dicts():
+    """Save a trained table's state dict; load it, and a full one, into fresh tables in shared memory; read every row."""
+    emb = ls.SparseEmbedding(50, 3, seed=1, shared_memory=True)
+    opt = ls.SparseAdagrad([emb], lr=0.5)
+    emb(torch.arange(dist.get_rank(), 50, 7)).sum().backward()
+    opt.step()
+    saved = emb.state_dict()
+    full = ls.full_state_dict(emb)
+    trained = emb(torch.arange(50)).detach()
+    fresh, fresh_full = (
+        ls.SparseEmbedding(50, 3, seed=2, shared_memory=True),
+        ls.SparseEmbedding(50, 3, seed=2, shared_memory=True),
+    )
+    before = fresh(torch.arange(50)).detach()  # mapped first: the loads below write into the segment
+    if dist.get_rank() == 1:
+        time.sleep(0.3)  # a slow load: rank 0's next lookup must wait for it
+    fresh.load_state_dict(saved)
+    fresh_full(torch.arange(50))
+    fresh_full.load_state_dict(full)
+    return (
+        saved["shard"].shape,
+        saved["shard"].untyped_storage().nbytes(),
+        trained,
+        before,
+        fresh(torch.arange(50)).detach(),
+        fresh_full(torch.arange(50)).detach(),
+    )
+
+
+def test_a_state_dict_holds_this_ranks_rows_and_loads_write_into_the_segment(rank_pools):
+    for rank, (shape, nbytes, trained, before, loaded, loaded_full) in enumerate(rank_pools(2).run(_state_dicts)):
+        assert shape == (25, 3) and nbytes == 25 * 3 * 4  # a copy of its rows, not a view of the whole segment
+        assert not torch.equal(before, trained)
+        assert torch.equal(loaded, trained) and torch.equal(loaded_full, trained), rank  # every rank reads every rank's load
+
+
+def _slow_owner():
+    """Rank 1 updates its rows late; rank 0 reads every row right after the step."""
+    emb = ls.SparseEmbedding(20, 2, seed=1, shared_memory=True)
+    opt = ls.SparseSGD([emb], lr=1.0)
+    if dist.get_rank() == 1:
+        update = opt._apply
+        opt._apply = lambda *args: (time.sleep(0.3), update(*args))
+    emb(torch.arange(20)).sum().backward()
+    opt.step()
+    read = emb(torch.arange(20)).detach()
+    return read, emb.full_weight()
+
+
+def test_the_step_fences_so_that_no_rank_reads_a_row_before_its_owner_updated_it(rank_pools):
+    for read, weight in rank_pools(2).run(_slow_owner):
+        assert torch.equal(read, weight)
+
+
+def _bad_id():
+    emb = ls.SparseEmbedding(10, 2, shared_memory=True)
+    emb(torch.arange(10))  # mapped
+    try:
+        emb(torch.tensor([3, 10 + dist.get_rank()]))
+    except IndexError as err:
+        return str(err)
+    return None
+
+
+def test_an_id_out_of_range_raises_on_the_rank_that_read_it_with_the_value_and_a_hint(rank_pools):
+    on_zero, on_one = rank_pools(2).run(_bad_id)
+    assert "got id 10 on this rank" in on_zero and "HINT" in on_zero and "got id 11 on this rank" in on_one
+
+
+def _exchange():
+    group = dist.group.WORLD
+    fence = shared_memory.Fence(group, "test")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for k in (1, 3):
+        send = torch.tensor([[100 * rank + 10 * j + i for i in range(k)] for j in range(world)])
+        out.append(fence.exchange(send))
+    out.append(fence.exchange(torch.zeros(world, shared_memory.MESSAGE_WORDS, dtype=torch.int64)))  # too long: declined
+    return out
+
+
+@pytest.mark.skipif(not shared_memory.STORES_IN_ORDER, reason="the ranks meet in shared memory on x86-64 only")
+def test_the_fence_carries_split_sizes_row_j_to_rank_j(rank_pools):
+    for rank, (one, three, declined) in enumerate(rank_pools(3).run(_exchange)):
+        assert one.view(-1).tolist() == [100 * source + 10 * rank for source in range(3)]
+        assert three.tolist() == [[100 * source + 10 * rank + i for i in range(3)] for source in range(3)]
+        assert declined is None
+
+
+def test_a_fence_waiting_for_a_dead_rank_raises_naming_it(monkeypatch):
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    fence = object.__new__(shared_memory.Fence)
+    fence.what, fence.rank, fence.arrivals = "emb", 0, 0
+    fence.slots = np.array([[0, os.getpid()], [0, dead]], dtype=np.int64)
+    monkeypatch.setattr(shared_memory, "CHECK_PEERS_S", 0.01)
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of its group died.*HINT"):
+        fence()
+
+
+def test_a_segment_too_big_for_dev_shm_is_refused_with_the_room_there():
+    made = shared_memory._create(1 << 62, "emb")
+    assert "has no room" in made["error"] and "HINT" in made["error"] and "--shm-size" in made["error"]
+    assert _segments(os.getpid()) == []
+
+
+def test_tables_in_shared_memory_are_refused_in_a_collection():
+    with pytest.raises(ValueError, match=r"\['u'\] have shared_memory=True.*HINT"):
+        ls.SparseEmbeddingCollection({"u": ls.SparseEmbedding(4, 2, shared_memory=True), "i": ls.SparseEmbedding(4, 2)})
+
+
+def _trainer_runs(world_size: int):
+    """Two epochs of TwoTower under the Trainer (shuffled DistributedSampler, validation), its tables exchanged, then shared.
+
+    Its items are looked up twice per batch: the same gradients, added in another order (see the test above).
+    """
+    lm.lightning_env(dist.get_rank(), world_size)
+    runs = []
+    for shared in (False, True):
+        module = lm.TwoTower(sparse="SparseAdam", sparse_kwargs=dict(lr=0.05))
+        if shared:
+            module.users = ls.SparseEmbedding(lm.USERS, lm.DIM, seed=1, sharding="mod", shared_memory=True)
+            module.items = ls.SparseEmbedding(lm.ITEMS, lm.DIM, seed=2, sharding="range", shared_memory=True)
+        strategy = ls.SparseDDPStrategy(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        trainer = lm.trainer(world_size, strategy=strategy, max_epochs=2, limit_val_batches=2, val_check_interval=3)
+        trainer.fit(module)
+        opt = trainer.strategy.sparse_optimizers[0]
+        runs.append(
+            (lm.state(module), [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
+        )
+    return runs
+
+
+def test_the_trainer_trains_tables_in_shared_memory_as_exchanged_ones(rank_pools):
+    for (state, opt_state), (s_state, s_opt_state) in rank_pools(2).run(_trainer_runs, 2):
+        assert state.keys() == s_state.keys()
+        for key in state:
+            torch.testing.assert_close(s_state[key], state[key], rtol=1e-5, atol=1e-6)
+        for a, b in zip(opt_state, s_opt_state):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -170,15 +170,22 @@ def _exchange():
         send = torch.tensor([[100 * rank + 10 * j + i for i in range(k)] for j in range(world)])
         out.append(fence.exchange(send))
     out.append(fence.exchange(torch.zeros(world, shared_memory.MESSAGE_WORDS, dtype=torch.int64)))  # too long: declined
+    for width in (3, 100_000):  # rows of 3 floats, then a buffer over the first mailbox's MiB: the mailboxes grow
+        splits = [(rank + j) % world for j in range(world)]  # rank j gets (rank + j) % W rows from this rank (one gets none)
+        rows = torch.cat([torch.full((n, width), 10.0 * rank + j) for j, n in enumerate(splits)])
+        out.append(fence.exchange_values(rows, splits, [(source + rank) % world for source in range(world)]))
     return out
 
 
 @pytest.mark.skipif(not shared_memory.STORES_IN_ORDER, reason="the ranks meet in shared memory on x86-64 only")
-def test_the_fence_carries_split_sizes_row_j_to_rank_j(rank_pools):
-    for rank, (one, three, declined) in enumerate(rank_pools(3).run(_exchange)):
+def test_the_fence_carries_split_sizes_and_rows_to_each_rank(rank_pools):
+    for rank, (one, three, declined, *values) in enumerate(rank_pools(3).run(_exchange)):
         assert one.view(-1).tolist() == [100 * source + 10 * rank for source in range(3)]
         assert three.tolist() == [[100 * source + 10 * rank + i for i in range(3)] for source in range(3)]
         assert declined is None
+        for received, width in zip(values, (3, 100_000)):  # by source: its rows for this rank
+            expected = torch.cat([torch.full(((source + rank) % 3, width), 10.0 * source + rank) for source in range(3)])
+            assert torch.equal(received, expected)
 
 
 def test_a_fence_waiting_for_a_dead_rank_raises_naming_it(monkeypatch):

@@ -65,7 +65,7 @@ class Peers:
     """The ranks a stage talks to: ``group`` (``None``: the default group), this ``rank``, ``world_size``, and
     ``stats``, where the stage counts what it sent (``None``: not counted), and ``fence``: where ranks of one
     host meet in shared memory (a table in shared memory's :class:`~lightning_sparse.wire.shared_memory.Fence`),
-    through which :func:`exchange_counts` sends split sizes (counted in no stats: nothing crosses the network).
+    through which :func:`exchange_counts` and :func:`exchange_values` go (counted in no stats: nothing crosses the network).
 
     A table makes one from its placement when it is needed (it keeps only weak references to its
     groups); a lookup unit or an optimizer counts its own traffic with :meth:`counting`.
@@ -121,6 +121,11 @@ def exchange_values(values: Tensor, send_splits: Sequence[int], recv_splits: Seq
     """
     if peers.alone:
         return values
+    if (
+        peers.fence is not None
+        and (recv := peers.fence.exchange_values(values, list(send_splits), list(recv_splits))) is not None
+    ):
+        return recv
     recv = values.new_empty((sum(recv_splits), *values.shape[1:]))
     with collective("all-to-all of values"):
         dist.all_to_all_single(

@@ -13,7 +13,9 @@ The fence after the update is a gloo barrier's round trip per step unless the ra
 the shared memory itself (:class:`Fence`): on x86-64, whose stores reach other cores in program
 order, each rank writes its arrival into its own slot and waits for the others' (microseconds
 where a barrier through the network stack takes a fraction of a millisecond, more on small VMs).
-Its slots carry small messages too (:meth:`Fence.exchange`): the split sizes of the step's gradients.
+Its slots carry small messages too (:meth:`Fence.exchange`: the split sizes of the step's gradients), and
+each rank has a mailbox beside them for the gradient rows themselves (:meth:`Fence.exchange_values`): on
+such a host the step's exchange crosses no network stack at all.
 
 The segment is a file in ``/dev/shm`` that rank 0 of the group creates, reserving its pages first
 (a full ``/dev/shm`` raises here with a HINT, on every rank, instead of a SIGBUS in a later step), and
@@ -74,6 +76,7 @@ SPIN_S = 2e-4  # a fence checks the slots this long before it sleeps between che
 CHECK_PEERS_S = 1.0  # how often a waiting fence checks that the ranks it waits for are alive
 FENCE_TIMEOUT_S = 1800.0  # as torch's default collective timeout
 MESSAGE_WORDS = 1024  # int64 words each rank may post in one :meth:`Fence.exchange`
+MAILBOX_STEP = 1 << 20  # a mailbox grows in whole MiB, at least twice what it was
 
 
 class Fence:
@@ -82,14 +85,15 @@ class Fence:
     On x86-64 the ranks meet in shared memory: each rank's arrival count in its own slot (a cache line),
     its pid beside it; a rank waits until every slot holds its count, and raises if a rank it waits for
     has died (checked every :data:`CHECK_PEERS_S`) or after :data:`FENCE_TIMEOUT_S`. Elsewhere it is the
-    group's barrier, and :meth:`exchange` declines. Made collectively (:func:`map_segment`); calling it is collective: every rank of
-    the group must call it, the same number of times.
+    group's barrier, and :meth:`exchange` and :meth:`exchange_values` decline. Made collectively
+    (:func:`map_segment`); calling it is collective: every rank of the group must call it, the same number of times.
     """
 
     def __init__(self, group: dist.ProcessGroup, what: str) -> None:
         self.group, self.what, self.rank = group, what, dist.get_rank(group)
         self.arrivals = 0
         self.slots = None
+        self.mailboxes: Tensor | None = None  # [W, bytes]: each rank's outgoing buffer, made at the first exchange_values
         if STORES_IN_ORDER:
             slots = map_segment((dist.get_world_size(group), 8 + MESSAGE_WORDS), torch.int64, group, f"{what}'s fence")
             self.slots = slots.numpy()  # read and written without torch's dispatch: a check costs a microsecond
@@ -124,6 +128,37 @@ class Fence:
         self.slots[self.rank, 8 : 8 + send.numel()] = send.reshape(-1).numpy()
         self()
         received = torch.from_numpy(self.slots[:, 8 : 8 + send.numel()].reshape(world, world, width)[:, self.rank].copy())
+        self()
+        return received
+
+    def exchange_values(self, values: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor | None:
+        """:func:`~lightning_sparse.wire.alltoall.exchange_values` through the ranks' mailboxes: each rank posts its buffer
+        (``send_splits[j]`` leading rows for rank ``j``) in its own, then copies its piece of every rank's.
+
+        Three fences: the splits posted (a mailbox too small grows on every rank), the buffers posted, all read.
+        ``None`` where the ranks cannot meet in shared memory: the caller sends it over the group.
+        Collective: every rank of the group must call it.
+        """
+        world = len(send_splits)
+        if self.slots is None or values.device.type != "cpu" or world + 1 > MESSAGE_WORDS:
+            return None
+        flat = values.contiguous().view(-1).view(torch.uint8)
+        row_bytes = flat.numel() // max(len(values), 1)
+        self.slots[self.rank, 8 : 8 + world] = send_splits
+        self.slots[self.rank, 8 + world] = flat.numel()
+        self()
+        needed = int(self.slots[:, 8 + world].max())
+        if self.mailboxes is None or needed > self.mailboxes.shape[1]:
+            size = max(needed, 2 * (self.mailboxes.shape[1] if self.mailboxes is not None else 0), 1)
+            self.mailboxes = map_segment((world, -(-size // MAILBOX_STEP) * MAILBOX_STEP), torch.uint8, self.group,
+                                         f"{self.what}'s mailboxes")  # fmt: skip
+        self.mailboxes[self.rank, : flat.numel()].copy_(flat)
+        self()
+        splits = self.slots[:, 8 : 8 + world]
+        starts = splits[:, : self.rank].sum(1) * row_bytes
+        pieces = [self.mailboxes[source, start : start + n * row_bytes]
+                  for source, (start, n) in enumerate(zip(starts.tolist(), recv_splits))]  # fmt: skip
+        received = torch.cat(pieces).view(values.dtype).view(-1, *values.shape[1:])
         self()
         return received
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import lightning_models as lm
 import numpy as np
@@ -19,6 +20,8 @@ import torch.distributed as dist
 from rank_pool import COLLECTIVE_TIMEOUT_S
 
 import lightning_sparse as ls
+from lightning_sparse import checkpoint
+from lightning_sparse.lookup.engine import serve_lookups
 from lightning_sparse.wire import shared_memory
 
 OPTIMIZERS = {"SparseSGD": {"lr": 0.3}, "SparseAdagrad": {"lr": 0.3}, "SparseRowWiseAdagrad": {"lr": 0.3},
@@ -194,7 +197,7 @@ def test_a_fence_waiting_for_a_dead_rank_raises_naming_it(monkeypatch):
         os._exit(0)
     os.waitpid(dead, 0)
     fence = object.__new__(shared_memory.Fence)
-    fence.what, fence.rank, fence.arrivals = "emb", 0, 0
+    fence.what, fence.rank, fence.arrivals, fence.timeout_s = "emb", 0, 0, 60.0
     fence.slots = np.array([[0, os.getpid()], [0, dead]], dtype=np.int64)
     monkeypatch.setattr(shared_memory, "CHECK_PEERS_S", 0.01)
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of its group died.*HINT"):
@@ -210,6 +213,43 @@ def test_a_segment_too_big_for_dev_shm_is_refused_with_the_room_there():
 def test_tables_in_shared_memory_are_refused_in_a_collection():
     with pytest.raises(ValueError, match=r"\['u'\] have shared_memory=True.*HINT"):
         ls.SparseEmbeddingCollection({"u": ls.SparseEmbedding(4, 2, shared_memory=True), "i": ls.SparseEmbedding(4, 2)})
+
+
+def _serving():
+    """Rank 0 looks up an exchanged table twice more than rank 1, which serves it; a table in shared memory comes first."""
+    shared, exchanged = ls.SparseEmbedding(10, 2, shared_memory=True), ls.SparseEmbedding(1000, 2)
+    shared.adopt("shared", 0)
+    exchanged.adopt("exchanged", 1)
+    shared(torch.arange(10)), exchanged(torch.arange(10))
+    if dist.get_rank() == 0:
+        for _ in range(2):  # more ids than the round's first message has room for: the rest follow by exchange_values
+            exchanged(torch.arange(1000))
+    return serve_lookups([shared, exchanged])
+
+
+def test_a_rank_out_of_batches_serves_the_others_rounds_beside_a_table_in_shared_memory(rank_pools):
+    assert rank_pools(2).run(_serving) == [0, 2]
+
+
+def _sharded_checkpoint(directory: str):
+    """A sharded checkpoint of a table in shared memory, loaded into a fresh one (rank 1 late); every rank reads every row."""
+    emb = ls.SparseEmbedding(30, 3, seed=1, shared_memory=True)
+    opt = ls.SparseAdagrad([emb], lr=0.5)
+    emb(torch.arange(dist.get_rank(), 30, 4)).sum().backward()
+    opt.step()
+    trained = emb(torch.arange(30)).detach()
+    path = checkpoint.save(Path(directory) / "shared.ckpt", emb, {0: opt})
+    fresh = ls.SparseEmbedding(30, 3, seed=2, shared_memory=True)
+    before = fresh(torch.arange(30)).detach()
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
+    checkpoint.load_module(path, fresh)
+    return trained, before, fresh(torch.arange(30)).detach()
+
+
+def test_a_sharded_checkpoint_loads_into_the_segment_before_any_rank_reads_it(rank_pools, tmp_path):
+    for trained, before, loaded in rank_pools(2).run(_sharded_checkpoint, str(tmp_path)):
+        assert not torch.equal(before, trained) and torch.equal(loaded, trained)
 
 
 def _trainer_runs(world_size: int):

@@ -183,6 +183,7 @@ def load_module(path: str | os.PathLike, module: nn.Module, strict: bool = True,
         if isinstance(table, DynamicEmbedding):
             _place_dynamic(path, store, entries, prefix, table)
         _read_rows(path, store, entries[rows.key], rows.key, table, rows.rows, rows.what)
+        table.rows_written(fenced=False)  # a table in shared memory: no rank reads the rows before their owners wrote them
     if dense:
         dcp_load({MODULE: dense}, path, path, "the dense tensors", is_distributed())
     for prefix, table in tables(module):

@@ -290,8 +290,9 @@ def serve_lookups(units: list[Serving]) -> int:
     rounds = 0
     nothing = SortedKeys(torch.empty(0, dtype=torch.int64, device=first.device))
     idle = LookupHeader(active=0).fields(first.device)
+    peers = replace(first.peers, fence=None)  # the others' rounds go over the group (a table in shared memory makes none)
     while True:
-        route = ids_to_owners(nothing, first.sharding, idle, first.peers)
+        route = ids_to_owners(nothing, first.sharding, idle, peers)
         active = route.headers.active_units()
         if not active:
             return rounds

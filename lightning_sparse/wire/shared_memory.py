@@ -74,7 +74,7 @@ def map_segment(shape: tuple[int, int], dtype: torch.dtype, group: dist.ProcessG
 STORES_IN_ORDER = platform.machine().lower() in ("x86_64", "amd64")
 SPIN_S = 2e-4  # a fence checks the slots this long before it sleeps between checks
 CHECK_PEERS_S = 1.0  # how often a waiting fence checks that the ranks it waits for are alive
-FENCE_TIMEOUT_S = 1800.0  # as torch's default collective timeout
+FENCE_TIMEOUT_S = 1800.0  # torch's default collective timeout: a fence's where its group does not say its own
 MESSAGE_WORDS = 1024  # int64 words each rank may post in one :meth:`Fence.exchange`
 MAILBOX_STEP = 1 << 20  # a mailbox grows in whole MiB, at least twice what it was
 
@@ -84,7 +84,7 @@ class Fence:
 
     On x86-64 the ranks meet in shared memory: each rank's arrival count in its own slot (a cache line),
     its pid beside it; a rank waits until every slot holds its count, and raises if a rank it waits for
-    has died (checked every :data:`CHECK_PEERS_S`) or after :data:`FENCE_TIMEOUT_S`. Elsewhere it is the
+    has died (checked every :data:`CHECK_PEERS_S`) or after the group's timeout. Elsewhere it is the
     group's barrier, and :meth:`exchange` and :meth:`exchange_values` decline. Made collectively
     (:func:`map_segment`); calling it is collective: every rank of the group must call it, the same number of times.
     """
@@ -92,6 +92,7 @@ class Fence:
     def __init__(self, group: dist.ProcessGroup, what: str) -> None:
         self.group, self.what, self.rank = group, what, dist.get_rank(group)
         self.arrivals = 0
+        self.timeout_s = _timeout_s(group)
         self.slots = None
         self.mailboxes: Tensor | None = None  # [W, bytes]: each rank's outgoing buffer, made at the first exchange_values
         if STORES_IN_ORDER:
@@ -169,7 +170,7 @@ class Fence:
     def _raise_if_lost(self, waited: float) -> None:
         late = [r for r in range(len(self.slots)) if self.slots[r, 0] < self.arrivals]
         dead = [r for r in late if not _alive(int(self.slots[r, 1]))]
-        if dead or waited > FENCE_TIMEOUT_S:
+        if dead or waited > self.timeout_s:
             what = f"rank(s) {dead} of its group died" if dead else f"rank(s) {late} did not arrive within {waited:.0f} s"
             raise RuntimeError(f"The shared-memory fence of {self.what} failed: {what}. HINT: restart all ranks and resume from "
                                f"the last checkpoint (docs/guide/launching.md).")  # fmt: skip
@@ -220,6 +221,14 @@ def _boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def _timeout_s(group: dist.ProcessGroup) -> float:
+    """The group's collective timeout, in seconds (torch keeps it in its backend's options), or torch's default."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return FENCE_TIMEOUT_S
 
 
 def _alive(pid: int) -> bool:

@@ -281,3 +281,24 @@ def test_the_trainer_trains_tables_in_shared_memory_as_exchanged_ones(rank_pools
             torch.testing.assert_close(s_state[key], state[key], rtol=1e-5, atol=1e-6)
         for a, b in zip(opt_state, s_opt_state):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def _copied():
+    """A deepcopy of a trained table in shared memory: its own segment, the same rows; training the copy leaves the original."""
+    import copy
+
+    emb = ls.SparseEmbedding(20, 2, seed=1, shared_memory=True)
+    opt = ls.SparseSGD([emb], lr=1.0)
+    emb(torch.arange(20)).sum().backward()
+    opt.step()
+    twin = copy.deepcopy(emb)
+    rows = emb(torch.arange(20)).detach()
+    twin_opt = ls.SparseSGD([twin], lr=1.0)
+    twin(torch.arange(20)).sum().backward()
+    twin_opt.step()
+    return rows, emb(torch.arange(20)).detach(), twin(torch.arange(20)).detach()
+
+
+def test_a_copy_of_a_table_in_shared_memory_maps_its_own_segment(rank_pools):
+    for rows, after, twin in rank_pools(2).run(_copied):
+        assert torch.equal(rows, after) and torch.equal(twin, rows - 1)

@@ -166,6 +166,10 @@ class SharedReads:
         self.fence: Fence | None = None
         self._fence_first = False  # a write that did not fence (a load): the next lookup fences before it reads
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (deepcopy, pickle) shares no memory with the ranks: it maps a segment of its own at its next lookup.
+        return {"unit": self.unit, "segment": None, "fence": None, "_fence_first": False}
+
     def lookup(self, ids: Any) -> dict[str, Tensor]:
         """The table's rows at ``ids``: ``[*ids.shape, dim]``, under the table's name. Bad input raises (on this rank)."""
         table = self.unit.table_list[0]
@@ -197,7 +201,7 @@ class SharedReads:
             sharding = table.sharding
             shape = (sharding.key_bound, table.embedding_dim)
             self.segment = map_segment(shape, shard.dtype, table.process_group, table.name)
-            self.fence = self.fence or Fence(table.process_group, table.name)
+            self.fence = self.fence or Fence(table.process_group, table.name)  # (collective too: every rank makes one here)
             start = table.rank * sharding.block_size
             block = self.segment[start : start + len(shard)]
             block.copy_(shard)

@@ -29,6 +29,7 @@ import os
 import platform
 import time
 import uuid
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -90,7 +91,8 @@ class Fence:
     """
 
     def __init__(self, group: dist.ProcessGroup, what: str) -> None:
-        self.group, self.what, self.rank = group, what, dist.get_rank(group)
+        self._group = weakref.ref(group)  # as a table holds its groups: destroy_process_group() releases them
+        self.what, self.rank = what, dist.get_rank(group)
         self.arrivals = 0
         self.timeout_s = _timeout_s(group)
         self.slots = None
@@ -162,6 +164,14 @@ class Fence:
         received = torch.cat(pieces).view(values.dtype).view(-1, *values.shape[1:])
         self()
         return received
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = self._group()
+        if group is None:
+            raise RuntimeError(f"The process group of {self.what}'s shared memory has been destroyed. HINT: use the table "
+                               f"before destroy_process_group().")  # fmt: skip
+        return group
 
     def barrier(self) -> None:
         with collective(f"shared-memory fence of {self.what}"):

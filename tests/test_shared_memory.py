@@ -35,8 +35,8 @@ def _segments(pid: int | None = None) -> list[str]:
 
 
 def _train(shared: bool, optimizer: str, sharding: str, dtype: torch.dtype = torch.float32, twice: bool = False):
-    """Six steps of one table (ids with repeats within and across ranks; the odd steps crowd 30 rows), then a lookup of
-    every row. ``twice``: a second lookup before one step."""
+    """Six steps of one table (ids with repeats within and across ranks; the odd steps crowd 30 rows; the last rank has
+    none at the third), then a lookup of every row. ``twice``: a second lookup before one step."""
     rank = dist.get_rank()
     emb = ls.SparseEmbedding(103, 4, sharding=sharding, seed=5, dtype=dtype, shared_memory=shared)
     opt = getattr(ls, optimizer)([emb], **OPTIMIZERS[optimizer])
@@ -44,7 +44,10 @@ def _train(shared: bool, optimizer: str, sharding: str, dtype: torch.dtype = tor
     segments_while_training = None
     for step in range(6):
         ids = torch.randint(0, 30 if step % 2 else 103, (2, 40), generator=g)
-        (emb(ids).float() * torch.randn(2, 40, 4, generator=g)).sum().backward()  # (rounding tells any change of order)
+        if step == 2 and rank == dist.get_world_size() - 1:
+            ids = ids[:, :0]  # this rank has no ids: it sends no gradient rows, and its rows still get the others'
+
+        (emb(ids).float() * torch.randn(*ids.shape, 4, generator=g)).sum().backward()  # (rounding tells any change of order)
         if twice and step == 3:  # its gradient accumulates with the first's
             (emb(ids[:, :5]).float() * torch.randn(2, 5, 4, generator=g)).sum().backward()
         opt.step()
@@ -177,12 +180,16 @@ def _exchange():
         splits = [(rank + j) % world for j in range(world)]  # rank j gets (rank + j) % W rows from this rank (one gets none)
         rows = torch.cat([torch.full((n, width), 10.0 * rank + j) for j, n in enumerate(splits)])
         out.append(fence.exchange_values(rows, splits, [(source + rank) % world for source in range(world)]))
+    splits = [0] * world if rank == 0 else [1] * world  # rank 0 sends nothing and gets a row from each other rank
+    rows = torch.full((sum(splits), 2), float(rank))
+    out.append(fence.exchange_values(rows, splits, [0 if source == 0 else 1 for source in range(world)]))
     return out
 
 
 @pytest.mark.skipif(not shared_memory.STORES_IN_ORDER, reason="the ranks meet in shared memory on x86-64 only")
 def test_the_fence_carries_split_sizes_and_rows_to_each_rank(rank_pools):
-    for rank, (one, three, declined, *values) in enumerate(rank_pools(3).run(_exchange)):
+    for rank, (one, three, declined, *values, from_others) in enumerate(rank_pools(3).run(_exchange)):
+        assert torch.equal(from_others, torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
         assert one.view(-1).tolist() == [100 * source + 10 * rank for source in range(3)]
         assert three.tolist() == [[100 * source + 10 * rank + i for i in range(3)] for source in range(3)]
         assert declined is None

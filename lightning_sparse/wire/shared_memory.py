@@ -6,7 +6,7 @@ the segment. Rows stay owned as before: only the owner updates a row, and its op
 private. But a lookup reads any owner's rows in place
 (:class:`~lightning_sparse.lookup.outputs.SharedReads`): no ids to owners, no rows back. Per step
 what crosses between ranks is the gradients to owners (the step's general round) and one
-:func:`fence` after the owners' update, so that no rank reads a row while its owner writes it.
+:class:`Fence` after the owners' update, so that no rank reads a row while its owner writes it.
 DGL's ``NodeEmbedding`` keeps its table in shared memory too.
 
 The fence after the update is a gloo barrier's round trip per step unless the ranks can meet in
@@ -25,6 +25,7 @@ leaves nothing behind in ``/dev/shm``.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import time
@@ -146,7 +147,7 @@ class Fence:
         if self.slots is None or values.device.type != "cpu" or world + 1 > MESSAGE_WORDS:
             return None
         flat = values.contiguous().view(-1).view(torch.uint8)
-        row_bytes = flat.numel() // max(len(values), 1)
+        row_bytes = math.prod(values.shape[1:]) * values.element_size()  # (from the shape: this rank may send no rows)
         self.slots[self.rank, 8 : 8 + world] = send_splits
         self.slots[self.rank, 8 + world] = flat.numel()
         self()

@@ -82,7 +82,8 @@ def extra_state(table: SparseEmbedding) -> dict[str, Any]:
 
 
 def saved_shard(table: SparseEmbedding, keep_vars: bool) -> Tensor:
-    """The shard as a state dict holds it: a copy of a shard in shared memory, a view of the whole table that ``torch.save`` would write whole."""
+    """The shard as a state dict holds it; a copy for a shard in shared memory (a view of the whole table: ``torch.save``
+    would write the whole table)."""
     if keep_vars:
         return table.shard
     shard = table.shard.detach()

@@ -275,14 +275,14 @@ def _trainer_runs(world_size: int):
         trainer = lm.trainer(world_size, strategy=strategy, max_epochs=2, limit_val_batches=2, val_check_interval=3)
         trainer.fit(module)
         opt = trainer.strategy.sparse_optimizers[0]
-        runs.append(
-            (lm.state(module), [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
-        )
+        state = [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        runs.append((lm.state(module), state, [type(t.lookups).__name__ for t in (module.users, module.items)]))
     return runs
 
 
 def test_the_trainer_trains_tables_in_shared_memory_as_exchanged_ones(rank_pools):
-    for (state, opt_state), (s_state, s_opt_state) in rank_pools(2).run(_trainer_runs, 2):
+    for (state, opt_state, paths), (s_state, s_opt_state, s_paths) in rank_pools(2).run(_trainer_runs, 2):
+        assert paths == ["Round", "Round"] and s_paths == ["SharedReads", "SharedReads"]
         assert state.keys() == s_state.keys()
         for key in state:
             torch.testing.assert_close(s_state[key], state[key], rtol=1e-5, atol=1e-6)
@@ -309,3 +309,33 @@ def _copied():
 def test_a_copy_of_a_table_in_shared_memory_maps_its_own_segment(rank_pools):
     for rows, after, twin in rank_pools(2).run(_copied):
         assert torch.equal(rows, after) and torch.equal(twin, rows - 1)
+
+
+def _fabric_runs():
+    """Test_fabric.py's loop under Fabric (accumulation, clipping, a shuffled sampler), its tables exchanged, then shared."""
+    from test_fabric import DENSE_LR, _fabric, _train
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    fabric = _fabric(2)
+    runs = []
+    for shared in (False, True):
+        model = lm.TwoTower()
+        if shared:
+            model.users = ls.SparseEmbedding(lm.USERS, lm.DIM, seed=1, sharding="mod", shared_memory=True)
+            model.items = ls.SparseEmbedding(lm.ITEMS, lm.DIM, seed=2, sharding="range", shared_memory=True)
+        dense = torch.optim.SGD(model.mlp.parameters(), lr=DENSE_LR)
+        sparse = ls.SparseAdagrad([model.users, model.items], lr=0.2)
+        model, dense, sparse = fabric.setup(model, dense, sparse)
+        data = lm.dataset()
+        sampler = DistributedSampler(data, num_replicas=fabric.world_size, rank=fabric.global_rank, shuffle=True, seed=123)
+        _train(fabric, model, dense, sparse, DataLoader(data, batch_size=4, sampler=sampler), range(2))
+        runs.append((lm.state(model.module), [type(t.lookups).__name__ for t in (model.module.users, model.module.items)]))
+    return runs
+
+
+def test_fabric_trains_tables_in_shared_memory_as_exchanged_ones(rank_pools):
+    for (state, paths), (s_state, s_paths) in rank_pools(2).run(_fabric_runs):
+        assert paths == ["Round", "Round"] and s_paths == ["SharedReads", "SharedReads"]
+        assert state.keys() == s_state.keys()
+        for key in state:
+            torch.testing.assert_close(s_state[key], state[key], rtol=1e-5, atol=1e-6)

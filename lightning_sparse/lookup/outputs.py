@@ -89,24 +89,26 @@ def expand(table: ShardedTable, rows: Tensor, record: LookupRecord | None, runs:
     return expand_rows(distinct_rows(table, rows, record), runs.inverse(), runs).view(*shape, table.embedding_dim)
 
 
-def gather(table: ShardedTable, ids: Tensor, dtype_code: int = -1) -> Tensor:
+def gather(table: ShardedTable, ids: Tensor, dtype_code: int = -1, source: Tensor | None = None) -> Tensor:
     """One rank, one table: the shard's rows at ``ids`` in the output dtype, recorded for their gradient in grad mode.
 
     The record keeps its own copy of the ids (int32 where they fit): a caller may reuse its ids
     buffer before backward. On a GPU this is one Triton kernel that also checks the ids
     (:mod:`lightning_sparse.lookup.range_check`; ``dtype_code``: the given ids' dtype, for its
-    message): no host read.
+    message): no host read. ``source``: the rows read instead of the shard (a table in shared
+    memory: its whole segment, at the ids' keys).
     """
-    dtype = table.output_dtype or table.shard.dtype
+    source = table.shard if source is None else source
+    dtype = table.output_dtype or source.dtype
     recording = torch.is_grad_enabled()
     with torch.no_grad():
-        if uses_triton(table.shard):
+        if uses_triton(source):
             check = table.range_check
-            rows, keys = kernel_rows.gather(table.shard, ids, dtype, check.verdict(table.shard.device), keys=recording)
+            rows, keys = kernel_rows.gather(source, ids, dtype, check.verdict(source.device), keys=recording)
             check.sent(dtype_code)
         else:  # the ids were checked on the host
-            rows = table.shard.index_select(0, ids).to(dtype)
-            keys = ids.to(kernel_rows.key_dtype(table.shard.shape[0]), copy=True) if recording else None
+            rows = source.index_select(0, ids).to(dtype)
+            keys = ids.to(kernel_rows.key_dtype(source.shape[0]), copy=True) if recording else None
     if not recording:
         return rows
     return _RecordedRows.apply(_token(ids.device), rows, table.pending.new_record(None, keys), dtype)
@@ -129,25 +131,31 @@ class Gather:
         read, problem = read_ids(ids, table.name, table.device)
         feature = check_gather(self.unit, read, problem)  # raises for bad input, or a range check that failed
         table.stats.ids_looked_up += len(feature.ids)
-        rows = gather(table, feature.ids, feature.dtype)
+        source, at = self._read_at(table, feature.ids)
+        rows = gather(table, at, feature.dtype, source)
         if uses_triton(table.shard) and not torch.is_grad_enabled():  # the range check of these ids, read now: no step waits
             raise_if_out_of_range(self.unit, *(table.range_check.failed(table.num_embeddings, wait=True) or (0, 0))[:2],
                                   feature.dtype)  # fmt: skip
         return {feature.name: rows.view(*feature.shape, table.embedding_dim)}
+
+    def _read_at(self, table: ShardedTable, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The tensor a lookup of ``ids`` reads, and the rows it reads there: the lone shard, at the ids."""
+        return table.shard, ids
 
     def serve(self, route: Route) -> None:
         """A lone rank serves nobody; the round's :func:`~lightning_sparse.lookup.engine.serve` would answer."""
         raise RuntimeError(f"{self.unit.name} has one rank: no other rank looks it up. HINT: report this.")
 
 
-class SharedReads:
+class SharedReads(Gather):
     """A table's lookups when its ranks share one host's memory (``shared_memory=True``): every row read in place, no round.
 
     The whole table is mapped on every rank in owner-major key order (:mod:`lightning_sparse.wire.shared_memory`),
-    each rank's shard its own block, so a lookup reads the segment at its ids' keys, as :class:`Gather` reads
-    a lone shard, and records one gradient row per id, with no route: the step sums them by row and sends
-    them to their owners (the general round of :func:`~lightning_sparse.wire.grads_exchange.grads_to_owners`),
-    and after the owners' update :meth:`after_write` fences. Bad ids raise on the rank that read them (no
+    each rank's shard its own block, so a lookup is :class:`Gather`'s, reading the segment at its ids' keys
+    instead of a lone shard at its ids. It records one gradient row per id, with no route: the step sums
+    them by row and sends them to their owners (the general round of
+    :func:`~lightning_sparse.wire.grads_exchange.grads_to_owners`), and after the owners' update
+    :meth:`after_write` fences. Bad ids raise on the rank that read them (no
     round tells the other ranks: their next collective with it fails, naming the lost rank).
 
     The segment is made at the first lookup (collective), and again after the shard moved (``.to()``).
@@ -161,7 +169,7 @@ class SharedReads:
         if table.replicas > 1:
             raise ValueError(f"{table.name}: shared_memory=True under 2-D sharding ({table.replicas} replicas). HINT: leave "
                              f"replica_group out: in shared memory every rank reads every row already.")  # fmt: skip
-        self.unit = unit
+        super().__init__(unit)
         self.segment: Tensor | None = None  # the whole table, [world_size * block_size, dim], mapped by every rank
         self.fence: Fence | None = None
         self._fence_first = False  # a write that did not fence (a load): the next lookup fences before it reads
@@ -170,21 +178,9 @@ class SharedReads:
         # A copy (deepcopy, pickle) shares no memory with the ranks: it maps a segment of its own at its next lookup.
         return {"unit": self.unit, "segment": None, "fence": None, "_fence_first": False}
 
-    def lookup(self, ids: Any) -> dict[str, Tensor]:
-        """The table's rows at ``ids``: ``[*ids.shape, dim]``, under the table's name. Bad input raises (on this rank)."""
-        table = self.unit.table_list[0]
-        read, problem = read_ids(ids, table.name, table.device)
-        feature = check_gather(self.unit, read, problem)
-        segment = self._mapped(table)
-        table.stats.ids_looked_up += len(feature.ids)
-        keys = table.sharding.key(feature.ids)
-        dtype = table.output_dtype or table.dtype
-        with torch.no_grad():
-            rows = segment.index_select(0, keys).to(dtype)
-        if torch.is_grad_enabled():
-            record = table.pending.new_record(None, keys.clone() if keys is feature.ids else keys)
-            rows = _RecordedRows.apply(_token(rows.device), rows, record, dtype)
-        return {feature.name: rows.view(*feature.shape, table.embedding_dim)}
+    def _read_at(self, table: ShardedTable, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The whole table's segment (mapped at the first lookup), at the ids' owner-major keys."""
+        return self._mapped(table), table.sharding.key(ids)
 
     def after_write(self, fenced: bool = True) -> None:
         """This rank's rows were written (a step, a load): fence now (every rank calls it), or before the next lookup."""

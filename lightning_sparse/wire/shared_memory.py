@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparse.faults.peers import collective
+from lightning_sparse.wire.alltoall import split_starts
 
 SHM_DIR = "/dev/shm"
 
@@ -139,29 +140,29 @@ class Fence:
         """:func:`~lightning_sparse.wire.alltoall.exchange_values` through the ranks' mailboxes: each rank posts its buffer
         (``send_splits[j]`` leading rows for rank ``j``) in its own, then copies its piece of every rank's.
 
-        Three fences: the splits posted (a mailbox too small grows on every rank), the buffers posted, all read.
+        Its offsets and sizes go first by :meth:`exchange` (a mailbox too small grows on every rank), then two fences:
+        the buffers posted, all read.
         ``None`` where the ranks cannot meet in shared memory: the caller sends it over the group.
         Collective: every rank of the group must call it.
         """
-        world = len(send_splits)
-        if self.slots is None or values.device.type != "cpu" or world + 1 > MESSAGE_WORDS:
+        if self.slots is None or values.device.type != "cpu":
             return None
         flat = values.contiguous().view(-1).view(torch.uint8)
         row_bytes = math.prod(values.shape[1:]) * values.element_size()  # (from the shape: this rank may send no rows)
-        self.slots[self.rank, 8 : 8 + world] = send_splits
-        self.slots[self.rank, 8 + world] = flat.numel()
-        self()
-        needed = int(self.slots[:, 8 + world].max())
+        # To each rank: where its rows start in this rank's buffer, and the buffer's size (every rank learns the largest).
+        starts = torch.tensor(split_starts(send_splits)[:-1], dtype=torch.int64) * row_bytes
+        posted = self.exchange(torch.stack([starts, torch.full_like(starts, flat.numel())], dim=1))
+        if posted is None:  # (declined alike on every rank: more ranks than the slots hold messages for)
+            return None
+        needed = int(posted[:, 1].max())
         if self.mailboxes is None or needed > self.mailboxes.shape[1]:
             size = max(needed, 2 * (self.mailboxes.shape[1] if self.mailboxes is not None else 0), 1)
-            self.mailboxes = map_segment((world, -(-size // MAILBOX_STEP) * MAILBOX_STEP), torch.uint8, self.group,
+            self.mailboxes = map_segment((len(send_splits), -(-size // MAILBOX_STEP) * MAILBOX_STEP), torch.uint8, self.group,
                                          f"{self.what}'s mailboxes")  # fmt: skip
         self.mailboxes[self.rank, : flat.numel()].copy_(flat)
         self()
-        splits = self.slots[:, 8 : 8 + world]
-        starts = splits[:, : self.rank].sum(1) * row_bytes
         pieces = [self.mailboxes[source, start : start + n * row_bytes]
-                  for source, (start, n) in enumerate(zip(starts.tolist(), recv_splits))]  # fmt: skip
+                  for source, (start, n) in enumerate(zip(posted[:, 0].tolist(), recv_splits))]  # fmt: skip
         received = torch.cat(pieces).view(values.dtype).view(-1, *values.shape[1:])
         self()
         return received

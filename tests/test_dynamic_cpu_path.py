@@ -14,7 +14,7 @@ import torch
 import lightning_sparse as ls
 from lightning_sparse.kernels import backend
 from lightning_sparse.tables.slot_map import SlotMap
-from lightning_sparse.wire.hashing import mix
+from lightning_sparse.wire.hashing import mix, unmix
 
 pytestmark = pytest.mark.skipif(not backend.numba_available(), reason="needs numba")
 
@@ -27,10 +27,17 @@ CASES = {
 
 
 def _batches(steps: int, size: int = 48) -> list[torch.Tensor]:
-    """Raw ids: repeats within a batch and across batches, 8 new ones a step."""
+    """Raw ids: repeats within a batch and across batches, 8 new ones a step; at steps 2 and 3, 20 ids whose keys share
+    both their groups of the slot map (``CROWDED``): some find no entry, and their admissions are rejections."""
     gen = torch.Generator().manual_seed(0)
     old = [(60 * torch.rand(size - 8, generator=gen) ** 2).long() for _ in range(steps)]
-    return [mix(torch.cat([o, 1000 + 8 * step + torch.arange(8)]) * 2 + 1) for step, o in enumerate(old)]
+    batches = [mix(torch.cat([o, 1000 + 8 * step + torch.arange(8)]) * 2 + 1) for step, o in enumerate(old)]
+    for step in (2, 3):
+        batches[step][: len(CROWDED)] = unmix(CROWDED)
+    return batches
+
+
+CROWDED = (torch.arange(1, 21) << 40) + (1 << 32)  # 20 keys for the same two groups of 8 (groups 0 and 2 of a map)
 
 
 def _train(options: dict, kernels: str, monkeypatch) -> ls.DynamicEmbedding:
@@ -59,11 +66,12 @@ def test_the_numba_loops_make_the_same_decisions_and_rows_as_the_torch_ops(case,
     # the decisions are compared bit for bit above; the rows went through each choice's update (numba's fused one or torch ops)
     torch.testing.assert_close(rows, exact_rows, rtol=1e-5, atol=1e-6)
     assert exact.slot_stats.evictions > 0 if "full" in case else exact.slot_stats.admissions > 0
+    assert exact.slot_stats.rejections > 0
 
 
 def test_the_numba_slot_map_reserves_writes_and_finds_as_its_torch_ops(monkeypatch):
     keys = mix(torch.randperm(10**6, generator=torch.Generator().manual_seed(0))[:700])
-    crowded = (torch.arange(1, 21) << 40) + (1 << 32)  # 20 keys for the same two groups of 8
+    crowded = CROWDED
     maps = {}
     for kernels in ("torch", "numba"):
         monkeypatch.setenv(backend.ENV, kernels)

@@ -343,6 +343,21 @@ def test_new_normal_rows_are_the_torch_versions_bit_for_bit(device, dim, std, me
     assert out.dtype == torch.float32 and torch.equal(out.cpu(), expected)
 
 
+@pytest.mark.skipif(not backend.numba_available(), reason="needs numba")
+@pytest.mark.parametrize("columns, blocks, seed", [(32, 2, 0), (7, 1, 3), (1, 2, 2**40 + 5), (3, 1, -5)])
+def test_the_cpu_loop_hashes_rows_as_the_torch_ops(monkeypatch, columns, blocks, seed):
+    """numba's loop (a dynamic table's new rows and the rounding draws, on a CPU) gives the torch ops' bits and uniforms."""
+    ids = torch.cat([torch.randint(-(2**62), 2**62, (500,), generator=torch.Generator().manual_seed(1)),
+                     torch.tensor([0, -1, 2**63 - 1, -(2**63)])])  # fmt: skip
+    looped = [kernel_rows.hashes(ids, columns, seed, blocks), kernel_rows.uniforms(ids, columns, seed, blocks)]
+    monkeypatch.setenv(backend.ENV, "torch")
+    for got, expected in zip(
+        looped, [kernel_rows.hashes(ids, columns, seed, blocks), kernel_rows.uniforms(ids, columns, seed, blocks)]
+    ):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    assert looped[0].dtype == torch.int32 and looped[1].dtype == torch.float64
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 def test_gather_reads_clamped_rows_and_widens_the_verdict(device, ids_dtype):

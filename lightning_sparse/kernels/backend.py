@@ -196,7 +196,7 @@ def compiled_call(kernel, *args):  # noqa: ANN001, ANN201 (a numba dispatcher an
     any has written the cache. Under the lock one compiles and writes it, the others wait, then load what it wrote.
     A process that dies holding the lock releases it (``flock``); without ``fcntl`` or a writable cache, no lock.
     """
-    types = tuple((arg.dtype.str, arg.ndim) if hasattr(arg, "dtype") and hasattr(arg, "ndim") else type(arg) for arg in args)
+    types = tuple((arg.dtype, arg.ndim) if hasattr(arg, "ndim") else type(arg) for arg in args)
     if (kernel, types) in _compiled:
         return kernel(*args)
     try:

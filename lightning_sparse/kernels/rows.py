@@ -27,13 +27,14 @@ torch.Size([1, 1, 2])
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels.backend import interpreting, launches, uses_triton
+from lightning_sparse.kernels.backend import compiled_call, interpreting, launches, numba_module, uses_numba, uses_triton
 
 _INT32_LIMIT = 2**31 - 1
 _TILE = 1024  # values per program: [BLOCK_N, BLOCK_D] with 4 warps
@@ -160,7 +161,7 @@ def _bits(value: float) -> int:
 
 
 # ---------------------------------------------------------------- the counter-based hash of random rows
-_MASK32 = 0xFFFFFFFF
+_MASK32, _MASK64 = 0xFFFFFFFF, (1 << 64) - 1
 
 
 def _hash32(x: int) -> int:
@@ -195,13 +196,63 @@ def hashes(global_ids: Tensor, columns: int, seed: int, blocks: int = 1) -> Tens
 
     A row's key folds the 64-bit product of its id with an odd constant (plus the seed's salt)
     to 32 bits; element ``(r, c)`` is the ``lowbias32`` hash of the row's key plus ``c`` times the
-    golden ratio. Few tensor ops, in int32 in place (a row of a DynamicEmbedding is initialized as
-    its id arrives, so this is on the training path).
+    golden ratio. On a CPU with numba one loop (:func:`_hash_loop`, the same bits); else few tensor ops, in
+    int32 in place (a row of a DynamicEmbedding is initialized as its id arrives, so this is on the training path).
     """
+    if uses_numba(global_ids):
+        return _hashed_in_numba(global_ids, columns, seed, blocks, torch.int32)
     x = global_ids.to(torch.int64).view(-1, 1) * ROW_MULTIPLIER + seed_salt(seed)
     row_keys = (x ^ (x >> 32)).to(torch.int32)  # low ^ high 32 bits (the shift's sign copies fall outside them)
     cols = torch.arange(blocks * columns, dtype=torch.int32, device=x.device).mul_(COLUMN_MULTIPLIER)
     return _hash32_(row_keys + cols.view(blocks, 1, columns))
+
+
+def uniforms(global_ids: Tensor, columns: int, seed: int, blocks: int = 1) -> Tensor:
+    """float64 ``[blocks, rows, columns]`` in (0, 1): :func:`hashes`' bits as int32 ``h``, ``(h + 2**31 + 0.5) / 2**32``."""
+    if uses_numba(global_ids):
+        return _hashed_in_numba(global_ids, columns, seed, blocks, torch.float64)
+    return hashes(global_ids, columns, seed, blocks).to(torch.float64).add_(2.0**31 + 0.5).mul_(2.0**-32)
+
+
+def _hashed_in_numba(global_ids: Tensor, columns: int, seed: int, blocks: int, dtype: torch.dtype) -> Tensor:
+    import numpy as np
+
+    out = torch.empty(blocks, len(global_ids), columns, dtype=dtype)
+    ids = global_ids.to(torch.int64).contiguous().numpy().view(np.uint64)
+    compiled_call(_hash_loop(dtype.is_floating_point), ids, np.uint64(seed_salt(seed) & _MASK64), out.numpy())
+    return out
+
+
+@functools.cache
+def _hash_loop(uniform: bool):  # noqa: ANN202 (a numba dispatcher)
+    """The numba loop of :func:`hashes` on a CPU (``uniform``: of :func:`uniforms`): ``out[b, r, c]`` from ``ids[r]``
+    (uint64) and the seed's salt (uint64)."""
+    import numpy as np
+
+    numba = numba_module()
+    row_multiplier, column_multiplier = np.uint64(ROW_MULTIPLIER & _MASK64), np.uint32(COLUMN_MULTIPLIER & _MASK32)
+    low_bits, high = np.uint64(_MASK32), np.uint64(32)
+    shifts, multipliers = (np.uint32(16), np.uint32(15)), (np.uint32(0x7FEB352D), np.uint32(0x846CA68B))
+
+    @numba.njit(cache=True, nogil=True)
+    def loop(ids, salt, out):  # pragma: no cover (compiled)
+        blocks, rows, columns = out.shape
+        for r in range(rows):
+            x = ids[r] * row_multiplier + salt
+            key = np.uint32((x ^ (x >> high)) & low_bits)
+            for b in range(blocks):
+                for c in range(columns):
+                    h = np.uint32(key + np.uint32(b * columns + c) * column_multiplier)
+                    for step in range(2):
+                        h ^= h >> shifts[step]
+                        h = np.uint32(h * multipliers[step])
+                    h ^= h >> shifts[0]
+                    if uniform:
+                        out[b, r, c] = (np.float64(np.int32(h)) + (2.0**31 + 0.5)) * 2.0**-32
+                    else:
+                        out[b, r, c] = np.int32(h)
+
+    return loop
 
 
 def seed_salt(seed: int) -> int:
@@ -211,7 +262,7 @@ def seed_salt(seed: int) -> int:
 
 def _signed64(value: int) -> int:
     """A 64-bit pattern as the int64 that holds it."""
-    value &= (1 << 64) - 1
+    value &= _MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
 
 

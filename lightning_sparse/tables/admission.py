@@ -30,7 +30,6 @@ takes its victims from an order kept between batches (:class:`~lightning_sparse.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -152,32 +151,32 @@ class SlotTable:
         return slots, new_slots, new_index
 
     def resolve_ids(self, ids: Tensor, requests: int) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`resolve` for raw ids that may repeat, on a CPU with numba: no sort of the batch, the same decisions.
+        """:meth:`resolve` for raw ids that may repeat, on a CPU with numba: one loop, no sort of the batch, the same decisions.
 
         Returns (the slot of each id, the slots given to new ids, their ids). New ids are admitted in
         ascending order of their keys, each once, as :meth:`resolve` admits a sort's distinct keys.
         """
-        slots, keys, missing = self.map.lookup_ids(ids, self.last_used, self.requests, int(self.now), requests)
-        if not requests or not len(missing):
-            return slots, slots[:0], ids[:0]
-        new_keys, first, inverse = np.unique(keys.numpy()[missing.numpy()], return_index=True, return_inverse=True)
-        given = self._admit(torch.from_numpy(new_keys), requests, None).numpy()
-        slots.numpy()[missing.numpy()] = given[inverse]
-        kept = np.flatnonzero(given)
-        return slots, torch.from_numpy(given[kept]), ids.index_select(0, missing[torch.from_numpy(first[kept])])
+        from lightning_sparse.tables.slot_kernels import IdBatch
 
-    def _admit(self, keys: Tensor, counts: Tensor | int, candidates: Tensor | None, groups: Tensor | None = None) -> Tensor:
+        if not (batch := IdBatch(ids)).resolve(self, requests, admit=self.sketch is None):  # (else a count sketch decides)
+            batch.finish(self._admit(batch.keys_to_admit(), requests, None, entries=batch.reserved()))
+        elif batch.placed:
+            self.free.taken(batch.placed)
+        return batch.result()
+
+    def _admit(self, keys: Tensor, counts: Tensor | int, candidates: Tensor | None, groups: Tensor | None = None,
+               entries: Tensor | None = None) -> Tensor:  # fmt: skip
         """Slots for new distinct keys where ``candidates`` (default: all): admitted, placed in the map and given one, else null.
 
-        ``counts``: each key's requests (or one count for all). The keys are in ascending order, padding
-        aside (a sort's distinct keys, or its sorted runs); ``groups``: the map's groups of each, where known.
+        ``counts``: each key's requests (or one count for all). The keys are in ascending order, padding aside (a sort's
+        distinct keys, or its sorted runs); ``groups``: the map's groups of each, ``entries`` theirs, where known.
         """
         chosen = candidates
         if self.sketch is not None:
             counts = torch.full_like(keys, counts) if isinstance(counts, int) else counts
             estimate = self.sketch.add(keys, counts if candidates is None else counts * candidates)
             chosen = both(estimate >= self.admit_after, candidates)
-        entries = self.map.reserve(keys, chosen, groups=groups, ascending=True)  # (the real keys are; padding takes no entry)
+        entries = self.map.reserve(keys, chosen, groups=groups, ascending=True) if entries is None else entries  # (padding: none)
         if uses_numba(self.map.buckets):
             return self._place(entries, keys, counts, len(keys) if chosen is None else int(chosen.sum()))
         got, slots = self._take(entries >= 0, len(keys))

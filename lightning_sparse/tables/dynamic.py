@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sparse.kernels import gpu_path
 from lightning_sparse.kernels.rows import put
 from lightning_sparse.lookup.features import FeatureIds
 from lightning_sparse.tables import dynamic_state
@@ -136,7 +137,8 @@ class DynamicEmbedding(SparseEmbedding):
                 raise RuntimeError(f"{self.name} holds ids on {self.world_size} rank(s) and cannot be re-sharded over "
                                    f"{world_size}. HINT: save a checkpoint and load it into a new module.")  # fmt: skip
             self.placement.unplace()  # an unused local table: start over on the group
-        self.num_embeddings = world_size * self.rows_per_rank(world_size)
+        if self.num_embeddings != world_size * self.rows_per_rank(world_size):  # (every `shard` read asks: no write then)
+            self.num_embeddings = world_size * self.rows_per_rank(world_size)
         super().materialize(process_group)
         if self.slots is None or len(self.slots.last_used) != len(self._shard):
             rank = self.rank
@@ -202,7 +204,8 @@ class DynamicEmbedding(SparseEmbedding):
         put(self._shard, new_slots, self._init_rows(new_ids), skip=NULL_SLOT)
         for optimizer in self._optimizers:
             optimizer.reset_rows(self._shard, new_slots, skip=NULL_SLOT)
-        self._shard[NULL_SLOT].zero_()  # (where the torch path put the padding's rows)
+        if gpu_path(new_slots):  # padded: where the torch ops put the padding's rows (a CPU's batches are exact)
+            self._shard[NULL_SLOT].zero_()
 
     # ------------------------------------------------------------------ optimizer steps
     def watch(self, optimizer: Any) -> None:

@@ -20,7 +20,7 @@ from lightning_sparse.kernels import gpu_path
 from lightning_sparse.kernels.backend import uses_numba
 from lightning_sparse.kernels.host import to_device
 from lightning_sparse.lookup.engine import serve
-from lightning_sparse.lookup.features import Problem, read_ids
+from lightning_sparse.lookup.features import FeatureIds, Problem, read_ids
 from lightning_sparse.lookup.outputs import expand, gather
 from lightning_sparse.lookup.units import OneTable, ShardedTable
 from lightning_sparse.lookup.verdict import check_round, header_of
@@ -28,7 +28,7 @@ from lightning_sparse.wire.alltoall import Peers
 from lightning_sparse.wire.exchange import Route, ids_to_owners, rows_to_requesters
 from lightning_sparse.wire.grouping import SortedKeys
 from lightning_sparse.wire.hashing import HashSharding, mix
-from lightning_sparse.wire.header import OK, Headers, LookupHeader
+from lightning_sparse.wire.header import OK, Headers
 
 
 class DynamicEmbedding(ShardedTable, Protocol):
@@ -49,11 +49,11 @@ class DynamicEmbedding(ShardedTable, Protocol):
 RESOLVE, KEYED = 1, 2
 
 
-def _read(table: DynamicEmbedding, ids: Any, kind: int = 0) -> tuple[Tensor, LookupHeader, Problem]:
-    """Flat int64 ids on the table's device, this rank's header for a round of ``kind``, and its problem (none raises here)."""
+def _read(table: DynamicEmbedding, ids: Any) -> tuple[Tensor, list[FeatureIds], Problem]:
+    """Flat int64 ids on the table's device, the feature read (none on a problem), and the problem (none raises here)."""
     read, problem = read_ids(ids, table.name, table.device)
     flat = read[0].ids if read else torch.empty(0, dtype=torch.int64, device=table.device)
-    return flat, header_of(table.table_index, problem, read, kind=kind, tables=[table]), problem
+    return flat, read, problem
 
 
 class LocalRounds:
@@ -81,9 +81,11 @@ class LocalRounds:
         one sort of the ids' keys gives the distinct ids, their slots, and each id's place among them.
         """
         table = self.table
-        flat, header, problem = _read(table, ids)
+        flat, read, problem = _read(table, ids)
         if problem.error != OK:
-            check_round(table.lookup_unit, Headers.of(header), problem)  # raises
+            check_round(
+                table.lookup_unit, Headers.of(header_of(table.table_index, problem, read, tables=[table])), problem
+            )  # raises
         if uses_numba(flat):
             return table.assign_ids(flat, int(torch.is_grad_enabled()))
         runs, valid = SortedKeys(mix(flat)), None
@@ -154,7 +156,8 @@ class KeyedRounds:
     def _keys_to_owners(self, ids: Any, kind: int) -> tuple[SortedKeys, HashSharding, Route]:
         """The requester's side of a round: this rank's distinct keys, sorted by owner, sent with its header. Collective."""
         table = self.table
-        flat, header, problem = _read(table, ids, kind)
+        flat, read, problem = _read(table, ids)
+        header = header_of(table.table_index, problem, read, kind=kind, tables=[table])
         runs, sharding = SortedKeys(mix(flat)), HashSharding(table.world_size)
         check = partial(check_round, table.lookup_unit, problem=problem)
         route = ids_to_owners(runs, sharding, header.fields(table.device), table.peers, check)

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lightning_sparse.kernels import computes_in_triton, gpu_path
 from lightning_sparse.kernels import rows as kernel_rows
-from lightning_sparse.kernels.rows import hashes
+from lightning_sparse.kernels.rows import hashes, uniforms
 from lightning_sparse.tables.placement import empty_rows
 
 RowInit = Callable[[Tensor, int, int], Tensor]
@@ -92,7 +92,7 @@ def _normal(global_ids: Tensor, embedding_dim: int, seed: int, *, std: float | N
     if computes_in_triton(global_ids):  # on a GPU: one kernel instead of about 30 ops (new rows are on a dynamic table's step)
         return kernel_rows.normal(global_ids, embedding_dim, seed, scale, mean)
     half = -(-embedding_dim // 2)
-    u1, u2 = hashes(global_ids, half, seed, blocks=2).to(torch.float64).add_(2.0**31 + 0.5).mul_(2.0**-32)  # in (0, 1)
+    u1, u2 = uniforms(global_ids, half, seed, blocks=2)  # in (0, 1)
     radius = u1.log_().mul_(-2.0 * scale * scale).sqrt_()
     angle = u2.mul_(2.0 * math.pi)
     z = torch.cat([torch.cos(angle).mul_(radius), angle.sin_().mul_(radius)], dim=1)

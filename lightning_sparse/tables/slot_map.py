@@ -80,7 +80,7 @@ class SlotMap:
         self.buckets = empty_rows((groups + 1, WIDTH), torch.int32, device).zero_()  # NULL_SLOT: empty
         self.keys = empty_rows((num_slots,), torch.int64, device).zero_()  # valid where the slot is in use
         self.entry_of = empty_rows((num_slots,), torch.int64, device).fill_(self.scratch)  # scratch: not in use
-        self._seen: Tensor | None = None  # lookup_ids's marks, made at its first call
+        self._seen: Tensor | None = None  # marks(), made at its first call
 
     @property
     def device(self) -> torch.device:
@@ -112,17 +112,11 @@ class SlotMap:
         hit = self.keys.index_select(0, held.view(-1)).view_as(held) == keys.unsqueeze(1)
         return (hit * held).sum(dim=1, dtype=torch.int64)  # one hit at most (an empty entry holds the null slot: adds 0)
 
-    def lookup_ids(self, ids: Tensor, last_used: Tensor, requests: Tensor, now: int, count: int) -> tuple[Tensor, Tensor, Tensor]:
-        """A CPU's lookup of raw ids (they may repeat) in one numba loop: their keys (``mix``), found and stamped at once.
-
-        Each distinct id found gets last use ``now`` and ``count`` more requests, once. Returns (the
-        slot of each id, its key, the positions of the ids without a slot).
-        """
-        from lightning_sparse.tables import slot_kernels
-
+    def marks(self) -> Tensor:
+        """A bool per slot, all false: where a CPU loop marks the slots it stamped (and clears them after)."""
         if self._seen is None or len(self._seen) != self.num_slots:
-            self._seen = torch.zeros(self.num_slots, dtype=torch.bool)  # which slots this call stamped (cleared after)
-        return slot_kernels.lookup_ids(ids, self.buckets, self.keys, self.mask, last_used, requests, now, count, self._seen)
+            self._seen = torch.zeros(self.num_slots, dtype=torch.bool)
+        return self._seen
 
     def groups(self, keys: Tensor) -> Tensor:
         """``[len(keys), 2]``: a key's two groups (never the same one), from its low bits and from bits 32 and up."""

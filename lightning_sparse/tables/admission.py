@@ -1,31 +1,27 @@
 """Which id holds which row of an owner's shard: admission, eviction and expiry, in fixed-shape tensor ops.
 
-An owner of a :class:`~lightning_sparse.tables.dynamic.DynamicEmbedding` keeps a :class:`SlotTable`:
-a :class:`~lightning_sparse.tables.slot_map.SlotMap` from keys (mixed ids) to slots, and per slot the
-step it was last used in and how often training lookups asked for it. Slot 0 is the *null
-row*: it answers every id without a row and never holds an id.
+An owner of a :class:`~lightning_sparse.tables.dynamic.DynamicEmbedding` keeps a :class:`SlotTable`: a
+:class:`~lightning_sparse.tables.slot_map.SlotMap` from keys (mixed ids) to slots, and per slot the step it was last
+used in and how often training lookups asked for it. Slot 0 is the *null row*: it answers every id without a row and
+never holds an id.
 
-The clock is the number of sparse optimizer steps taken. A slot used since the last step is
-*pinned*: a gradient for it may be pending, so it is never evicted or expired before the
-step (a row never serves two ids at once). When an id is admitted and no slot is free, the
-unpinned slot with the oldest last use (``eviction="lru"``) or the fewest requests
-(``eviction="lfu"``) is evicted, ties going to the lowest slot; with every slot pinned the id
-waits (it keeps the null row) and counts as *rejected*. With ``ttl``, slots unused for more
-than ``ttl`` steps are freed at each step.
+The clock is the number of sparse optimizer steps taken. A slot used since the last step is *pinned*: a gradient for
+it may be pending, so it is never evicted or expired before the step (a row never serves two ids at once). When an id
+is admitted and no slot is free, the unpinned slot with the oldest last use (``eviction="lru"``) or the fewest
+requests (``eviction="lfu"``) is evicted, ties going to the lowest slot; with every slot pinned the id waits (it keeps
+the null row) and counts as *rejected*. With ``ttl``, slots unused for more than ``ttl`` steps are freed at each step.
 
 Admission: with ``admit_after=k > 1``, training requests for ids without a row are counted in a
-:class:`~lightning_sparse.tables.free_slots.CountSketch`; an id gets a row on the request that brings
-its count to ``k``. A request is one rank's lookup asking for the id (however often the id occurs
-in that rank's batch).
+:class:`~lightning_sparse.tables.free_slots.CountSketch`; an id gets a row on the request that brings its count to
+``k``. A request is one rank's lookup asking for the id (however often the id occurs in that rank's batch).
 
-Nothing here reads the device from the host on a GPU's path: the clock, the free slots and the
-stats are device tensors, a batch is handled at the size of its bound (padding entries write the
-null slot, whose counters are reset), and eviction, which needs a ``topk`` over the slots, runs
-only when the batch may find too few free slots (:class:`~lightning_sparse.tables.free_slots.FreeSlots`
-keeps the host's floor on them). So a one-process step can also be captured in a CUDA graph. On
-a CPU, where a host read costs nothing, batches are compacted to their exact sizes instead
-(``nonzero``), the map's loops run in numba where it imports (``slot_kernels``), and ``"lru"``
-takes its victims from an order kept between batches (:class:`~lightning_sparse.tables.free_slots.LruQueue`).
+Nothing here reads the device from the host on a GPU's path: the clock, the free slots and the stats are device
+tensors, a batch is handled at the size of its bound (padding entries write the null slot, whose counters are reset),
+and eviction, which needs a ``topk`` over the slots, runs only when the batch may find too few free slots
+(:class:`~lightning_sparse.tables.free_slots.FreeSlots` keeps the host's floor on them). So a one-process step can
+also be captured in a CUDA graph. On a CPU, where a host read costs nothing, batches are compacted to their exact
+sizes instead (``nonzero``), the map's loops run in numba where it imports (``slot_kernels``), and ``"lru"`` takes its
+victims from an order kept between batches (:class:`~lightning_sparse.tables.free_slots.LruQueue`).
 """
 
 from __future__ import annotations
@@ -72,6 +68,7 @@ class SlotTable:
         self.stats = SlotStats(self)
         self.free = FreeSlots(capacity, device)
         self.lru = LruQueue()  # a CPU's "lru" eviction order (the GPU's path and "lfu" take a topk over the slots)
+        self.null_asked = True  # whether a training request may have got the null slot since the last tick (see tick)
 
     @property
     def clock(self) -> int:
@@ -115,7 +112,7 @@ class SlotTable:
         slots = self.map.find(keys, groups)  # the null slot where no row
         if isinstance(requests, int) and not requests:
             return slots, slots[:0], slots[:0]
-        asked = valid if isinstance(requests, int) else both(requests > 0, valid)
+        asked, self.null_asked = valid if isinstance(requests, int) else both(requests > 0, valid), True  # (it may have)
         stamp = slots if asked is None else torch.where(asked, slots, NULL_SLOT)
         self.last_used.index_copy_(0, stamp, self.now.expand(len(stamp)))  # (index_fill_ would read a tensor value)
         self.requests.index_add_(0, stamp, torch.full_like(stamp, requests) if isinstance(requests, int) else requests)
@@ -162,6 +159,7 @@ class SlotTable:
             batch.finish(self._admit(batch.keys_to_admit(), requests, None, entries=batch.reserved()))
         elif batch.placed:
             self.free.taken(batch.placed)
+        self.null_asked |= batch.placed < batch.distinct  # a new id without a slot (requests > 0: else there are none)
         return batch.result()
 
     def _admit(self, keys: Tensor, counts: Tensor | int, candidates: Tensor | None, groups: Tensor | None = None,
@@ -250,14 +248,17 @@ class SlotTable:
         self.map.remove(slots)
         self.free.push(slots, real)
 
-    def tick(self) -> None:
-        """An optimizer step happened: unpin every slot, then free the slots unused for more than ``ttl`` steps."""
+    def tick(self) -> bool:
+        """An optimizer step happened: unpin every slot, then free the slots unused for more than ``ttl`` steps. Returns
+        whether a training request may have got the null slot since the last tick (then its row had a gradient)."""
+        asked, self.null_asked = self.null_asked, False
         self.now += 1
         if self.ttl is not None:
             stale, real = select(self.map.used() & (self.last_used < self.now - self.ttl))
             if len(stale):
                 self._release(stale, real)
                 self.counters[EXPIRATIONS].add_(len(stale) if real is None else real.sum())
+        return asked
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Tensor]:

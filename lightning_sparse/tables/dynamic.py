@@ -218,11 +218,11 @@ class DynamicEmbedding(SparseEmbedding):
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """Called by the sparse optimizer after each step: unpin, expire, and put the null row back to zero (it may have had a gradient)."""
-        self.slots.tick()
-        self._shard[NULL_SLOT].zero_()
-        for optimizer in self._optimizers:
-            optimizer.reset_rows(self._shard, self._null)
+        """Called by the sparse optimizer after each step: unpin, expire, and put the null row back to zero if it had a gradient."""
+        if self.slots.tick():
+            self._shard[NULL_SLOT].zero_()
+            for optimizer in self._optimizers:
+                optimizer.reset_rows(self._shard, self._null)
 
     # ------------------------------------------------------------------ the whole table and state dicts (dynamic_state.py)
     def export(self) -> tuple[Tensor, Tensor]:

@@ -112,13 +112,13 @@ class SlotTable:
         slots = self.map.find(keys, groups)  # the null slot where no row
         if isinstance(requests, int) and not requests:
             return slots, slots[:0], slots[:0]
-        asked, self.null_asked = valid if isinstance(requests, int) else both(requests > 0, valid), True  # (it may have)
+        asked = valid if isinstance(requests, int) else both(requests > 0, valid)
         stamp = slots if asked is None else torch.where(asked, slots, NULL_SLOT)
         self.last_used.index_copy_(0, stamp, self.now.expand(len(stamp)))  # (index_fill_ would read a tensor value)
         self.requests.index_add_(0, stamp, torch.full_like(stamp, requests) if isinstance(requests, int) else requests)
         index, real = select(both(slots == NULL_SLOT, asked))  # the entries without a row
         if len(index):
-            new_keys = keys.index_select(0, index)
+            new_keys, self.null_asked = keys.index_select(0, index), True  # (any of them may find no slot)
             if distinct:
                 counts = requests if isinstance(requests, int) else requests.index_select(0, index)
                 groups = None if groups is None else groups.index_select(0, index)

@@ -82,10 +82,9 @@ class LocalRounds:
         """
         table = self.table
         flat, read, problem = _read(table, ids)
-        if problem.error != OK:
-            check_round(
-                table.lookup_unit, Headers.of(header_of(table.table_index, problem, read, tables=[table])), problem
-            )  # raises
+        if problem.error != OK:  # raises
+            header = header_of(table.table_index, problem, read, tables=[table])
+            check_round(table.lookup_unit, Headers.of(header), problem)
         if uses_numba(flat):
             return table.assign_ids(flat, int(torch.is_grad_enabled()))
         runs, valid = SortedKeys(mix(flat)), None

@@ -217,6 +217,19 @@ def test_a_segment_too_big_for_dev_shm_is_refused_with_the_room_there():
     assert _segments(os.getpid()) == []
 
 
+def test_the_strategies_shared_memory_reaches_tables_of_their_own_only():
+    """Tables in a collection keep its rounds, a DynamicEmbedding its keyed rounds; a table already placed is placed again."""
+    from lightning_sparse.lightning.placement import place_tables
+
+    module = torch.nn.ModuleDict({"alone": ls.SparseEmbedding(8, 2), "dynamic": ls.DynamicEmbedding(8, 2),
+                                  "collection": ls.SparseEmbeddingCollection({"inner": ls.SparseEmbedding(8, 2)})})  # fmt: skip
+    place_tables(module)
+    assert module["alone"].lookups is not None and not module["alone"].shared_memory
+    place_tables(module, shared_memory=True)
+    assert module["alone"].shared_memory and module["alone"].lookups is not None
+    assert not module["dynamic"].shared_memory and not module["collection"].tables["inner"].shared_memory
+
+
 def test_tables_in_shared_memory_are_refused_in_a_collection():
     with pytest.raises(ValueError, match=r"\['u'\] have shared_memory=True.*HINT"):
         ls.SparseEmbeddingCollection({"u": ls.SparseEmbedding(4, 2, shared_memory=True), "i": ls.SparseEmbedding(4, 2)})
@@ -268,10 +281,9 @@ def _trainer_runs(world_size: int):
     runs = []
     for shared in (False, True):
         module = lm.TwoTower(sparse="SparseAdam", sparse_kwargs=dict(lr=0.05))
-        if shared:
+        if shared:  # users shared by its own argument, items by the strategy's
             module.users = ls.SparseEmbedding(lm.USERS, lm.DIM, seed=1, sharding="mod", shared_memory=True)
-            module.items = ls.SparseEmbedding(lm.ITEMS, lm.DIM, seed=2, sharding="range", shared_memory=True)
-        strategy = ls.SparseDDPStrategy(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        strategy = ls.SparseDDPStrategy(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), shared_memory=shared)
         trainer = lm.trainer(world_size, strategy=strategy, max_epochs=2, limit_val_batches=2, val_check_interval=3)
         trainer.fit(module)
         opt = trainer.strategy.sparse_optimizers[0]
@@ -313,16 +325,18 @@ def test_a_copy_of_a_table_in_shared_memory_maps_its_own_segment(rank_pools):
 
 def _fabric_runs():
     """Test_fabric.py's loop under Fabric (accumulation, clipping, a shuffled sampler), its tables exchanged, then shared."""
-    from test_fabric import DENSE_LR, _fabric, _train
+    import lightning as L
+    from test_fabric import DENSE_LR, _train
     from torch.utils.data import DataLoader, DistributedSampler
 
-    fabric = _fabric(2)
+    lm.lightning_env(dist.get_rank(), 2)  # the ranks exist: Fabric launches nothing and reuses their group
     runs = []
     for shared in (False, True):
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ls.FabricSparseDDPStrategy(shared_memory=shared))
+        fabric.launch()
         model = lm.TwoTower()
-        if shared:
+        if shared:  # users shared by its own argument, items by the strategy's
             model.users = ls.SparseEmbedding(lm.USERS, lm.DIM, seed=1, sharding="mod", shared_memory=True)
-            model.items = ls.SparseEmbedding(lm.ITEMS, lm.DIM, seed=2, sharding="range", shared_memory=True)
         dense = torch.optim.SGD(model.mlp.parameters(), lr=DENSE_LR)
         sparse = ls.SparseAdagrad([model.users, model.items], lr=0.2)
         model, dense, sparse = fabric.setup(model, dense, sparse)

@@ -22,9 +22,8 @@ Narrow overrides, each calling ``super()``:
 - ``clip_gradients_*``: dense optimizers only (row gradients are not in ``.grad``);
 - ``captured(step)``: on one GPU, a step function captured in a CUDA graph and replayed per batch;
 - ``pipelined(loader, inputs)``: each batch's ids sent to their owners while the batch before it trains;
-- ``save_checkpoint`` / ``load_checkpoint``: the Trainer's sharded format
-  (:mod:`lightning_sparse.lightning.checkpoints`), so checkpoints move between the two
-  and load on any number of ranks.
+- ``save_checkpoint`` / ``load_checkpoint``: the Trainer's sharded format (:mod:`lightning_sparse.lightning.checkpoints`),
+  so checkpoints move between the two and load on any number of ranks.
 
 One process is not wrapped in DDP (it would sum nothing). ``fabric.no_backward_sync`` accumulates as with DDP: row gradients always wait on their rank
 until the sparse optimizer's ``step()``.
@@ -65,12 +64,16 @@ from lightning_sparse.wire.ahead import pipelined
 
 
 class FabricSparseDDPStrategy(DDPStrategy):
-    """Fabric's DDP for dense parameters; row-sharded SparseEmbedding tables updated by sparse optimizers."""
+    """Fabric's DDP for dense parameters; row-sharded SparseEmbedding tables updated by sparse optimizers.
+
+    ``shared_memory=True``: every table of its own keeps its rows in the host's shared memory, as the Trainer's strategy.
+    """
 
     strategy_name = STRATEGY_NAME
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, shared_memory: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._shared_memory = shared_memory
         self._backward_sync_control = _TablesOnlySyncControl()
         self._tables: list[SparseEmbedding] = []
         self._collections: list[SparseEmbeddingCollection] = []
@@ -88,7 +91,7 @@ class FabricSparseDDPStrategy(DDPStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        tables, collections = place_tables(module)
+        tables, collections = place_tables(module, shared_memory=self._shared_memory)
         self._tables.extend(t for t in tables if all(t is not known for known in self._tables))
         self._collections.extend(c for c in collections if all(c is not known for known in self._collections))
         if self.world_size > 1 and any(p.requires_grad for p in module.parameters()):

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from lightning_sparse.kernels.rounding import HALF
 from lightning_sparse.lightning import compat
 from lightning_sparse.tables.collection import SparseEmbeddingCollection
+from lightning_sparse.tables.dynamic import DynamicEmbedding
 from lightning_sparse.tables.embedding import SparseEmbedding
 from lightning_sparse.wire.replicas import sharding_groups
 
@@ -41,7 +42,10 @@ _FOREIGN = {
 
 
 def place_tables(
-    module: nn.Module, shard_group: dist.ProcessGroup | None = None, replica_group: dist.ProcessGroup | None = None
+    module: nn.Module,
+    shard_group: dist.ProcessGroup | None = None,
+    replica_group: dist.ProcessGroup | None = None,
+    shared_memory: bool = False,
 ) -> tuple[list[SparseEmbedding], list[SparseEmbeddingCollection]]:
     """Name, number and shard every table of ``module``; return its tables and its collections.
 
@@ -49,12 +53,17 @@ def place_tables(
     ``table_index``, and materializes over ``shard_group`` (default: the default group); the
     collections are numbered after the tables. Every rank must place the same module alike: the
     numbers ride with each lookup (:func:`~lightning_sparse.lookup.engine.serve_lookups`). Local only.
+    ``shared_memory``: every table of its own (outside a collection, and not a DynamicEmbedding) takes
+    ``shared_memory=True`` before it is placed (:meth:`SparseEmbedding.use_shared_memory`).
     """
     tables = [(name, m) for name, m in module.named_modules() if isinstance(m, SparseEmbedding)]
+    collections = [(name, m) for name, m in module.named_modules() if isinstance(m, SparseEmbeddingCollection)]
+    in_collections = {id(m) for _, collection in collections for m in collection.modules()}
     for index, (name, table) in enumerate(tables):
         table.adopt(name, index)
+        if shared_memory and not (table.shared_memory or id(table) in in_collections or isinstance(table, DynamicEmbedding)):
+            table.use_shared_memory()
         table.materialize(shard_group, replica_group)
-    collections = [(name, m) for name, m in module.named_modules() if isinstance(m, SparseEmbeddingCollection)]
     for index, (name, collection) in enumerate(collections, start=len(tables)):
         collection.adopt(name, index)
         collection.materialize()

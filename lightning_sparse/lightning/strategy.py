@@ -13,9 +13,9 @@ Narrow overrides, each calling ``super()``:
   (``serve_lookups``) until all ranks are done, so uneven loaders never hang (:mod:`~lightning_sparse.lightning.uneven_evaluation`);
 - checkpoint hooks: sharded checkpoints through torch.distributed.checkpoint; each rank writes and reads only its rows,
   and a checkpoint loads on any number of ranks (the helper object :class:`~lightning_sparse.lightning.checkpoints.TrainerCheckpoints`);
-- ``setup_distributed``, ``backward``, ``barrier``, ``broadcast``, ``reduce``, ``on_exception``: ranks that cannot meet,
-  and lost peers in DDP's and Lightning's collectives, raise ``PeerFailure``; the ranks this process launched are
-  killed after one (:mod:`~lightning_sparse.lightning.lost_peers`).
+- ``setup_distributed``, ``backward``, ``barrier``, ``broadcast``, ``reduce``, ``on_exception``: ranks that cannot meet, and lost
+  peers in DDP's and Lightning's collectives, raise ``PeerFailure``; the ranks this process launched are killed after one
+  (:mod:`~lightning_sparse.lightning.lost_peers`).
 """
 
 from __future__ import annotations
@@ -58,15 +58,16 @@ class SparseDDPStrategy(DDPStrategy):
 
     ``sharding_group_size=G`` shards every table over groups of ``G`` consecutive ranks (e.g. the GPUs of one host) and
     replicates it across the ``W / G`` groups (2-D sharding, :mod:`lightning_sparse.wire.replicas`); default: over all
-    ranks. ``pipeline=inputs``: see :func:`lightning_sparse.pipelined`. Every other argument is DDPStrategy's.
+    ranks. ``pipeline=inputs``: see :func:`lightning_sparse.pipelined`. ``shared_memory=True``: tables of their own keep
+    their rows in the host's shared memory (docs/guide/shared-memory.md). Every other argument is DDPStrategy's.
     """
 
     strategy_name = STRATEGY_NAME
 
     def __init__(self, *args: Any, sharding_group_size: int | None = None, pipeline: Callable[[Any], Any] | None = None,
-                 **kwargs: Any) -> None:  # fmt: skip
+                 shared_memory: bool = False, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
-        self._pipeline = Pipeline(pipeline, self._timeout) if pipeline is not None else None
+        self._pipeline, self._shared_memory = Pipeline(pipeline, self._timeout) if pipeline is not None else None, shared_memory
         self._sharding = ShardingGroups(sharding_group_size)
         self._tables: list[SparseEmbedding] = []
         self._collections: list[SparseEmbeddingCollection] = []
@@ -126,9 +127,8 @@ class SparseDDPStrategy(DDPStrategy):
     @override
     def model_to_device(self) -> None:
         super().model_to_device()
-        self._tables, self._collections = place_tables(
-            self.lightning_module, *self._sharding.of_rank(self.world_size, self._timeout)
-        )
+        groups, shared = self._sharding.of_rank(self.world_size, self._timeout), self._shared_memory
+        self._tables, self._collections = place_tables(self.lightning_module, *groups, shared_memory=shared)
         if isinstance(self.precision_plugin, SparseMixedPrecision):
             self.precision_plugin.cover(self._tables)
         log.debug("%s: sharded %d tables over %d ranks: %s", type(self).__name__, len(self._tables), self.world_size,

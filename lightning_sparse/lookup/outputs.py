@@ -168,7 +168,8 @@ class SharedReads(Gather):
                              f"host's memory: keep it on the CPU, or leave shared_memory off on a GPU.")  # fmt: skip
         if table.replicas > 1:
             raise ValueError(f"{table.name}: shared_memory=True under 2-D sharding ({table.replicas} replicas). HINT: leave "
-                             f"replica_group out: in shared memory every rank reads every row already.")  # fmt: skip
+                             f"replica_group (a strategy's sharding_group_size) out: in shared memory every rank reads every "
+                             f"row already.")  # fmt: skip
         super().__init__(unit)
         self.segment: Tensor | None = None  # the whole table, [world_size * block_size, dim], mapped by every rank
         self.fence: Fence | None = None

@@ -165,6 +165,10 @@ class SparseEmbedding(shard_state.StateDictHooks):
             self.lookups = self._lookup_path()
         return self
 
+    def use_shared_memory(self) -> None:
+        """Keep the rows in the host's shared memory from the next :meth:`materialize` on, as ``shared_memory=True`` does."""
+        self.shared_memory, self.lookups = True, None  # (its lookup path is chosen again)
+
     def _lookup_path(self) -> Any:
         """The path of this table's lookups on its placement (a subclass may take its own)."""
         if self.world_size == 1:

@@ -224,9 +224,10 @@ def test_the_strategies_shared_memory_reaches_tables_of_their_own_only():
     module = torch.nn.ModuleDict({"alone": ls.SparseEmbedding(8, 2), "dynamic": ls.DynamicEmbedding(8, 2),
                                   "collection": ls.SparseEmbeddingCollection({"inner": ls.SparseEmbedding(8, 2)})})  # fmt: skip
     place_tables(module)
-    assert module["alone"].lookups is not None and not module["alone"].shared_memory
+    chosen = module["alone"].lookups
+    assert chosen is not None and not module["alone"].shared_memory
     place_tables(module, shared_memory=True)
-    assert module["alone"].shared_memory and module["alone"].lookups is not None
+    assert module["alone"].shared_memory and module["alone"].lookups not in (None, chosen)  # (chosen again)
     assert not module["dynamic"].shared_memory and not module["collection"].tables["inner"].shared_memory
 
 

@@ -67,8 +67,8 @@ class SparseDDPStrategy(DDPStrategy):
     def __init__(self, *args: Any, sharding_group_size: int | None = None, pipeline: Callable[[Any], Any] | None = None,
                  shared_memory: bool = False, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
-        self._pipeline, self._shared_memory = Pipeline(pipeline, self._timeout) if pipeline is not None else None, shared_memory
-        self._sharding = ShardingGroups(sharding_group_size)
+        self._pipeline = Pipeline(pipeline, self._timeout) if pipeline is not None else None
+        self._sharding, self._shared_memory = ShardingGroups(sharding_group_size), shared_memory  # how tables are placed
         self._tables: list[SparseEmbedding] = []
         self._collections: list[SparseEmbeddingCollection] = []
         self._sparse_optimizers: list[SparseOptimizer] = []
@@ -127,8 +127,8 @@ class SparseDDPStrategy(DDPStrategy):
     @override
     def model_to_device(self) -> None:
         super().model_to_device()
-        groups, shared = self._sharding.of_rank(self.world_size, self._timeout), self._shared_memory
-        self._tables, self._collections = place_tables(self.lightning_module, *groups, shared_memory=shared)
+        groups = self._sharding.of_rank(self.world_size, self._timeout)
+        self._tables, self._collections = place_tables(self.lightning_module, *groups, shared_memory=self._shared_memory)
         if isinstance(self.precision_plugin, SparseMixedPrecision):
             self.precision_plugin.cover(self._tables)
         log.debug("%s: sharded %d tables over %d ranks: %s", type(self).__name__, len(self._tables), self.world_size,

@@ -137,8 +137,8 @@ class DynamicEmbedding(SparseEmbedding):
                 raise RuntimeError(f"{self.name} holds ids on {self.world_size} rank(s) and cannot be re-sharded over "
                                    f"{world_size}. HINT: save a checkpoint and load it into a new module.")  # fmt: skip
             self.placement.unplace()  # an unused local table: start over on the group
-        if self.num_embeddings != world_size * self.rows_per_rank(world_size):  # (every `shard` read asks: no write then)
-            self.num_embeddings = world_size * self.rows_per_rank(world_size)
+        if self.num_embeddings != (rows := world_size * self.rows_per_rank(world_size)):  # (every `shard` read asks: no write)
+            self.num_embeddings = rows
         super().materialize(process_group)
         if self.slots is None or len(self.slots.last_used) != len(self._shard):
             rank = self.rank

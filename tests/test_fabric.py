@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lightning as L
@@ -285,9 +286,16 @@ def _example(tmp_path: Path, *args: str) -> str:
 
 @pytest.mark.subprocesses
 def test_fabric_example_trains_and_resumes_on_another_number_of_processes(rank_pools, tmp_path):
-    """Launched as written (Fabric starts the second process), then resumed on the 3-rank pool (tests/example_runs.py)."""
-    first = _example(tmp_path, "--devices", "2", "--epochs", "1")
-    resumed = rank_pools(3).run(run_script, EXAMPLE, _arguments(tmp_path, "--devices", "3", "--epochs", "2", "--resume"))[0]
+    """Launched as written (Fabric starts the second process), then resumed on the 3-rank pool (tests/example_runs.py).
+
+    While the launched run imports and trains (a thread waits for it), the pool starts and its ranks run the example's
+    start-up (``--epochs 0``: its imports, numba's kernels, the tables; no checkpoint): the resume then only resumes."""
+    with ThreadPoolExecutor(max_workers=1) as launched:
+        first_run = launched.submit(_example, tmp_path, "--devices", "2", "--epochs", "1")
+        pool = rank_pools(3)
+        pool.run(run_script, EXAMPLE, [*SMALL, "--devices", "3", "--epochs", "0"])
+        first = first_run.result()
+    resumed = pool.run(run_script, EXAMPLE, _arguments(tmp_path, "--devices", "3", "--epochs", "2", "--resume"))[0]
     assert "resumed from" in resumed and "at epoch 1 on 3 processes" in resumed
     aurocs = [float(x) for x in re.findall(r"val_auroc ([0-9.]+)", first + resumed)]
     assert len(aurocs) == 2 and aurocs[1] > aurocs[0] > 0.5, first + resumed

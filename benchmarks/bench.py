@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -64,24 +65,27 @@ FULL = {
     # bf16 and fp16 tables (stochastic rounding) against float32: one table, one process.
     "half": dict(rows=1_000_000, dim=64, batch=65536, steps=4, rounds=5),
 }
-QUICK = {  # a smoke run (the test suite's): every section and the report at sizes that take no time, not for conclusions
-    "single_process": dict(rows=2_000, dim=64, batch=128, rounds=2, steps_per_round=2, threads=2),
+# A smoke run (the test suite's): every section and the report at sizes that take no time, not for conclusions. One
+# thread where the full run takes 2: next to other work on 2 cores, each op of 2 threads waits for the other core.
+QUICK = {
+    "single_process": dict(rows=2_000, dim=64, batch=128, rounds=2, steps_per_round=2, threads=1),
     "distributed": dict(
         rows_list=[2_000],
         batches=[64],
         methods=["ours", "sparse_ddp", "sparse_grad_ddp"],
         budget_s=0.1,
         min_steps=3,
-        max_steps=10,
+        max_steps=3,
         warmup=2,
+        shared_ranks=True,
     ),  # fmt: skip
     "gpu": dict(workloads=[dict(rows=100_000, dim=64, batch=4096)], steps=5, warmup=2),
-    "collection": dict(max_rows=2_000, batch=32, rounds=2, steps_per_round=2),
+    "collection": dict(max_rows=2_000, batch=32, rounds=2, steps_per_round=1, threads=1),
     "scale": dict(
         worlds=[(8, None), (256, None), (256, 32)], workloads=["26 tables"], batch=128, rows_cap=1000, steps=2, in_process=True
     ),  # fmt: skip
     "dynamic": dict(batch=512, pool=5000, steps=2, rounds=1, warmup_steps=1, two_ranks=False, distinct=0),
-    "half": dict(rows=2_000, dim=64, batch=128, steps=2, rounds=1),
+    "half": dict(rows=2_000, dim=64, batch=128, steps=2, rounds=1, threads=1),
 }
 
 
@@ -256,9 +260,10 @@ def _machine() -> dict:
 
 
 def _versions() -> dict:
-    versions = {"torch": torch.__version__}
-    for name, module in (("lightning", "lightning"), ("lightning_sparse", "lightning_sparse"), ("dgl", "dgl"),
-                         ("fbgemm_gpu", "fbgemm_gpu")):  # fmt: skip
+    """The baselines' versions where they import (else None); Lightning's from its metadata: lightning_sparse requires
+    it, and importing it here (torchmetrics, scipy) would cost seconds of a run that uses it only in its ranks."""
+    versions = {"torch": torch.__version__, "lightning": importlib.metadata.version("lightning")}
+    for name, module in (("lightning_sparse", "lightning_sparse"), ("dgl", "dgl"), ("fbgemm_gpu", "fbgemm_gpu")):
         versions[name] = getattr(sys.modules.get(module), "__version__", None) if _importable(module) else None
     return versions
 

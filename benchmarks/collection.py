@@ -11,7 +11,7 @@ The workload: 26 float32 tables of dim 64 with Criteo's cardinalities clamped to
   user with ``index_add_``), both in the same processes, in
   interleaved rounds. Reported: median step time (forward + backward + step; a step ends when
   the slower rank ends it) and all-to-all calls per forward and per step, counted.
-* **1 process (2 threads)**: the collection against FBGEMM's CPU TBE
+* **1 process (``threads``, 2 by default)**: the collection against FBGEMM's CPU TBE
   (``SplitTableBatchedEmbeddingBagsCodegen``, the same 26 tables and bags, sum pooling,
   ``EXACT_ROWWISE_ADAGRAD`` fused into backward), when fbgemm_gpu imports.
 """
@@ -237,13 +237,15 @@ def run_single(max_rows: int, batch: int, rounds: int, steps_per_round: int, thr
     return out
 
 
-def run(max_rows: int = 1_000_000, batch: int = 2048, rounds: int = 5, steps_per_round: int = 3, log=print) -> dict:
+def run(max_rows: int = 1_000_000, batch: int = 2048, rounds: int = 5, steps_per_round: int = 3, threads: int = 2,
+        log=print) -> dict:  # fmt: skip
+    """``threads``: the one-process comparison's (each rank has one)."""
     log("  26 tables, 2 ranks: collection vs separate tables...")
     distributed = run_distributed(max_rows, batch, rounds, steps_per_round)
     for name, m in distributed["methods"].items():
         log(f"    {name:<12} {m['step_ms_median']:8.2f} ms/step  {m['all_to_all_per_step']} all-to-alls/step")
     log("  26 tables, 1 process: collection vs FBGEMM TBE...")
-    single = run_single(max_rows, batch, rounds, steps_per_round)
+    single = run_single(max_rows, batch, rounds, steps_per_round, threads)
     for name, m in single["methods"].items():
         log(f"    {name:<12} {m['step_ms_median']:8.2f} ms/step")
     return {"distributed": distributed, "single_process": single}

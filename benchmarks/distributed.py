@@ -3,7 +3,8 @@
 Each step, on each rank: look up a batch of Zipf-distributed ids (duplicates within and across
 ranks) -> ``mean((rows @ proj - target)^2)`` -> backward -> an Adagrad step -> zero_grad.
 
-Methods (each in 2 fresh processes, ``ranks.py``, so peak RSS, each rank's own ``VmHWM``, is per method):
+Methods (each in 2 fresh processes, ``ranks.py``, so peak RSS, each rank's own ``VmHWM``, is per method; a smoke
+run, ``run(shared_ranks=True)``, runs them one after the other in the same 2):
 
 * ``ours``: ``lightning_sparse.SparseEmbedding(sharding="mod")`` + ``SparseAdagrad``, plain torch loop.
   ``ours_pipelined`` (not in ``METHODS``, so run by name: ``run([100_000], [4096], ["ours", "ours_pipelined"])``)
@@ -293,23 +294,28 @@ def run_lightning(rank: int, cfg: dict, method: str, rows: int, result: dict) ->
 
 
 # ---------------------------------------------------------------------- one run: 2 ranks
-def rank_main(rank: int, cfg: dict, method: str, rows: int, port: int, out_dir: str) -> None:
+def rank_main(rank: int, cfg: dict, methods: list[str], rows: int, port: int, out_dir: str) -> None:
+    """``methods`` one after the other in one process group (:func:`run` puts the Lightning ones last: a Trainer sets up
+    and tears down a process's distributed state its own way, the plain loops run before it)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=300))  # fmt: skip
-    result: dict = {"rank": rank}
     os.environ["BENCH_PORT"] = str(_free_port() if rank == 0 else 0)
     port_list = [os.environ["BENCH_PORT"]]
     dist.broadcast_object_list(port_list, src=0)
     os.environ["BENCH_PORT"] = port_list[0]
-    try:
-        (run_lightning if method in LIGHTNING else run_loop)(rank, cfg, method, rows, result)
-    except Exception as exc:  # recorded in the JSON; the other rank fails the same way
-        result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-    # This rank's own peak (VmHWM), not ru_maxrss: a spawned rank's ru_maxrss starts at the peak of
-    # the process it was forked from, so every method showed the parent's 7 GiB.
-    result["peak_rss_mib"] = peak_rss_mib()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    for method in methods:
+        result: dict = {"rank": rank}
+        try:
+            (run_lightning if method in LIGHTNING else run_loop)(rank, cfg, method, rows, result)
+        except Exception as exc:  # recorded in the JSON; the other rank fails the same way
+            result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        # This rank's own peak (VmHWM), not ru_maxrss: a spawned rank's ru_maxrss starts at the peak of
+        # the process it was forked from, so every method showed the parent's 7 GiB.
+        result["peak_rss_mib"] = peak_rss_mib()
+        Path(out_dir, f"{method}.rank{rank}.json").write_text(json.dumps(result))
+        if "error" in result:  # the ranks may be out of step: the methods after it are not run
+            break
     # Lightning's objects hold the process group in reference cycles: free them and the group now,
     # not at interpreter shutdown (see docs/benchmarks.md, caveats, and lightning_sparse.faults.exits).
     exits.release_process_groups()
@@ -323,18 +329,42 @@ def _free_port() -> int:
 
 def run_one(cfg: dict, method: str, rows: int) -> dict:
     """Spawn 2 ranks for one (method, rows, batch) and summarize them."""
+    return run_in_ranks(cfg, [method], rows)[0]
+
+
+def run_in_ranks(cfg: dict, methods: list[str], rows: int) -> list[dict]:
+    """Spawn 2 ranks that run ``methods`` (rows, batch) one after the other and summarize each method.
+
+    A method's ``run_wall_s`` is its ranks' whole run, from their start to their exit.
+    """
     wall = time.perf_counter()
-    row: dict = {"method": method, "rows": rows, "batch": cfg["batch"]}
+    exit_error = None
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            start_ranks(rank_main, (cfg, method, rows, _free_port(), out_dir), WORLD)
+            start_ranks(rank_main, (cfg, methods, rows, _free_port(), out_dir), WORLD)
         except Exception as exc:  # a rank died (killed for memory), or aborted at exit after writing its results
-            files = [Path(out_dir, f"rank{r}.json") for r in range(WORLD)]
-            if not all(f.exists() for f in files):
-                return {**row, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
-            row["exit"] = f"{type(exc).__name__} after the results were written: {exc}".splitlines()[0][:200]
-        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
-    row["run_wall_s"] = time.perf_counter() - wall
+            exit_error = exc
+        ranks = {}
+        for method in methods:
+            files = [Path(out_dir, f"{method}.rank{r}.json") for r in range(WORLD)]
+            if all(f.exists() for f in files):
+                ranks[method] = [json.loads(f.read_text()) for f in files]
+    wall = time.perf_counter() - wall
+    return [_summarize(cfg, method, rows, ranks.get(method), exit_error, wall, methods) for method in methods]
+
+
+def _summarize(cfg: dict, method: str, rows: int, ranks: list[dict] | None, exit_error: Exception | None, wall: float,
+               methods: list[str]) -> dict:  # fmt: skip
+    row: dict = {"method": method, "rows": rows, "batch": cfg["batch"]}
+    if exit_error is not None:
+        if ranks is None:
+            return {**row, "error": f"{type(exit_error).__name__}: {exit_error}".splitlines()[0][:300]}
+        row["exit"] = f"{type(exit_error).__name__} after the results were written: {exit_error}".splitlines()[0][:200]
+    if ranks is None:  # a method before it in the same ranks failed
+        return {**row, "error": f"not run: {' / '.join(methods)} in the same ranks, one failed before it"}
+    row["run_wall_s"] = wall
+    if len(methods) > 1:
+        row["ranks_shared_with"] = [m for m in methods if m != method]
     row["peak_rss_mib"] = [r["peak_rss_mib"] for r in ranks]
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
@@ -352,14 +382,20 @@ def run_one(cfg: dict, method: str, rows: int) -> dict:
 
 
 def run(rows_list: list[int], batches: list[int], methods: list[str], dim: int = 64, zipf: float = 1.1,
-        budget_s: float = 3.0, min_steps: int = 5, max_steps: int = 120, warmup: int = 5, log=print) -> dict:  # fmt: skip
+        budget_s: float = 3.0, min_steps: int = 5, max_steps: int = 120, warmup: int = 5, shared_ranks: bool = False,
+        log=print) -> dict:  # fmt: skip
+    """``shared_ranks``: a (rows, batch)'s methods one after the other in the same 2 ranks, the Lightning ones last (a
+    smoke run: one start of the ranks instead of one per method; a method's peak RSS then includes the ones before it)."""
     runs = []
     for batch in batches:
         for rows in rows_list:
-            for method in methods:
-                cfg = {"dim": dim, "batch": batch, "zipf": zipf, "budget_s": budget_s, "min_steps": min_steps,
-                       "warmup": warmup, "steps": warmup + max_steps + 1}  # fmt: skip
-                row = run_one(cfg, method, rows)
+            cfg = {"dim": dim, "batch": batch, "zipf": zipf, "budget_s": budget_s, "min_steps": min_steps,
+                   "warmup": warmup, "steps": warmup + max_steps + 1}  # fmt: skip
+            together = [m for m in methods if m not in LIGHTNING] + [m for m in methods if m in LIGHTNING]
+            # Else each method in its own 2 ranks (a generator: each is logged as soon as it ends)
+            measured = run_in_ranks(cfg, together, rows) if shared_ranks else (run_one(cfg, m, rows) for m in methods)
+            for row in measured:
+                method = row["method"]
                 runs.append(row)
                 if "error" in row:
                     log(f"  2 ranks  {rows:>9} rows  batch {batch:>6}  {method:<16} ERROR {row['error']}")

@@ -156,10 +156,6 @@ class Hosts:
         """Partition host ``host``: its port on the switch (its wire interface) goes down: nothing in or out."""
         self._set_link(host, "down")
 
-    def restore(self, host: int) -> None:
-        """Bring host ``host``'s link back after :meth:`cut`."""
-        self._set_link(host, "up")
-
     def _set_link(self, host: int, state: str) -> None:
         if self.wire is not None:
             _ip("-n", self.names[host], "link", "set", self.INTERFACE, state)

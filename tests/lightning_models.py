@@ -121,6 +121,16 @@ def trainer(world_size: int, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(**defaults)
 
 
+class FirstStep(pl.Callback):
+    """The global step a fit starts from: 0, or the step of the checkpoint it resumed (a resume that restored nothing
+    trains from scratch, and with the same seeds ends as the uninterrupted fit: only this tells the two apart)."""
+
+    step: int | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, *args: object) -> None:
+        self.step = trainer.global_step
+
+
 def state(module: TwoTower) -> dict[str, torch.Tensor]:
     """Everything trained, as full tensors (collective for the tables)."""
     out = {name: p.detach().clone() for name, p in module.mlp.named_parameters()}

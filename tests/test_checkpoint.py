@@ -338,27 +338,29 @@ class KillAt(pl.Callback):
         dcp.save = save_then_die  # torch.distributed.checkpoint.save, as the checkpoint writer calls it
 
 
-def _fit_until(directory: str, max_epochs: int, kill: tuple[int, int, bool] | None, ckpt_path: str | None) -> dict:
+def _fit_until(directory: str, max_epochs: int, kill: tuple[int, int, bool] | None, ckpt_path: str | None) -> tuple:
+    """(The tables and dense weights after the fit, the global step it started from.)"""
     from datetime import timedelta
 
     lm.lightning_env(_rank(), 2)
     module = lm.TwoTower(**MODULE)
     # Epoch-end checkpoints: resuming mid-epoch replays the epoch unless the DataLoader is stateful.
-    callbacks = [ModelCheckpoint(dirpath=directory, save_top_k=-1, save_last=True)]
+    first = lm.FirstStep()
+    callbacks = [ModelCheckpoint(dirpath=directory, save_top_k=-1, save_last=True), first]
     if kill is not None:
         callbacks.append(KillAt(*kill))
     strategy = ls.SparseDDPStrategy(timeout=timedelta(seconds=20))
     lm.trainer(2, max_epochs=max_epochs, enable_checkpointing=True, callbacks=callbacks, strategy=strategy).fit(
         module, ckpt_path=ckpt_path
     )
-    return lm.state(module)
+    return lm.state(module), first.step
 
 
 @pytest.mark.timeout(300)
 # A rank killed between saves: tests/test_hosts.py kills a whole host mid-fit and resumes, where it may build hosts.
 @pytest.mark.parametrize("during_save", [True] + ([False] if hosts.skip_reason() else []))
 def test_killed_rank_stops_the_others_and_resume_matches_uninterrupted_run(rank_pools, tmp_path, during_save):
-    straight = rank_pools(2).run(_fit_until, str(tmp_path / "straight"), 2, None, None)[0]
+    straight, _ = rank_pools(2).run(_fit_until, str(tmp_path / "straight"), 2, None, None)[0]
     crashed = RankPool(2)
     try:
         # 6 steps an epoch; rank 1 dies in epoch 1 at step 9, or while writing the step-12 checkpoint.
@@ -379,7 +381,8 @@ def test_killed_rank_stops_the_others_and_resume_matches_uninterrupted_run(rank_
         "last.ckpt",
     ]
     resumed = rank_pools(2).run(_fit_until, str(tmp_path / "run"), 2, None, "last")
-    for got in resumed:
+    for got, first_step in resumed:
+        assert first_step == 6, "the fit did not resume from last.ckpt"
         for key, value in straight.items():
             torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
 

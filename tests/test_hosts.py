@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import lightning.pytorch as pl
 import lightning_models as lm
 import pytest
 import torch
@@ -214,13 +213,6 @@ def _straight_fit(directory: str) -> dict[str, torch.Tensor]:
     return lm.state(module)
 
 
-class _FirstStep(pl.Callback):
-    """The global step a fit starts from: 0, or the step of the checkpoint it resumed."""
-
-    def on_train_start(self, trainer: pl.Trainer, *args: object) -> None:
-        self.step = trainer.global_step
-
-
 def _resumed_fit(checkpoints: str) -> dict:
     """In a rank of the 2-rank pool, posing as the 2 hosts of a job that failed: the fit resumed from ``last.ckpt``."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -229,7 +221,7 @@ def _resumed_fit(checkpoints: str) -> dict:
     lm.lightning_env(torch.distributed.get_rank(), 2, num_nodes=2)
     try:
         module = lm.CollectionTower()
-        first = _FirstStep()
+        first = lm.FirstStep()
         callbacks = [ModelCheckpoint(dirpath=checkpoints, save_top_k=-1, save_last=True), first]
         trainer = lm.trainer(1, num_nodes=2, max_epochs=2, enable_checkpointing=True, callbacks=callbacks)
         trainer.fit(module, ckpt_path="last")

@@ -124,8 +124,8 @@ def _checkpoint_options(directory: str) -> dict:
     trainer = lm.trainer(2, max_epochs=2, enable_checkpointing=True, callbacks=[callback, epochs])
     trainer.fit(module)
     final = lm.state(module)
-    resumed = lm.TwoTower(**MODULE)
-    lm.trainer(2, max_epochs=2, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=directory)]).fit(
+    resumed, first = lm.TwoTower(**MODULE), lm.FirstStep()
+    lm.trainer(2, max_epochs=2, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=directory), first]).fit(
         resumed, ckpt_path="last"
     )
     fresh = lm.TwoTower(**MODULE)
@@ -138,7 +138,7 @@ def _checkpoint_options(directory: str) -> dict:
     predictions = tester.predict(
         fresh, torch.utils.data.DataLoader(lm.dataset(8), batch_size=4), ckpt_path=str(Path(directory) / "last.ckpt")
     )
-    return {"final": final, "resumed": lm.state(resumed), "validated": validated, "tested": validated_tested,
+    return {"final": final, "resumed": lm.state(resumed), "resumed_at": first.step, "validated": validated, "tested": validated_tested,
             "predicted": len(predictions),
             "files": sorted(p.name for p in Path(directory).iterdir() if not p.name.startswith("."))}  # fmt: skip
 
@@ -150,6 +150,7 @@ def test_model_checkpoint_options_and_ckpt_path_last(rank_pools, tmp_path):
     assert sorted(p.name for p in (tmp_path / "epochs").iterdir() if not p.name.startswith(".")) == [
         "epoch=0-step=6.ckpt", "epoch=1-step=12.ckpt",
     ]  # fmt: skip
+    assert result["resumed_at"] == 12  # "last" is the end of the fit: nothing left to train (a fresh fit ends equal too)
     for key, value in result["final"].items():
         torch.testing.assert_close(result["resumed"][key], value, rtol=0, atol=0, msg=key)
         torch.testing.assert_close(result["validated"][key], value, rtol=0, atol=0, msg=key)

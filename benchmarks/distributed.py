@@ -391,9 +391,10 @@ def run(rows_list: list[int], batches: list[int], methods: list[str], dim: int =
         for rows in rows_list:
             cfg = {"dim": dim, "batch": batch, "zipf": zipf, "budget_s": budget_s, "min_steps": min_steps,
                    "warmup": warmup, "steps": warmup + max_steps + 1}  # fmt: skip
-            together = [m for m in methods if m not in LIGHTNING] + [m for m in methods if m in LIGHTNING]
-            # Else each method in its own 2 ranks (a generator: each is logged as soon as it ends)
-            measured = run_in_ranks(cfg, together, rows) if shared_ranks else (run_one(cfg, m, rows) for m in methods)
+            if shared_ranks:  # the Lightning methods last (see rank_main)
+                measured = run_in_ranks(cfg, sorted(methods, key=lambda m: m in LIGHTNING), rows)
+            else:  # each in 2 ranks of its own; a generator: each method is logged as soon as it ends
+                measured = (run_one(cfg, m, rows) for m in methods)
             for row in measured:
                 method = row["method"]
                 runs.append(row)

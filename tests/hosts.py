@@ -154,13 +154,10 @@ class Hosts:
 
     def cut(self, host: int) -> None:
         """Partition host ``host``: its port on the switch (its wire interface) goes down: nothing in or out."""
-        self._set_link(host, "down")
-
-    def _set_link(self, host: int, state: str) -> None:
         if self.wire is not None:
-            _ip("-n", self.names[host], "link", "set", self.INTERFACE, state)
+            _ip("-n", self.names[host], "link", "set", self.INTERFACE, "down")
         else:
-            _ip("-n", self.switch, "link", "set", f"p{host}", state)
+            _ip("-n", self.switch, "link", "set", f"p{host}", "down")
 
     def kill(self, host: int) -> None:
         """SIGKILL every process on host ``host``, as when the machine dies."""

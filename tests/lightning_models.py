@@ -123,7 +123,7 @@ def trainer(world_size: int, **kwargs: Any) -> pl.Trainer:
 
 class FirstStep(pl.Callback):
     """The global step a fit starts from: 0, or the step of the checkpoint it resumed (a resume that restored nothing
-    trains from scratch, and with the same seeds ends as the uninterrupted fit: only this tells the two apart)."""
+    trains from scratch, and with the same seeds ends as the uninterrupted fit: its tables cannot tell the two apart)."""
 
     step: int | None = None
 

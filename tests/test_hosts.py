@@ -202,29 +202,18 @@ def _fit_on_hosts(hosts: Hosts, out: Path, timeout_s: float, *extra: str) -> lis
     ]
 
 
-def _straight_fit(directory: str) -> dict[str, torch.Tensor]:
-    """In a rank of the 2-rank pool: the same fit with nothing going wrong."""
+def _pool_fit(directory: str, num_nodes: int, ckpt_path: str | None) -> dict:
+    """In a rank of the 2-rank pool, posing as ``num_nodes`` hosts: the fault tests' fit (tests/scripts/fit_collection.py's),
+    from ``ckpt_path`` if given. Its tables and dense weights, its size, and the global step it started from."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    lm.lightning_env(torch.distributed.get_rank(), 2)
-    module = lm.CollectionTower()
-    callbacks = [ModelCheckpoint(dirpath=directory, save_top_k=-1, save_last=True)]
-    lm.trainer(2, max_epochs=2, enable_checkpointing=True, callbacks=callbacks).fit(module)
-    return lm.state(module)
-
-
-def _resumed_fit(checkpoints: str) -> dict:
-    """In a rank of the 2-rank pool, posing as the 2 hosts of a job that failed: the fit resumed from ``last.ckpt``."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    environ = dict(os.environ)  # the pool's other jobs pose as one host
-    lm.lightning_env(torch.distributed.get_rank(), 2, num_nodes=2)
+    environ = dict(os.environ)  # the pool's other jobs pose as hosts of their own
+    lm.lightning_env(torch.distributed.get_rank(), 2, num_nodes=num_nodes)
     try:
-        module = lm.CollectionTower()
-        first = lm.FirstStep()
-        callbacks = [ModelCheckpoint(dirpath=checkpoints, save_top_k=-1, save_last=True), first]
-        trainer = lm.trainer(1, num_nodes=2, max_epochs=2, enable_checkpointing=True, callbacks=callbacks)
-        trainer.fit(module, ckpt_path="last")
+        module, first = lm.CollectionTower(), lm.FirstStep()
+        callbacks = [ModelCheckpoint(dirpath=directory, save_top_k=-1, save_last=True), first]
+        trainer = lm.trainer(2 // num_nodes, num_nodes=num_nodes, max_epochs=2, enable_checkpointing=True, callbacks=callbacks)
+        trainer.fit(module, ckpt_path=ckpt_path)
         return {"state": lm.state(module), "world_size": trainer.world_size, "num_nodes": trainer.num_nodes,
                 "first_step": first.step}  # fmt: skip
     finally:
@@ -235,7 +224,7 @@ def _resumed_fit(checkpoints: str) -> dict:
 @pytest.fixture(scope="module")
 def straight(rank_pools, tmp_path_factory) -> dict[str, torch.Tensor]:
     """The fault tests' fit with nothing going wrong, on this host (the 2-rank pool)."""
-    return rank_pools(2).run(_straight_fit, str(tmp_path_factory.mktemp("straight")))[0]
+    return rank_pools(2).run(_pool_fit, str(tmp_path_factory.mktemp("straight")), 1, None)[0]["state"]
 
 
 def _wait_for(path: Path, procs: list[subprocess.Popen], timeout_s: float = RUN_TIMEOUT_S) -> None:
@@ -311,7 +300,7 @@ def test_failures_mid_fit_stop_every_rank_in_time_and_every_job_resumes_exactly(
         ]
         assert "this host is probably the one cut off" in cut_off.stdout, cut_off.stdout[-3000:]
         assert results["host-kill"][1].returncode == -9
-        resumed = {fault: rank_pools(2).run(_resumed_fit, str(runs[fault] / "checkpoints"))[0] for fault in FAULTS}
+        resumed = {fault: rank_pools(2).run(_pool_fit, str(runs[fault] / "checkpoints"), 2, "last")[0] for fault in FAULTS}
         assert [resumed[fault]["first_step"] for fault in FAULTS] == [6, 6], "a job did not resume from its last.ckpt"
         _check_restarted(torchrun, runs["torchrun"])
     resumed["torchrun"] = torch.load(runs["torchrun"] / "resumed.pt", weights_only=True)

@@ -333,6 +333,35 @@ def test_bad_input_raises_the_same_error_on_every_rank(rank_pools, world_size, c
         assert shapes == {"user": (2, 2), "clicked": (2, 3)}
 
 
+def test_one_process_rounds_sum_the_rows_that_accumulated_lookups_share():
+    """Tables of two widths take the lookup engine's rounds in one process, each lookup recording its distinct rows: a
+    row two accumulated lookups share is summed before Adagrad's step (one step, not two), also when the last lookup
+    before the step got no backward. Against torch's Adagrad on the same lookups."""
+    from lightning_sparse.lookup.engine import Round
+
+    a, b = ls.SparseEmbedding(9, 3, seed=1), ls.SparseEmbedding(7, 2, seed=2)
+    collection = ls.SparseEmbeddingCollection({"a": a, "b": b})
+    assert isinstance(collection.materialize().lookups, Round)
+    opt = ls.SparseAdagrad([collection], lr=0.5)
+    plain_a, plain_b = torch.nn.Embedding(9, 3, sparse=True), torch.nn.Embedding(7, 2, sparse=True)
+    with torch.no_grad():
+        plain_a.weight.copy_(ls.init.normal()(torch.arange(9), 3, 1))
+        plain_b.weight.copy_(ls.init.normal()(torch.arange(7), 2, 2))
+    reference = torch.optim.Adagrad([plain_a.weight, plain_b.weight], lr=0.5)
+    for micro_batches in (([1, 4, 4], [4, 2]), ([0, 1], [1, 5, 5])):
+        for ids in map(torch.tensor, micro_batches):
+            out = collection({"a": ids, "b": ids})
+            (out["a"].pow(2).sum() + out["b"].sum()).backward()
+            (plain_a(ids).pow(2).sum() + plain_b(ids).sum()).backward()
+        collection({"a": torch.tensor([3]), "b": torch.tensor([3])})  # looked up in grad mode, never backpropagated
+        opt.step()
+        opt.zero_grad()
+        reference.step()
+        reference.zero_grad()
+    torch.testing.assert_close(a.full_weight(), plain_a.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.full_weight(), plain_b.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_keyed_jagged_tensor_input():
     """A TorchRec KeyedJaggedTensor, as it is (docs/guide/torchrec.md). `make setup` installs torchrec: this never skips."""
     try:

@@ -151,7 +151,7 @@ def test_collectives_and_host_reads_per_stage(rank_pools, device):
 _IDS_OF_RANK = ([0, 1, 1, 5], [1, 2, 7, 7])
 
 
-def _without_backward_on_one_rank(optimizer: str, mean: bool, kernels: str, device: str = "cpu"):
+def _without_backward_on_one_rank(optimizer: str, mean: bool, kernels: str, device: str = "cpu", dtype=torch.float32):
     """Two steps; at the second, rank 1 looks the table up in grad mode but its backward never reaches the lookup:
     its routed rows are placeholders, which the owners must skip (no move of a row only rank 1 read)."""
     import os
@@ -161,7 +161,7 @@ def _without_backward_on_one_rank(optimizer: str, mean: bool, kernels: str, devi
     os.environ[backend.ENV] = kernels
     try:
         rank = torch.distributed.get_rank()
-        emb = ls.SparseEmbedding(12, 3, seed=4, device=device)
+        emb = ls.SparseEmbedding(12, 3, seed=4, device=device, dtype=dtype)
         kwargs = {"bias_correction": "global"} if optimizer == "SparseAdam" else {}
         opt = getattr(ls, optimizer)([emb], lr=0.1, duplicate_grads="mean" if mean else "sum", **kwargs)
         before = emb.full_weight().cpu()
@@ -169,7 +169,7 @@ def _without_backward_on_one_rank(optimizer: str, mean: bool, kernels: str, devi
         for step in range(2):
             out = emb(ids)
             if rank == 0 or step == 0:
-                (out * torch.arange(1.0, 4.0, device=device)).sum().backward()
+                (out * torch.arange(1.0, 4.0, device=device, dtype=dtype)).sum().backward()
             opt.step()
         return before, emb.full_weight().cpu(), int(opt.state[emb.shard]["step"])
     finally:
@@ -202,6 +202,24 @@ def test_a_rank_whose_backward_never_reached_the_lookup_moves_no_row(rank_pools,
             torch_opt.step()
         torch.testing.assert_close(after, reference.weight.detach(), rtol=1e-6, atol=1e-6)
         assert step == 2  # looked up at both steps: both count
+
+
+@pytest.mark.parametrize("kernels", [pytest.param("triton", marks=KERNEL_DEVICES[0].marks)])
+def test_placeholder_rows_move_no_row_of_a_table_the_fused_update_does_not_take(rank_pools, kernels):
+    """A float64 table on the GPU's path steps by torch ops after the segment sum (``row_grads.summed``), which must drop
+    the rows only placeholders reached: Adam's moments would move them with a zero gradient."""
+    for before, after, step in rank_pools(2).run(_without_backward_on_one_rank, "SparseAdam", False, kernels, "cpu",
+                                                 torch.float64):  # fmt: skip
+        reference = torch.nn.Embedding(12, 3, sparse=True, dtype=torch.float64)
+        reference.weight.data.copy_(before)
+        torch_opt = torch.optim.SparseAdam(reference.parameters(), lr=0.1)
+        for ranks in ([0, 1], [0]):
+            torch_opt.zero_grad()
+            _reference_loss(reference, ranks, False).backward()
+            torch_opt.step()
+        assert after.dtype == torch.float64
+        torch.testing.assert_close(after, reference.weight.detach(), rtol=1e-12, atol=1e-12)
+        assert step == 2
 
 
 def _growing_lookups(device: str = "cpu"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from rank_pool import DEVICES, LAYOUTS, assert_replicas_identical, table_groups
-from references import batch_loss, reference_train
+from references import batch_loss, make_reference, reference_train
 
 import lightning_sparse as ls
 from lightning_sparse.kernels import backend
@@ -324,6 +324,34 @@ def test_state_dict_round_trip_and_lr_scheduler():
     resumed, resumed_opt, _ = run(steps[2:], (state, half_sched.state_dict()), half_emb.state_dict())
     assert resumed_opt.state[resumed.shard]["row_step"].dtype == torch.int64
     torch.testing.assert_close(resumed.full_weight(), full.full_weight(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_lr_scheduler_reaches_every_optimizer_s_next_step(case):
+    """StepLR halves the param group's lr after each step: every optimizer reads it at its next step (none keeps the lr it
+    was built with), as its reference given the same lr does."""
+    name, kwargs = CASES[case]
+    emb = ls.SparseEmbedding(N, D, seed=SEED)
+    opt = getattr(ls, name)([emb], **kwargs)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    plain = torch.nn.Embedding(N, D, sparse=True)
+    with torch.no_grad():
+        plain.weight.copy_(ls.init.normal()(torch.arange(N), D, SEED))
+    reference = make_reference(name, plain.weight, kwargs)
+    for ids, target in make_batches():
+        batch_loss(emb(ids), target).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        batch_loss(plain(ids), target).mean().backward()
+        reference.step()
+        reference.zero_grad()
+        if hasattr(reference, "optimizer"):  # a torch optimizer (weight decay added on the touched rows)
+            reference.optimizer.param_groups[0]["lr"] = opt.param_groups[0]["lr"]
+        else:
+            reference.lr = opt.param_groups[0]["lr"]
+    assert opt.param_groups[0]["lr"] == pytest.approx(kwargs["lr"] * 0.5**STEPS)
+    torch.testing.assert_close(emb.full_weight(), plain.weight.detach(), rtol=1e-5, atol=1e-6)
 
 
 def _full_state_after_steps() -> dict:

@@ -118,6 +118,80 @@ def test_lfu_keeps_frequent_ids_and_ttl_expires_unused_ones():
     assert table.occupancy == 0 and table.stats.expirations == 2
 
 
+def test_ttl_frees_an_id_unused_for_more_than_ttl_steps_and_not_before():
+    table = _table(2, ttl=2)
+    key = mix(torch.tensor([1]))
+    table.resolve(key, torch.ones(1, dtype=torch.int64))  # used at step 0
+    for _ in range(2):  # the step it was used in, then one step unused
+        table.tick()
+        assert table.map.find(key).tolist() != [0] and table.stats.expirations == 0
+    table.tick()  # the second step unused: more than ttl=2 steps since its use
+    assert table.map.find(key).tolist() == [0] and table.occupancy == 0 and table.stats.expirations == 1
+
+
+def test_restoring_more_ids_than_room_keeps_the_most_recently_used_or_most_requested():
+    keys = mix(torch.tensor([1, 2, 3, 4]))
+    last_used, requests = torch.tensor([5, 9, 2, 7]), torch.tensor([8, 1, 6, 3])
+    for eviction, kept in (("lru", [1, 3]), ("lfu", [0, 2])):
+        table = _table(2, eviction=eviction)
+        slots = table.restore(keys, last_used, requests, clock=10)
+        assert torch.nonzero(slots >= 0).view(-1).tolist() == kept, eviction
+        assert torch.equal(table.map.find(keys), slots.clamp(min=0))
+        assert torch.equal(table.last_used[slots[kept]], last_used[kept])
+        assert torch.equal(table.requests[slots[kept]], requests[kept])
+
+
+def test_a_local_state_dict_loads_with_every_free_slot_and_never_the_null_row():
+    emb = ls.DynamicEmbedding(3, 2, seed=1)
+    emb(torch.tensor([7]))  # one of 3 slots held
+    loaded = ls.DynamicEmbedding(3, 2, seed=1)
+    loaded.load_state_dict(emb.state_dict())
+    loaded(torch.tensor([8, 9]))  # the two free slots: both admitted
+    assert loaded.slot_stats.occupancy == 3
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(torch.tensor([7, 8, 9, 10])), torch.cat([ls.init.normal()(torch.tensor([7, 8, 9]), 2, 1),
+                                                                              torch.zeros(1, 2)]), rtol=0, atol=0)  # fmt: skip
+    assert not loaded.shard[0].any()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP, saving and loading in this process
+def test_a_dynamic_checkpoint_of_several_bands_loads_each_id_with_its_row_and_state(tmp_path, monkeypatch):
+    from lightning_sparse import checkpoint
+    from lightning_sparse.checkpoint import rows as row_store
+
+    monkeypatch.setattr(row_store, "PART_BYTES", 256)  # 64 slots of 4 float32 values: 16 bands of 4 slots
+
+    def module_and_optimizer(seed: int):
+        module = torch.nn.Module()
+        module.emb = ls.DynamicEmbedding(63, 4, seed=seed)
+        return module, ls.SparseAdam([module.emb], lr=0.1)
+
+    module, optimizer = module_and_optimizer(1)
+    for step in range(3):
+        module.emb(torch.arange(40) * 1009 + step).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    dense = {"state_dict": checkpoint.dense_module_state(module),  # the slots' clock
+             "optimizer_0": checkpoint.split_tensors(checkpoint.dense_optimizer_state(optimizer))[0]}  # fmt: skip
+    path = checkpoint.save(tmp_path / "dynamic.ckpt", module, {0: optimizer}, dense)
+    assert checkpoint.load_meta(path)["row_tensors"]["state_dict.emb.weight"]["parts"] > 1
+    loaded, loaded_optimizer = module_and_optimizer(2)
+    checkpoint.load_module(path, loaded)
+    checkpoint.load_sparse_optimizer(path, 0, loaded_optimizer, loaded_optimizer.state_dict()["param_groups"])
+
+    def by_id(emb, opt) -> dict[str, torch.Tensor]:
+        held = torch.nonzero(emb.slots.map.used()).view(-1)
+        order = torch.argsort(unmix(emb.slots.map.keys[held]))
+        slots = held[order]
+        return {"ids": unmix(emb.slots.map.keys[slots]), "rows": emb.shard[slots]} | {
+            name: value[slots] for name, value in opt.state[emb.shard].items() if value.dim()}  # fmt: skip
+
+    expected, got = by_id(module.emb, optimizer), by_id(loaded.emb, loaded_optimizer)
+    assert len(expected["ids"]) == 63
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
 def test_read_only_lookups_neither_admit_nor_pin():
     emb = ls.DynamicEmbedding(4, 3)
     with torch.no_grad():
@@ -371,6 +445,20 @@ def test_uneven_lookups_are_served_and_bad_ids_raise_on_every_rank(rank_pools):
     assert torch.equal(theirs, init[3:])
     assert "dtype torch.float32 on rank 1" in error and "dtype torch.float32 on this rank" in other_error
     assert torch.equal(after, init[[1, 3]])  # the group is still usable
+
+
+def _one_id_asked_for_by_two_ranks() -> torch.Tensor:
+    rank = torch.distributed.get_rank()
+    emb = ls.DynamicEmbedding(8, 3, admit_after=2, seed=4)
+    emb(torch.tensor([42, 7] if rank == 0 else [42]))  # training lookups: 42 asked for by both ranks, 7 by rank 0 only
+    with torch.no_grad():
+        return emb(torch.tensor([42, 7]))
+
+
+def test_requests_of_one_id_from_several_ranks_add_up_to_its_admission(rank_pools):
+    """A request is one rank's lookup asking for the id: two ranks in one step are two requests (admit_after=2)."""
+    for rows in rank_pools(2).run(_one_id_asked_for_by_two_ranks):
+        assert torch.equal(rows, torch.cat([ls.init.normal()(torch.tensor([42]), 3, 4), torch.zeros(1, 3)]))
 
 
 def test_in_a_collection_ids_without_a_row_pool_as_zero_rows():

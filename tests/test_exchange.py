@@ -352,6 +352,28 @@ def test_ranks_that_record_and_ranks_that_do_not_agree_on_the_step(rank_pools):
         torch.testing.assert_close(after, expected)
 
 
+def _two_lookups_recorded_on_one_rank_only():
+    """Rank 0 records both lookups before the step; rank 1 only the second (its first is under no_grad), whose header
+    alone promises a sole lookup: rank 0's first gradient must still count at this step."""
+    rank = torch.distributed.get_rank()
+    emb = ls.SparseEmbedding(10, 2, seed=1)
+    opt = ls.SparseSGD([emb], lr=1.0)
+    before = emb.full_weight()
+    with torch.set_grad_enabled(rank == 0):
+        first = emb(torch.tensor([rank]))
+    second = emb(torch.tensor([5 + rank]))
+    (second.sum() + first.sum() if first.requires_grad else second.sum()).backward()
+    opt.step()
+    return before - emb.full_weight()
+
+
+def test_a_step_after_two_lookups_on_some_ranks_takes_every_gradient_at_once(rank_pools):
+    for change in rank_pools(2).run(_two_lookups_recorded_on_one_rank_only):
+        expected = torch.zeros(10, 2)
+        expected[[0, 5, 6]] = 0.5  # each rank's gradient of 1 per row, averaged over 2 ranks
+        torch.testing.assert_close(change, expected)
+
+
 def _gradient_after_a_step(device="cpu"):
     """forward -> step -> backward -> step: the late gradient counts at the second step, as in torch."""
     rank = torch.distributed.get_rank()

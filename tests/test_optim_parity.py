@@ -148,6 +148,31 @@ def test_each_setting_moves_its_reference(case):
         assert not torch.allclose(default, expected, rtol=1e-5, atol=1e-6), f"{case}: {key} changes nothing"
 
 
+def _decoy(value):
+    """Another value of a numeric hyperparameter (a constructor default the param group overrides)."""
+    if isinstance(value, tuple):
+        return tuple(0.5 * v for v in value)
+    return 3.0 * value + 0.01 if isinstance(value, float) else value
+
+
+@pytest.mark.parametrize("kernels", CPU_KERNELS)
+@pytest.mark.parametrize("case", [*CASES, *SETTINGS])
+def test_a_param_group_s_settings_win_over_the_constructor_s(monkeypatch, case, kernels):
+    """Every numeric setting given in the param group (torch's convention) is the one the step uses, whatever the
+    constructor was given: the same training as the constructor given the group's settings. (An optimizer that read
+    ``self.defaults``, e.g. SGD's weight decay or Adam's betas, fails it.)"""
+    monkeypatch.setenv(backend.ENV, kernels)
+    name, kwargs = {**CASES, **SETTINGS}[case]
+    emb = ls.SparseEmbedding(N, D, seed=SEED)
+    opt = getattr(ls, name)([{"params": [emb], **kwargs}], **{key: _decoy(value) for key, value in kwargs.items()})
+    for ids, target in make_batches():
+        batch_loss(emb(ids), target).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    expected, _ = train_in_one_process(name, kwargs, make_batches())
+    torch.testing.assert_close(emb.full_weight(), expected, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- param groups with their own learning rates
 GROUP_OPTIMIZERS = {  # lightning_sparse's, torch's (on nn.Embedding(sparse=True)), the hyperparameters both take, ours only
     "adagrad": ("SparseAdagrad", torch.optim.Adagrad, dict(initial_accumulator_value=0.1), {}),

@@ -378,6 +378,20 @@ def test_keyed_jagged_tensor_input():
     torch.testing.assert_close(out["clicked"], torch.stack([items[0] + items[5], torch.zeros(3), items[5]]))
 
 
+def test_keyed_jagged_tensor_weights_are_per_id_weights():
+    """A weighted KeyedJaggedTensor pools as F.embedding_bag with per_sample_weights does (the weights are not dropped)."""
+    import torchrec
+
+    collection = _small_collection()
+    values, lengths, weights = torch.tensor([0, 5, 5]), torch.tensor([2, 0, 1]), torch.tensor([0.5, 2.0, 3.0])
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=["clicked"], values=values, lengths=lengths, weights=weights)
+    out = collection(kjt)
+    items = collection.tables["item"].full_weight()
+    expected = F.embedding_bag(values, items, torch.tensor([0, 2, 2, 3]), mode="sum", per_sample_weights=weights,
+                               include_last_offset=True)  # fmt: skip
+    torch.testing.assert_close(out["clicked"], expected)
+
+
 # ---------------------------------------------------------------- under Lightning
 import lightning_models as lm  # noqa: E402
 

@@ -182,6 +182,26 @@ def test_bad_input_of_a_joint_cpu_round_raises_at_the_lookup_naming_the_feature(
         collection(features)
 
 
+def test_per_id_weights_that_need_a_gradient_get_it_as_from_f_embedding_bag():
+    """The joint CPU round records no gradient for the weights: such a lookup takes the engine's round, which gives it."""
+    collection = ls.SparseEmbeddingCollection({"tags": ls.SparseEmbedding(30, 4, seed=1)}, pooling="sum")
+    assert isinstance(collection.materialize().lookups, Joint)
+    opt = ls.SparseSGD([collection], lr=1.0)
+    initial = collection.tables["tags"].full_weight().clone().requires_grad_()
+    ids, offsets = torch.tensor([1, 2, 3, 2, 7]), torch.tensor([0, 3, 3, 5])
+    weights = torch.rand(5, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    expected_weights = weights.detach().clone().requires_grad_()
+    out = collection({"tags": ls.JaggedIds(ids, offsets=offsets, weights=weights)})["tags"]
+    expected = torch.nn.functional.embedding_bag(ids, initial, offsets, mode="sum", per_sample_weights=expected_weights,
+                                                 include_last_offset=True)  # fmt: skip
+    torch.testing.assert_close(out, expected)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(weights.grad, expected_weights.grad)
+    opt.step()
+    torch.testing.assert_close(collection.tables["tags"].full_weight(), (initial - initial.grad).detach())
+
+
 # ---------------------------------------------------------------- ops of a step: 26 tables against 2
 MULTI_HOT_EVERY = 9  # benchmarks/collection.py's workload, small: every 9th table multi-hot (3 of 26, 1 of 2), sum-pooled
 

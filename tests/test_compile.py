@@ -130,6 +130,12 @@ def test_weights_that_need_a_gradient_run_eagerly_under_compile():
     pooled(eager_weights).backward()
     torch.compile(pooled, backend="aot_eager")(compiled_weights).backward()  # the break and the op's backward are ours
     torch.testing.assert_close(compiled_weights.grad, eager_weights.grad)
+    reference_weights = eager_weights.detach().clone().requires_grad_()
+    table = features.tables["tags"].full_weight()
+    offsets = torch.tensor([0, 3])
+    nn.functional.embedding_bag(torch.tensor([1, 2, 3, 2]), table, offsets, per_sample_weights=reference_weights,
+                                mode="sum").pow(2).sum().backward()  # fmt: skip
+    torch.testing.assert_close(eager_weights.grad, reference_weights.grad)  # (both None would pass the comparison above)
     assert torch._dynamo.explain(pooled)(torch.rand(4, requires_grad=True)).graph_break_count >= 1
 
 

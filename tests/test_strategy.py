@@ -154,10 +154,10 @@ def test_two_tables_one_used_twice_one_unused_on_some_ranks(rank_pools):
 
 
 # ---------------------------------------------------------------- precision
-def _fit_precision(precision: str, inject: tuple[int, int] | None, module_cls: str = "TwoTower") -> dict:
+def _fit_precision(precision: str, inject: tuple[int, int] | None, module_cls: str = "TwoTower", into: str = "rows") -> dict:
     lm.lightning_env(_rank(), 2)
     module = getattr(lm, module_cls)(sparse_kwargs={"lr": 0.3}, dense_lr=0.2)
-    module.inject_inf_at = inject
+    module.inject_inf_at = inject if into == "rows" else None
     losses: list[float] = []
 
     class Record(pl.Callback):
@@ -169,6 +169,15 @@ def _fit_precision(precision: str, inject: tuple[int, int] | None, module_cls: s
             after = lm.state(pl_module)
             changed.append({k: not torch.equal(after[k], self.before[k]) for k in after})
 
+    class DenseOverflow(pl.Callback):  # an inf in one dense gradient (the last bias: no other gradient depends on it)
+        def on_before_backward(self, trainer, pl_module, loss):
+            if into == "dense" and inject == (pl_module.global_rank, pl_module.global_step):
+                self.handle = pl_module.mlp[-1].bias.register_hook(lambda g: g * float("inf"))  # before DDP's all-reduce
+
+        def on_after_backward(self, trainer, pl_module):
+            if getattr(self, "handle", None) is not None:
+                self.handle = self.handle.remove()
+
     changed: list[dict] = []
     if precision == "16-mixed":
         # On CPU, Trainer(precision="16-mixed") quietly becomes bf16; the plugin keeps fp16 and its GradScaler.
@@ -177,7 +186,7 @@ def _fit_precision(precision: str, inject: tuple[int, int] | None, module_cls: s
         precision_kwargs = {"plugins": [MixedPrecision("16-mixed", device="cpu")]}
     else:
         precision_kwargs = {"precision": precision}
-    lm.trainer(2, max_epochs=4, callbacks=[Record()], **precision_kwargs).fit(module)
+    lm.trainer(2, max_epochs=4, callbacks=[Record(), DenseOverflow()], **precision_kwargs).fit(module)
     scaler = getattr(module.trainer.precision_plugin, "scaler", None)
     return {"losses": losses, "changed": changed, "state": lm.state(module), "scale": scaler.get_scale() if scaler else None}
 
@@ -194,44 +203,56 @@ def test_mixed_precision_trains_and_replicas_agree(rank_pools, precision):
 
 
 SGD_LOSS_SCALE = 2.0**10  # no step of this fit overflows at this scale (65536, the default, overflows once)
+SGD_16_MIXED = {  # case: (manual, GradScaler arguments, module, trainer and reference keyword arguments)
+    "automatic-lightning-plugin": (False, dict(init_scale=SGD_LOSS_SCALE), {}, {}, {}),
+    "manual-our-plugin": (True, dict(init_scale=SGD_LOSS_SCALE), {}, {}, {}),
+    "clip": (False, dict(init_scale=SGD_LOSS_SCALE), *CASES["clip"]),
+    # the scale doubles after every step (2**4 to 2**10): each backward's row gradients carry the scale of their step
+    "growing-scale": (False, dict(init_scale=2.0**4, growth_interval=1), {}, {}, {}),
+}
 
 
-def _fit_16_mixed_sgd(manual: bool) -> tuple[dict, float, float]:
+def _fit_16_mixed_sgd(case: str) -> tuple[dict, float, float]:
     from lightning.pytorch.plugins.precision import MixedPrecision
 
+    manual, scaler_kwargs, module_kwargs, trainer_kwargs, _ = SGD_16_MIXED[case]
     lm.lightning_env(_rank(), 2)
-    module = lm.TwoTower(sparse="SparseSGD", sparse_kwargs={"lr": 1.0}, manual=manual)
+    module = lm.TwoTower(sparse="SparseSGD", sparse_kwargs={"lr": 1.0}, manual=manual, **module_kwargs)
     # On CPU, Trainer(precision="16-mixed") quietly becomes bf16; the plugin keeps fp16 and its GradScaler. Lightning's
     # plugin (which the strategy replaces), or ours given as such.
     plugin_cls = ls.SparseMixedPrecision if manual else MixedPrecision
-    plugin = plugin_cls("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=SGD_LOSS_SCALE))
+    plugin = plugin_cls("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", **scaler_kwargs))
     scale = plugin.scaler.get_scale()
-    trainer = lm.trainer(2, max_epochs=1, plugins=[plugin])
+    trainer = lm.trainer(2, max_epochs=1, plugins=[plugin], **trainer_kwargs)
     trainer.fit(module)
     assert type(trainer.precision_plugin) is ls.SparseMixedPrecision and trainer.precision_plugin.scaler is plugin.scaler
     return lm.state(module), scale, plugin.scaler.get_scale()
 
 
-@pytest.mark.parametrize("manual", [False, True], ids=["automatic-lightning-plugin", "manual-our-plugin"])
-def test_16_mixed_steps_sparse_gradients_unscaled_as_plain_torch(rank_pools, manual):
+@pytest.mark.parametrize("case", list(SGD_16_MIXED))
+def test_16_mixed_steps_sparse_gradients_unscaled_as_plain_torch(rank_pools, case):
     """SGD's step is proportional to the gradient: a row gradient left multiplied by the loss scale (65536) would move
-    the rows 1024 times too far. Plain torch in float32 is the reference (fp16's forward: a tolerance of 1e-3)."""
-    expected = lm.reference(lm.global_batches(2, batch_size=4, epochs=1), torch.optim.SGD, {"lr": 1.0})
+    the rows 1024 times too far. Plain torch in float32 is the reference (fp16's forward: a tolerance of 1e-3).
+    ``clip``: gradient_clip_val clips the dense gradients once unscaled (clipped while scaled, they would barely move)."""
+    growth = 2.0**6 if case == "growing-scale" else 1.0  # 6 steps
+    reference_kwargs = SGD_16_MIXED[case][4]
+    expected = lm.reference(lm.global_batches(2, batch_size=4, epochs=1), torch.optim.SGD, {"lr": 1.0}, **reference_kwargs)
     initial = lm.reference([], torch.optim.SGD, {"lr": 1.0})
     assert (expected["users"] - initial["users"]).abs().max() > 0.02, "the reference must train the rows"
-    results = rank_pools(2).run(_fit_16_mixed_sgd, manual)
+    results = rank_pools(2).run(_fit_16_mixed_sgd, case)
     for state, scale_before, scale_after in results:
-        assert scale_after == scale_before > 1, "no step may overflow (a skipped step would differ from the reference)"
+        assert scale_after == scale_before * growth > 1, "no step may overflow (a skipped step would differ from the reference)"
         for key, value in expected.items():
             torch.testing.assert_close(state[key], value, rtol=0, atol=1e-3, msg=key)
     for key, value in results[0][0].items():
         torch.testing.assert_close(results[1][0][key], value, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("module_cls", ["TwoTower", "CollectionTower"])
-def test_16_mixed_overflow_on_one_rank_skips_dense_and_sparse_on_every_rank(rank_pools, module_cls):
+@pytest.mark.parametrize("module_cls, into", [("TwoTower", "rows"), ("CollectionTower", "rows"), ("TwoTower", "dense")])
+def test_16_mixed_overflow_on_one_rank_skips_dense_and_sparse_on_every_rank(rank_pools, module_cls, into):
+    """An inf in one rank's row gradients, or in a dense gradient only (then the rows must not step either)."""
     inject_step = 3
-    results = rank_pools(2).run(_fit_precision, "16-mixed", (1, inject_step), module_cls)
+    results = rank_pools(2).run(_fit_precision, "16-mixed", (1, inject_step), module_cls, into)
     clean = rank_pools(2).run(_fit_precision, "16-mixed", None, module_cls)
     for result in results:
         skipped = result["changed"][inject_step]
@@ -532,7 +553,7 @@ def test_a_program_without_lightning_does_not_import_it_and_lightning_imported_l
     assert run.returncode == 0 and run.stdout.strip().endswith("SparseDDPStrategy"), run.stdout[-2000:] + run.stderr[-3000:]
 
 
-def _fit_with_stats(directory: str, accumulate: int, every: int) -> list[str]:
+def _fit_with_stats(directory: str, accumulate: int, every: int, validate: bool = False) -> list[str]:
     import logging
 
     from lightning.pytorch.callbacks import LearningRateMonitor
@@ -543,6 +564,7 @@ def _fit_with_stats(directory: str, accumulate: int, every: int) -> list[str]:
     trainer = lm.trainer(
         2, logger=CSVLogger(directory, name="run", version=0), log_every_n_steps=every, accumulate_grad_batches=accumulate,
         callbacks=[ls.SparseStatsMonitor(prog_bar=True), LearningRateMonitor("step")],
+        **dict(limit_val_batches=None, val_check_interval=3) if validate else {},  # mid-epoch: after step 3 of 6
     )  # fmt: skip
     records: list[str] = []
     handler = logging.Handler(logging.DEBUG)
@@ -558,11 +580,12 @@ def _fit_with_stats(directory: str, accumulate: int, every: int) -> list[str]:
     return records
 
 
-@pytest.mark.parametrize("accumulate, every", [(1, 1), (2, 1), (1, 2)])
-def test_stats_monitor_logs_per_optimizer_step_when_lightning_logs(rank_pools, tmp_path, accumulate, every):
+@pytest.mark.parametrize("accumulate, every, validate", [(1, 1, False), (2, 1, False), (1, 2, False), (1, 1, True)])
+def test_stats_monitor_logs_per_optimizer_step_when_lightning_logs(rank_pools, tmp_path, accumulate, every, validate):
+    """``validate``: a validation between two steps; its lookups are not counted in the next step's."""
     import csv
 
-    debug = rank_pools(2).run(_fit_with_stats, str(tmp_path), accumulate, every)[0]
+    debug = rank_pools(2).run(_fit_with_stats, str(tmp_path), accumulate, every, validate)[0]
     assert any("sharded 2 tables over 2 ranks" in line for line in debug), debug
     assert any("sparse optimizers ['SparseAdagrad(users, items)']" in line for line in debug), debug
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:

@@ -289,6 +289,33 @@ def test_gradient_accumulation_and_two_tables(rank_pools, world_size, group_size
         assert (sent > 0) == (world_size > 1)
 
 
+def _one_sharding_group_looks_up_b():
+    """4 ranks, sharding groups of 2: both groups look up table a, only ranks 0 and 1 (group 0) table b."""
+    rank = torch.distributed.get_rank()
+    with table_groups(2) as groups:
+        a = ls.SparseEmbedding(6, 2, seed=1, **groups)
+        b = ls.SparseEmbedding(5, 3, seed=2, **groups)
+        opt = ls.SparseSGD([a, b], lr=0.5)
+        loss = a(torch.tensor([rank])).sum()
+        if rank < 2:
+            loss = loss + b(torch.tensor([rank + 1, 4])).sum()
+        loss.backward()
+        opt.step()
+        return a.full_weight(), b.full_weight()
+
+
+def test_a_table_only_one_sharding_group_looked_up_is_updated_on_every_replica(rank_pools):
+    """Ranks 2 and 3 never look b up: its rows still take group 0's gradient there (replicas stay identical). b's rows
+    are 3 float32 wide, 20 bytes with their id on the replicas' wire: a gather of one row is read at that stride."""
+    a, b = ls.SparseEmbedding(6, 2, seed=1).full_weight(), ls.SparseEmbedding(5, 3, seed=2).full_weight()
+    a[:4] -= 0.5 / 4  # each rank's row, d(sum)/d(row) = 1, averaged over the 4 ranks
+    b[[1, 2]] -= 0.5 / 4
+    b[4] -= 0.5 * 2 / 4  # looked up by ranks 0 and 1
+    for rank, (got_a, got_b) in enumerate(rank_pools(4).run(_one_sharding_group_looks_up_b)):
+        torch.testing.assert_close(got_a, a, rtol=0, atol=1e-6, msg=f"rank {rank}: a")
+        torch.testing.assert_close(got_b, b, rtol=0, atol=1e-6, msg=f"rank {rank}: b")
+
+
 def test_zero_grad_drops_pending_gradients_now():
     """DGL's zero_grad only marks; ours drops what backward produced, so step() after it is a no-op."""
     emb = ls.SparseEmbedding(5, 2, seed=0)

@@ -130,8 +130,11 @@ def _sum_rows(tables, bounds, counts, sent, most, widths, group, replicas) -> li
     per_table = unpack(received, layout_counts, to_device(layout_counts, received.device), [*widths, word], word)
     out = []
     for table, rows_bytes, bound in zip(tables, per_table, bounds):
-        ids = rows_bytes[:, :_ID_BYTES].contiguous().view(torch.int64).view(-1)
-        values = rows_bytes[:, _ID_BYTES:].contiguous().view(table.values.dtype).view(len(ids), table.values.shape[1])
+        # Copies with their own strides: a one-row slice counts as contiguous at any stride (no copy), which the views
+        # to wider dtypes reject where a row's bytes are not a multiple of their item size (float32 x 3: 20 bytes).
+        ids = rows_bytes[:, :_ID_BYTES].clone(memory_format=torch.contiguous_format).view(torch.int64).view(-1)
+        values = rows_bytes[:, _ID_BYTES:].clone(memory_format=torch.contiguous_format).view(table.values.dtype)
+        values = values.view(len(ids), table.values.shape[1])
         out.append(coalesce(ids, values, bound) if len(ids) else (table.rows, table.values))
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import signal
@@ -113,6 +114,14 @@ def test_checkpoint_holds_each_row_once(rank_pools, tmp_path, world_size, group_
     on_disk = sum(f.stat().st_size for f in Path(ckpt).resolve().rglob("*.distcp"))
     logical = 30_000 * 16 * 4 * 3 + 30_000 * 8  # table, exp_avg, exp_avg_sq (float32), row_step (int64)
     assert logical <= on_disk < logical * 1.05 + 65_536  # each row once, not once per rank
+    # checksums.json names the rows each rank's file holds (a damaged file is reported so): under 2-D sharding a
+    # replica's file holds its position's block, within the table, as on 1-D sharding over the group.
+    block = -(-30_000 // (group_size or world_size))
+    for name, entry in json.loads((Path(ckpt) / "checksums.json").read_text()).items():
+        if name.startswith("rows/") and name.endswith(".distcp"):
+            position = int(Path(name).name[2:].split("_")[0]) % (group_size or world_size)
+            first, last = position * block, min(30_000, (position + 1) * block) - 1
+            assert entry["holds"].startswith(f"rows {first}..{last} of "), (name, entry["holds"])
 
 
 # ---------------------------------------------------------------- Lightning's ModelCheckpoint options

@@ -272,6 +272,24 @@ def test_sharded_state_dicts_never_load_silently_on_another_rank(rank_pools):
     assert "holds rank 0's shard of 2" in loaded[1] and "HINT" in loaded[1]
 
 
+def _loaded_before_the_process_group(full):
+    """A table built and loaded before init_process_group (as a script does before Trainer.fit), then used: its rows."""
+    from unittest import mock
+
+    with mock.patch.object(torch.distributed, "is_initialized", return_value=False):
+        emb = ls.SparseEmbedding(*full.shape, seed=99)
+        emb.load_state_dict({"weight": full})  # a local table of one rank: the whole table
+        assert emb.world_size == 1 and emb.shard.shape == full.shape
+    emb(torch.tensor([0]))  # placed over the group now: the loaded table is cut to this rank's rows
+    return emb.sharding.global_ids(emb.rank), emb.shard.clone()
+
+
+def test_a_table_loaded_before_the_process_group_keeps_its_rows_once_placed(rank_pools):
+    full = torch.arange(7 * 2, dtype=torch.float32).view(7, 2)
+    for rank, (ids, rows) in enumerate(rank_pools(3).run(_loaded_before_the_process_group, full)):
+        torch.testing.assert_close(rows, full[ids], rtol=0, atol=0, msg=f"rank {rank}")
+
+
 def _advised_for_huge_pages(tensor: torch.Tensor) -> bool:
     """Whether the memory map entry holding the tensor's first whole 2 MiB page is madvised for huge pages ("hg")."""
     address = -(-tensor.data_ptr() // placement.HUGE_PAGE_BYTES) * placement.HUGE_PAGE_BYTES

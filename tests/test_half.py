@@ -180,3 +180,29 @@ def test_a_collection_returns_each_tables_output_dtype():
     optimizer_alone.step()
     assert table.shard.dtype == torch.bfloat16 and not torch.equal(table.shard, bf16_table().shard)
     torch.testing.assert_close(table.shard, alone.shard, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scheme", ["mod", "range"])
+def test_each_ranks_rounded_rows_are_those_of_its_global_rows(scheme):
+    """A rank's writer draws for its rows' global ids: 3 ranks' shards write the rows one rank writes at those ids."""
+    from types import SimpleNamespace
+
+    from lightning_sparse.kernels.rounding import writer_for
+    from lightning_sparse.wire.sharding import RowSharding
+
+    values = torch.randn(10, 5, generator=torch.Generator().manual_seed(0)) * 1e-3 + 1.0  # between bf16 values
+
+    def written(world_size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sharding = RowSharding(10, world_size, scheme)
+        local = torch.arange(sharding.num_local_rows(rank))
+        ids = sharding.global_of_key(local + rank * sharding.block_size)
+        shard = torch.zeros(len(local), 5, dtype=torch.bfloat16)
+        table = SimpleNamespace(shard=shard, sharding=sharding, rank=rank, seed=4, stochastic_rounding=None)
+        writer_for(table, step=2)(local, values[ids])
+        return ids, shard
+
+    _, whole = written(1, 0)
+    assert not torch.equal(whole, values.to(torch.bfloat16)), "rounding must matter"
+    for rank in range(3):
+        ids, shard = written(3, rank)
+        assert torch.equal(shard, whole[ids]), f"rank {rank}"

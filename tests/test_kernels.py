@@ -343,6 +343,20 @@ def test_new_normal_rows_are_the_torch_versions_bit_for_bit(device, dim, std, me
     assert out.dtype == torch.float32 and torch.equal(out.cpu(), expected)
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize(
+    "init", [ls.init.normal(), ls.init.normal(0.1, mean=0.5), ls.init.uniform(-0.2, 0.3)], ids=["normal", "shifted", "uniform"]
+)
+def test_an_initializer_gives_the_gpu_path_the_cpu_paths_rows(monkeypatch, device, init):
+    """``init(ids, dim, seed)`` as a dynamic table's step calls it: the same rows whichever path computes them."""
+    ids = torch.tensor([0, 7, 2**40 + 3, -5, 7])
+    monkeypatch.setenv(backend.ENV, "torch")
+    expected = init(ids, 7, 3)
+    monkeypatch.setenv(backend.ENV, "triton")
+    got = init(ids.to(device), 7, 3)
+    assert got.dtype == torch.float32 and torch.equal(got.cpu(), expected)
+
+
 @pytest.mark.skipif(not backend.numba_available(), reason="needs numba")
 @pytest.mark.parametrize("columns, blocks, seed", [(32, 2, 0), (7, 1, 3), (1, 2, 2**40 + 5), (3, 1, -5)])
 def test_the_cpu_loop_hashes_rows_as_the_torch_ops(monkeypatch, columns, blocks, seed):
@@ -356,6 +370,37 @@ def test_the_cpu_loop_hashes_rows_as_the_torch_ops(monkeypatch, columns, blocks,
     ):
         assert got.dtype == expected.dtype and torch.equal(got, expected)
     assert looped[0].dtype == torch.int32 and looped[1].dtype == torch.float64
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_the_bags_kernel_pools_as_its_torch_reference(triton_kernels, device):
+    """Jagged bags by mean (one empty) and by weighted sum, 2-D bags by mean, plain ids, over two tables: each bag's
+    output, and each id's key, bag and backward scale (1 / its bag's length under mean)."""
+    from lightning_sparse.kernels.bags import Feature, gather_bags, torch_gather_bags, verdict_size
+    from lightning_sparse.kernels.host import KeptValues
+
+    gen = torch.Generator().manual_seed(13)
+    shards = [torch.randn(9, 5, generator=gen), torch.randn(6, 5, generator=gen)]
+    ids = [torch.tensor([3, 8, 1, 1, 0, 5]), torch.tensor([5, 0, 2]), torch.tensor([1, 4, 4, 0, 2, 5]), torch.tensor([4, 4, 7])]
+    offsets = [torch.tensor([0, 2, 2, 6]), torch.tensor([0, 1, 3]), None, None]
+    shapes = [(0, 3, 0, True), (0, 2, 1, False), (3, 2, 1, True), (1, 3, 0, False)]  # per bag, bags, table, mean
+    weights = [None, torch.rand(3, generator=gen), None, None]
+
+    def features(on: str) -> list[Feature]:
+        return [Feature(i.to(on), o.to(on) if o is not None else None, w.to(on) if w is not None else None, per_bag, bags,
+                        table, len(shards[table]), mean, report_as)
+                for report_as, (i, o, w, (per_bag, bags, table, mean)) in enumerate(zip(ids, offsets, weights, shapes))]  # fmt: skip
+
+    on_device = [s.to(device) for s in shards]
+    entries = table_entries(on_device, [RuleState(), RuleState()], [None, None], [(0.0, 0.0, 1.0)] * 2)
+    verdict = torch.zeros(verdict_size(4), dtype=torch.int64, device=device)
+    out, keys, sources, scales = gather_bags(features(device), entries, on_device[0], torch.float32, 4, verdict, True,
+                                             KeptValues())  # fmt: skip
+    expected, expected_keys, expected_sources, expected_scales = torch_gather_bags(features("cpu"), shards, 4, True)
+    torch.testing.assert_close(out.cpu(), torch.cat(expected), **GPU_PATH_TOLERANCE)
+    assert torch.equal(keys.cpu(), expected_keys) and torch.equal(sources.cpu().long(), expected_sources)
+    torch.testing.assert_close(scales.cpu(), expected_scales, rtol=0, atol=0)
+    assert not verdict.any()
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

@@ -26,7 +26,7 @@ from lightning_sparse.kernels import gpu_path
 from lightning_sparse.kernels.host import host_tensor, to_device
 from lightning_sparse.wire.alltoall import Peers, exchange_counts, exchange_values
 from lightning_sparse.wire.exchange import Route
-from lightning_sparse.wire.packing import common_word, pack, unpack
+from lightning_sparse.wire.packing import common_word, pack, read_as, unpack
 
 
 # ---------------------------------------------------------------------------- stage 3: grads to owners
@@ -282,6 +282,5 @@ def _values_round(outgoing, peers, wire_dtype, device, counts, recv_counts, host
     flat, send_sizes = pack(wire, host[0], counts, word)
     recv_sizes = (host[1] * torch.tensor(widths).unsqueeze(1)).sum(0).tolist()
     recv = exchange_values(flat, send_sizes, recv_sizes, peers)
-    # the ids' values are copied out first: a view into the buffer may start at an offset that is no multiple of 8 bytes
-    return [(rows[:, :id_width].reshape(-1).clone().view(torch.int64), rows[:, id_width:])
+    return [(read_as(rows[:, :id_width], torch.int64).view(-1), rows[:, id_width:])
             for rows in unpack(recv, host[1], recv_counts, widths, word)]  # fmt: skip

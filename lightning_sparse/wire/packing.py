@@ -85,3 +85,13 @@ def unpack(
     gather = gather if gather is not None else transpose_blocks(word_counts, len(by_source))
     gathers = gather.split((counts.sum(1) * words).tolist())
     return [by_source.index_select(0, gather).view(-1, width) for gather, width in zip(gathers, widths)]
+
+
+def read_as(columns: Tensor, dtype: torch.dtype) -> Tensor:
+    """Columns of unpacked rows (``[n, k]``, e.g. a row's id in its first bytes) copied out and read as ``dtype``.
+
+    A copy with its own strides: the columns of a received buffer may start at an offset, or lie at a row stride, that
+    is no multiple of ``dtype``'s size, which a view rejects (a one-row slice counts as contiguous at any stride, so
+    ``contiguous()`` would not copy it).
+    """
+    return columns.clone(memory_format=torch.contiguous_format).view(dtype)

@@ -33,7 +33,7 @@ from lightning_sparse.faults.peers import collective
 from lightning_sparse.kernels.host import to_device
 from lightning_sparse.wire.alltoall import Peers
 from lightning_sparse.wire.grouping import coalesce
-from lightning_sparse.wire.packing import common_word, unpack
+from lightning_sparse.wire.packing import common_word, read_as, unpack
 
 _ID_BYTES = 8  # an int64 row id leads each row on the wire
 
@@ -130,11 +130,8 @@ def _sum_rows(tables, bounds, counts, sent, most, widths, group, replicas) -> li
     per_table = unpack(received, layout_counts, to_device(layout_counts, received.device), [*widths, word], word)
     out = []
     for table, rows_bytes, bound in zip(tables, per_table, bounds):
-        # Copies with their own strides: a one-row slice counts as contiguous at any stride (no copy), which the views
-        # to wider dtypes reject where a row's bytes are not a multiple of their item size (float32 x 3: 20 bytes).
-        ids = rows_bytes[:, :_ID_BYTES].clone(memory_format=torch.contiguous_format).view(torch.int64).view(-1)
-        values = rows_bytes[:, _ID_BYTES:].clone(memory_format=torch.contiguous_format).view(table.values.dtype)
-        values = values.view(len(ids), table.values.shape[1])
+        ids = read_as(rows_bytes[:, :_ID_BYTES], torch.int64).view(-1)
+        values = read_as(rows_bytes[:, _ID_BYTES:], table.values.dtype).view(len(ids), table.values.shape[1])
         out.append(coalesce(ids, values, bound) if len(ids) else (table.rows, table.values))
     return out
 

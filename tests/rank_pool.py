@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from run_queue import RunQueueWaits
 
+from lightning_sparse.faults.peers import caused_by_lost_peer
+
 # Tests that can run on a GPU are parametrized with these: CPU (gloo) always, CUDA when present.
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -90,6 +92,7 @@ class RankError:
     type: str
     message: str
     traceback: str
+    peer_failure: bool = False  # a lost or failed peer (lightning_sparse.faults.peers.caused_by_lost_peer), not its own error
 
 
 def _dumps(obj: Any) -> bytes:
@@ -132,7 +135,8 @@ def _worker(rank: int, world_size: int, port: int, device: str, inbox: mp.Queue,
             try:
                 outbox.put((rank, _dumps(("ok", fn(*args)))))
             except BaseException as err:  # noqa: BLE001 - every error goes back to the test
-                outbox.put((rank, _dumps(("err", RankError(type(err).__name__, str(err), traceback.format_exc())))))
+                error = RankError(type(err).__name__, str(err), traceback.format_exc(), caused_by_lost_peer(err))
+                outbox.put((rank, _dumps(("err", error))))
     finally:
         if dist.is_initialized():  # a job may have destroyed it
             dist.destroy_process_group()
@@ -195,11 +199,14 @@ class RankPool:
         return [results[r] for r in range(self.world_size)]
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = JOB_TIMEOUT_S) -> list[Any]:
-        """Per-rank results; raises if any rank raised, with every rank's traceback."""
+        """Per-rank results; raises if any rank raised, with every rank's traceback: first those of the ranks that raised
+        an error of their own, then those of the ranks that only saw a peer fail ("Connection closed by peer")."""
         results = self.run_raw(fn, *args, timeout=timeout)
-        errors = [f"rank {r}:\n{res.traceback}" for r, res in enumerate(results) if isinstance(res, RankError)]
-        if errors:
-            raise AssertionError("\n".join(errors))
+        failed = sorted((res.peer_failure, r) for r, res in enumerate(results) if isinstance(res, RankError))
+        if failed:
+            raise AssertionError("\n".join(
+                f"rank {r}{' (a peer failed)' if peer else ''}:\n{results[r].traceback}" for peer, r in failed
+            ))  # fmt: skip
         return results
 
     def stop(self) -> None:

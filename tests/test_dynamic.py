@@ -335,15 +335,19 @@ def _users_by_id(module) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(table.num_embeddings), table.full_weight()
 
 
-def _fit_and_predict(dynamic: bool) -> dict:
-    """2 epochs with accumulation, then predict with uneven loaders (rank 1 serves rank 0's lookups)."""
+def _fit_and_predict(dynamic: bool, directory: str) -> dict:
+    """2 epochs with accumulation, then predict with uneven loaders (rank 1 serves rank 0's lookups).
+
+    The stats of every optimizer step go to ``directory``'s CSV log; ``logged`` holds the last step's."""
+    from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader, TensorDataset
 
     lm, HashedTower = _lightning_models()
     rank = torch.distributed.get_rank()
     lm.lightning_env(rank, 2)
     module = (HashedTower if dynamic else lm.CollectionTower)(sparse="SparseAdagrad")
-    trainer = lm.trainer(2, max_epochs=2, accumulate_grad_batches=2, log_every_n_steps=1, callbacks=[ls.SparseStatsMonitor()])
+    trainer = lm.trainer(2, max_epochs=2, accumulate_grad_batches=2, log_every_n_steps=1, callbacks=[ls.SparseStatsMonitor()],
+                         logger=CSVLogger(directory, name="run", version=0))  # fmt: skip
     trainer.fit(module)
     logged = {key: float(value) for key, value in trainer.callback_metrics.items() if key.startswith("sparse/")}
     data, index = lm.dataset(9), torch.arange(7) if rank == 0 else torch.arange(7, 9)  # 4 batches and 1
@@ -354,13 +358,23 @@ def _fit_and_predict(dynamic: bool) -> dict:
             "user_rows": rows, "users": users, "predictions": predictions, "logged": logged}  # fmt: skip
 
 
-def test_a_lightning_fit_equals_the_same_model_with_sparse_tables(rank_pools):
-    """In a collection, under sparse_ddp, with accumulation and uneven prediction loaders."""
-    expected = rank_pools(2).run(_fit_and_predict, False)
-    got = rank_pools(2).run(_fit_and_predict, True)
+def test_a_lightning_fit_equals_the_same_model_with_sparse_tables(rank_pools, tmp_path):
+    """In a collection, under sparse_ddp, with accumulation and uneven prediction loaders.
+
+    SparseStatsMonitor logs each optimizer step's admissions (summed over the ranks): over the fit they add up to the ids
+    that hold a row at its end (nothing evicted)."""
+    import csv
+
+    expected = rank_pools(2).run(_fit_and_predict, False, str(tmp_path / "sparse"))
+    got = rank_pools(2).run(_fit_and_predict, True, str(tmp_path / "dynamic"))
+    users = "sparse/embeddings.tables.users"
+    with open(tmp_path / "dynamic" / "run" / "version_0" / "metrics.csv") as f:
+        steps = [row for row in csv.DictReader(f) if row.get(f"{users}/admissions")]
+    assert len(steps) == 6  # 2 epochs of 3 optimizer steps (2 batches each)
+    assert sum(float(row[f"{users}/admissions"]) for row in steps) == len(got[0]["user_rows"]) > 0
+    assert all(float(row[f"{users}/rejections"]) == 0 for row in steps)
     for mine, theirs in zip(got, expected):
         assert torch.equal(mine["predictions"], theirs["predictions"])
-        users = "sparse/embeddings.tables.users"
         assert mine["logged"][f"{users}/occupancy"] == len(mine["user_rows"])  # summed over the ranks
         assert mine["logged"][f"{users}/evictions"] == 0 and f"{users}/occupancy" not in theirs["logged"]
         assert sorted(mine["user_rows"].tolist()) == sorted(set(lm_users_seen()))

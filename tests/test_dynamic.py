@@ -95,8 +95,9 @@ def test_slots_admit_after_k_requests_and_evict_the_least_recently_used():
     assert slots.tolist() == new.tolist() and table.map.find(keys[2:]).tolist() == new.tolist()
 
 
-def test_slots_used_since_the_last_step_are_never_taken():
-    table = _table(2)
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])  # on a CPU, "lru" takes its victims from a queue, "lfu" by a top-k
+def test_slots_used_since_the_last_step_are_never_taken(eviction):
+    table = _table(2, eviction=eviction)
     one = torch.ones(2, dtype=torch.int64)
     table.resolve(mix(torch.tensor([1, 2])), one)
     slots, new, _ = table.resolve(mix(torch.tensor([3])), one[:1])  # same step: both slots pinned

@@ -629,3 +629,28 @@ def test_the_model_summary_lists_each_table_with_what_a_rank_holds(rank_pools):
     assert "1 | items | 25   | 4   | float32 | range over 2 ranks | 13            | 208 B          | 208 B" in summary, summary
     assert "Sparse tables: 65 rows, 528 B per rank, 528 B of optimizer state per rank" in summary and "Total params" in logged
     assert "| Table" not in other_rank
+
+
+def test_manual_optimization_takes_a_plateau_scheduler_without_a_monitor():
+    """As Lightning's ``configure_optimizers``: a manual module steps its schedulers itself, so its ``ReduceLROnPlateau``
+    needs no monitor (an automatic one needs it, to step the scheduler on that metric)."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_sparse.lightning.sparse_optimizers import configure_sparse_optimizers
+
+    class Plateau(pl.LightningModule):
+        def __init__(self, manual: bool) -> None:
+            super().__init__()
+            self.automatic_optimization = not manual
+            self.users = ls.SparseEmbedding(8, 2)
+
+        def configure_sparse_optimizers(self):
+            optimizer = ls.SparseSGD([self.users], lr=0.1)
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)}
+
+    manual = Plateau(manual=True)
+    _, configs = configure_sparse_optimizers(manual, [manual.users])
+    assert isinstance(configs[0].scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    automatic = Plateau(manual=False)
+    with pytest.raises(MisconfigurationException, match="monitor"):
+        configure_sparse_optimizers(automatic, [automatic.users])

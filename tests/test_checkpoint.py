@@ -318,8 +318,21 @@ def test_flipped_bytes_are_caught_on_load_and_export(rank_pools, tmp_path, key, 
 
 
 def test_a_damaged_meta_file_is_named_without_unsafe_advice(rank_pools, tmp_path):
+    """Also a meta file holding an object that only unsafe unpickling makes: ``fit(ckpt_path=...)`` loads with
+    ``weights_only=True`` unless told otherwise, so it refuses the file instead of running its pickle."""
+    from fractions import Fraction
+
+    from lightning_sparse.checkpoint import files
+
     (_, ckpt), *_ = rank_pools(2).run(_save, 2, str(tmp_path), ("mod", "range"))
     meta = Path(ckpt) / checkpoint.METADATA_FILE
+    torch.save({**checkpoint.load_meta(ckpt), "planted": Fraction(1, 3)}, meta)
+    entries = files.read_checksums(Path(ckpt))  # a planted file, not a damaged one: its checksum matches
+    entries[checkpoint.METADATA_FILE].update(zip(("crc32", "bytes"), files.crc32(meta)))
+    files.write_checksums(Path(ckpt), entries)
+    for result in rank_pools(2).run_raw(_load_expect_error, ckpt, lm.USERS):
+        assert isinstance(result, RankError), "a meta file that needs unsafe unpickling was loaded"
+        assert f"{meta} of checkpoint {ckpt} cannot be read" in result.message, result.message
     meta.write_bytes(b"garbage" * 100)
     for result in rank_pools(2).run_raw(_load_expect_error, ckpt, lm.USERS):
         assert isinstance(result, RankError)

@@ -392,7 +392,7 @@ def lm_users_seen() -> list[int]:
 
 
 def _per_id_state(module, trainer) -> dict:
-    """The users' rows and their SparseAdam state by id, the items, the step (collective)."""
+    """The users' rows and their SparseAdam state by id, the items, the step and the users' slot clock (collective)."""
     from lightning_sparse.wire.hashing import unmix
 
     table = module.users
@@ -404,6 +404,7 @@ def _per_id_state(module, trainer) -> dict:
            for name, value in optimizer.state[table.shard].items() if value.dim()}  # fmt: skip
     out["users.ids"], out["users.rows"] = table.export()
     out["items"], out["step"] = module.items.full_weight(), torch.tensor(trainer.global_step)
+    out["users.clock"] = torch.tensor(table.slot_stats.clock)  # last uses are stamped with it: a load restores it too
     out.update({name: p.detach().clone() for name, p in module.mlp.named_parameters()})
     return out
 

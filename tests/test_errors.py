@@ -77,6 +77,11 @@ def _load_into_a_module_with_another_table(tmp: Path) -> None:
     checkpoint.load_module(path, torch.nn.ModuleDict({"a": ls.SparseEmbedding(5, 2), "b": ls.SparseEmbedding(3, 2)}))
 
 
+def _load_into_a_module_with_another_dense_layer(tmp: Path) -> None:
+    path = _saved(tmp)  # strict, as by default: a tensor the checkpoint lacks is an error, as for load_state_dict
+    checkpoint.load_module(path, torch.nn.ModuleDict({"a": ls.SparseEmbedding(5, 2), "head": torch.nn.Linear(2, 1)}))
+
+
 def _checkpoint_without_meta(tmp: Path) -> None:
     path = _saved(tmp)
     (path / checkpoint.METADATA_FILE).unlink()
@@ -212,6 +217,9 @@ ERRORS = {
     # checkpoints
     "checkpoint-has-no-table": (_load_into_a_module_with_another_table, RuntimeError, "has no table SparseEmbedding(3, 2) (key 'state_dict.b.weight')",
                                 "load it into the module it was saved from", None),
+    "checkpoint-has-no-dense-tensor": (_load_into_a_module_with_another_dense_layer, RuntimeError,
+                                       "has no tensor head.weight (key 'state_dict.head.weight')",
+                                       "load it into the module it was saved from, or load with strict=False", None),
     "checkpoint-has-no-meta": (_checkpoint_without_meta, RuntimeError, f"has no {checkpoint.METADATA_FILE}",
                                "it is incomplete; use an earlier checkpoint", None),
     "load_file-unreadable": (lambda tmp: (tmp / "x.pt").write_bytes(b"not a file") and checkpoint.load_file(tmp / "x.pt"),

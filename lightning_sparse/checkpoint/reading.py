@@ -94,10 +94,11 @@ def stored_tensors(path: str | os.PathLike, meta: dict[str, Any] | None = None) 
     return stored
 
 
-def _check(stored: dict[str, StoredTensor], key: str, shape: tuple[int, ...], path: Path, what: str) -> None:
+def _check(stored: dict[str, StoredTensor], key: str, shape: tuple[int, ...], path: Path, what: str,
+           fix: str = "load it into the module it was saved from.") -> None:  # fmt: skip
     item = stored.get(key)
     if item is None:
-        raise RuntimeError(f"Checkpoint {path} has no {what} (key {key!r}). HINT: load it into the module it was saved from.")
+        raise RuntimeError(f"Checkpoint {path} has no {what} (key {key!r}). HINT: {fix}")
     if item.shape != tuple(shape):
         raise RuntimeError(
             f"{what} has shape {item.shape} in checkpoint {path} but {tuple(shape)} in this module. "
@@ -163,6 +164,12 @@ def _place_dynamic(path: Path, store: RowStore, entries: dict[str, Any], prefix:
         optimizer.reset_rows(table.shard, torch.arange(len(table.shard), device=table.device))
 
 
+STRICT_FIX = (
+    "load it into the module it was saved from, or load with strict=False (a LightningModule's "
+    "strict_loading = False) to leave this module's other tensors as they are."
+)
+
+
 def load_module(path: str | os.PathLike, module: nn.Module, strict: bool = True, meta: dict[str, Any] | None = None) -> None:
     """Load a module's dense tensors and tables, each rank only its rows, into its shards in place. Collective.
 
@@ -174,7 +181,7 @@ def load_module(path: str | os.PathLike, module: nn.Module, strict: bool = True,
     dense = {k: v for k, v in dense_module_state(module).items() if isinstance(v, Tensor)}
     if strict:
         for key, value in dense.items():
-            _check(stored, module_key(key), tuple(value.shape), path, f"tensor {key}")
+            _check(stored, module_key(key), tuple(value.shape), path, f"tensor {key}", STRICT_FIX)
     dense = {k: v for k, v in dense.items() if module_key(k) in stored}
     store = RowStore(path / ROWS_DIR, is_distributed())
     for prefix, table in tables(module):  # tables first: the bulk of a checkpoint

@@ -105,6 +105,42 @@ def test_bad_ids_in_a_batch_sent_ahead_raise_at_its_lookup_on_every_rank(rank_po
         assert seen_after == [(2, 1), (3, 3)]  # batch 1 accumulates with batch 2
 
 
+def _unmatched_lookups(pipelined: bool) -> tuple[int, list[bool], torch.Tensor]:
+    """The model looks up a copy of each batch's ids: it takes no round sent ahead (each goes unpipelined). Returns the
+    rounds taken ahead, which batches were freed at the end, and the trained table."""
+    import gc
+    import weakref
+
+    table = ls.SparseEmbedding(40, 4, seed=3)
+    opt = ls.SparseAdagrad([table], lr=0.5)
+    refs = []
+
+    def batches():
+        for n in range(6):
+            ids = torch.arange(n, n + 5 * (dist.get_rank() + 1))
+            refs.append(weakref.ref(ids))
+            yield {"ids": ids}
+
+    loader = ls.Pipeline(lambda b: {table: b["ids"]}, timeout=TIMEOUT).iterate(batches()) if pipelined else batches()
+    for batch in loader:
+        table(batch["ids"].clone()).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    del batch, loader
+    gc.collect()
+    return table.stats.rounds_ahead, [ref() is None for ref in refs], table.full_weight()
+
+
+def test_rounds_sent_ahead_that_no_lookup_takes_are_dropped(rank_pools):
+    """No batch outlives its loop in the pipeline but the last two's rounds (a round is kept for the batch in training and
+    the next), and training is that of the plain loop."""
+    for (taken, freed, weights), (_, plain_freed, plain_weights) in zip(
+        rank_pools(2).run(_unmatched_lookups, True), rank_pools(2).run(_unmatched_lookups, False)
+    ):
+        assert taken == 0 and torch.equal(weights, plain_weights)
+        assert freed[:-2] == plain_freed[:-2] and sum(plain_freed[:-2]) >= 3, (freed, plain_freed)
+
+
 def _dynamic_ahead():
     table = ls.DynamicEmbedding(16, 4, seed=1)
     with pytest.raises(ValueError, match="DynamicEmbedding.*HINT: leave it out"):

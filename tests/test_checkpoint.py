@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import signal
@@ -22,6 +21,7 @@ from rank_pool import COLLECTIVE_TIMEOUT_S, RankError, RankPool, table_groups
 import lightning_sparse as ls
 from lightning_sparse import checkpoint
 from lightning_sparse.__main__ import main as export_main
+from lightning_sparse.checkpoint import files
 
 MODULE = dict(sparse="mixed", dense="Adam", dense_lr=0.01, scheduler=False)
 
@@ -117,7 +117,7 @@ def test_checkpoint_holds_each_row_once(rank_pools, tmp_path, world_size, group_
     # checksums.json names the rows each rank's file holds (a damaged file is reported so): under 2-D sharding a
     # replica's file holds its position's block, within the table, as on 1-D sharding over the group.
     block = -(-30_000 // (group_size or world_size))
-    for name, entry in json.loads((Path(ckpt) / "checksums.json").read_text()).items():
+    for name, entry in files.read_checksums(Path(ckpt)).items():
         if name.startswith("rows/") and name.endswith(".distcp"):
             position = int(Path(name).name[2:].split("_")[0]) % (group_size or world_size)
             first, last = position * block, min(30_000, (position + 1) * block) - 1
@@ -321,8 +321,6 @@ def test_a_damaged_meta_file_is_named_without_unsafe_advice(rank_pools, tmp_path
     """Also a meta file holding an object that only unsafe unpickling makes: ``fit(ckpt_path=...)`` loads with
     ``weights_only=True`` unless told otherwise, so it refuses the file instead of running its pickle."""
     from fractions import Fraction
-
-    from lightning_sparse.checkpoint import files
 
     (_, ckpt), *_ = rank_pools(2).run(_save, 2, str(tmp_path), ("mod", "range"))
     meta = Path(ckpt) / checkpoint.METADATA_FILE

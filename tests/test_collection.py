@@ -345,8 +345,8 @@ def test_one_process_rounds_sum_the_rows_that_accumulated_lookups_share():
     opt = ls.SparseAdagrad([collection], lr=0.5)
     plain_a, plain_b = torch.nn.Embedding(9, 3, sparse=True), torch.nn.Embedding(7, 2, sparse=True)
     with torch.no_grad():
-        plain_a.weight.copy_(ls.init.normal()(torch.arange(9), 3, 1))
-        plain_b.weight.copy_(ls.init.normal()(torch.arange(7), 2, 2))
+        plain_a.weight.copy_(a.full_weight())
+        plain_b.weight.copy_(b.full_weight())
     reference = torch.optim.Adagrad([plain_a.weight, plain_b.weight], lr=0.5)
     for micro_batches in (([1, 4, 4], [4, 2]), ([0, 1], [1, 5, 5])):
         for ids in map(torch.tensor, micro_batches):

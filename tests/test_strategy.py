@@ -176,7 +176,8 @@ def _fit_precision(precision: str, inject: tuple[int, int] | None, module_cls: s
 
         def on_after_backward(self, trainer, pl_module):
             if getattr(self, "handle", None) is not None:
-                self.handle = self.handle.remove()
+                self.handle.remove()
+                self.handle = None
 
     changed: list[dict] = []
     if precision == "16-mixed":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import traceback
 import weakref
 
 import pytest
@@ -497,6 +498,21 @@ def test_torchrun_restarts_with_the_shared_store_are_warned_about(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # no restarts
     assert restart_hazard() is None
+
+
+def test_a_checkpoint_exception_over_a_ranks_lost_peer_is_a_lost_peer():
+    """DCP raises a CheckpointException holding each failed rank's (exception, traceback): a lost peer among them makes the
+    save or load report a PeerFailure (its HINT: resume); any other failure (a full disk) does not."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lightning_sparse.faults.peers import caused_by_lost_peer
+
+    def failed_on_rank_1(err: BaseException) -> CheckpointException:
+        return CheckpointException("save failed", {1: (err, traceback.StackSummary())})
+
+    assert caused_by_lost_peer(failed_on_rank_1(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")))
+    assert caused_by_lost_peer(failed_on_rank_1(ls.PeerFailure("The all-gather of the save plan failed")))
+    assert not caused_by_lost_peer(failed_on_rank_1(OSError(28, "No space left on device")))
 
 
 def test_nccls_duplicate_gpu_error_gets_a_hint_that_names_both_fixes():

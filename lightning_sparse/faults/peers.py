@@ -77,8 +77,12 @@ def is_peer_failure(err: BaseException) -> bool:
 
 
 def caused_by_lost_peer(err: BaseException) -> bool:
-    """Whether ``err`` is a lost peer, or (for DCP's ``CheckpointException``) a rank failed inside it for one."""
-    causes = [err, *getattr(err, "failures", {}).values()] if type(err).__name__ == "CheckpointException" else [err]
+    """Whether ``err`` is a lost peer, or (for DCP's ``CheckpointException``) a rank failed inside it for one.
+
+    DCP holds each rank's failure as ``(exception, traceback summary)``: the exception is the cause.
+    """
+    failures = getattr(err, "failures", {}).values() if type(err).__name__ == "CheckpointException" else []
+    causes = [err, *(failure[0] if isinstance(failure, tuple) else failure for failure in failures)]
     return any(isinstance(c, PeerFailure) or (isinstance(c, BaseException) and is_peer_failure(c)) for c in causes)
 
 

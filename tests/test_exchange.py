@@ -375,6 +375,23 @@ def test_a_step_after_two_lookups_on_some_ranks_takes_every_gradient_at_once(ran
         torch.testing.assert_close(change, expected)
 
 
+def _step_after_a_step():
+    """A step, then one with no lookup since: the second one's collectives."""
+    emb = ls.SparseEmbedding(10, 2, seed=1)
+    opt = ls.SparseSGD([emb], lr=1.0)
+    emb(torch.tensor([torch.distributed.get_rank()])).sum().backward()
+    opt.step()
+    opt.stats.reset()
+    opt.step()
+    return opt.stats.collectives
+
+
+def test_a_step_with_nothing_to_send_sends_its_header_only(rank_pools):
+    """No lookup since the last step, so no route: the general round's header carries the control codes, and when they
+    say that no rank has rows, no values round follows."""
+    assert rank_pools(2).run(_step_after_a_step) == [1, 1]
+
+
 def _gradient_after_a_step(device="cpu"):
     """forward -> step -> backward -> step: the late gradient counts at the second step, as in torch."""
     rank = torch.distributed.get_rank()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from rank_pool import DEVICES, LAYOUTS, assert_replicas_identical, table_groups
@@ -514,3 +516,25 @@ def test_check_finite_raises_on_every_rank_and_updates_nothing(rank_pools, world
         assert unchanged and finite
     for outcome, unchanged, finite in rank_pools(world_size).run(_non_finite_on_one_rank, False, group_size):
         assert outcome == "stepped" and not unchanged and not finite  # the default: torch's behaviour, rows poisoned
+
+
+def _non_finite_checked(way: str):
+    """``_step_with_inf_on_last_rank`` with the check on: on the GPU's path (Triton, through its interpreter on CPU), or
+    with the tables in shared memory."""
+    if way == "shared_memory":
+        return _step_with_inf_on_last_rank(True, {"shared_memory": True})
+    os.environ[backend.ENV] = "triton"
+    try:
+        return _step_with_inf_on_last_rank(True, {})
+    finally:
+        del os.environ[backend.ENV]
+
+
+@pytest.mark.parametrize("way", [pytest.param("triton", marks=GPU_PATH_DEVICES[0].marks), "shared_memory"])
+def test_check_finite_raises_on_every_rank_on_the_gpu_path_and_in_shared_memory(rank_pools, way):
+    """On the GPU's path a step after every rank's sole lookup keeps its control codes on the device, unless gradients
+    are checked: their flags ride in the codes. Tables in shared memory take no routed round: the flags ride in the
+    general round's header, which must give every rank every rank's codes, not its own."""
+    for outcome, unchanged, finite in rank_pools(2).run(_non_finite_checked, way):
+        assert "not finite (inf or NaN) for users on rank(s) [1]" in outcome and "HINT" in outcome, outcome
+        assert unchanged and finite

@@ -142,9 +142,12 @@ def test_rounds_sent_ahead_that_no_lookup_takes_are_dropped(rank_pools):
 
 
 def _dynamic_ahead():
+    """A DynamicEmbedding, alone and in a collection beside a SparseEmbedding: either unit is refused."""
     table = ls.DynamicEmbedding(16, 4, seed=1)
-    with pytest.raises(ValueError, match="DynamicEmbedding.*HINT: leave it out"):
-        next(iter(ls.pipelined([{"ids": torch.tensor([5])}], inputs=lambda b: {table: b["ids"]})))
+    mixed = ls.SparseEmbeddingCollection({"d": ls.DynamicEmbedding(16, 4, seed=1), "s": ls.SparseEmbedding(8, 4, seed=2)})
+    for unit, ids in ((table, torch.tensor([5])), (mixed, {"d": torch.tensor([5]), "s": torch.tensor([1])})):
+        with pytest.raises(ValueError, match="DynamicEmbedding.*HINT: leave it out"):
+            next(iter(ls.pipelined([{"ids": ids}], inputs=lambda b, unit=unit: {unit: b["ids"]})))
     return True
 
 
@@ -282,6 +285,44 @@ def _subgroup_ahead():
 
 def test_tables_sharded_over_some_ranks_are_refused_on_each_of_them(rank_pools):
     assert rank_pools(3).run(_subgroup_ahead) == [True] * 3
+
+
+def _ahead_groups():
+    """A table over a group of its own (its ahead group is made here): its ahead peers, asked for twice."""
+    from lightning_sparse.wire.ahead import ahead_peers
+    from lightning_sparse.wire.shared_memory import _timeout_s
+
+    group = dist.new_group([0, 1], timeout=TIMEOUT)
+    emb = ls.SparseEmbedding(8, 2, seed=1, process_group=group).materialize()  # (placed: its peers are over the group)
+    first, second = (ahead_peers(emb.peers, timedelta(seconds=7)) for _ in range(2))
+    try:
+        return first.group is second.group, _timeout_s(first.group)
+    finally:
+        for made in {first.group, second.group}:
+            dist.destroy_process_group(made)
+        dist.destroy_process_group(group)
+
+
+def test_a_groups_ahead_group_is_made_once_with_the_timeout_given(rank_pools):
+    """Every batch's rounds go over the one ahead group (a group per batch would leak one, and its id room would start
+    empty each time), which gives up on a lost peer after the pipeline's timeout, not torch's default of 30 minutes."""
+    assert rank_pools(2).run(_ahead_groups) == [(True, 7.0)] * 2
+
+
+def test_moved_ahead_moves_each_batch_once_and_hands_out_the_batch_sent_ahead():
+    """As the Trainer's batch_to_device calls it, with a move that copies (as one to a GPU does): a batch moved again
+    would hold new tensors, whose lookups take no round sent ahead."""
+    sent, moved = [], []
+    pipe = ls.Pipeline(lambda batch: sent.append(batch) or {})
+
+    def move(batch: dict) -> dict:
+        moved.append(batch)
+        return {"ids": batch["ids"].clone()}
+
+    batches = [{"ids": torch.tensor([n])} for n in range(3)]
+    handed = [pipe.moved_ahead(batch, move, following) for batch, following in zip(batches, [*batches[1:], None])]
+    assert len(moved) == 3 and all(a is b for a, b in zip(moved, batches))
+    assert len(sent) == 2 and all(a is b for a, b in zip(handed[1:], sent)) and pipe.issued == 2
 
 
 def test_in_one_process_a_pipeline_sends_nothing_and_trains_as_unpipelined():

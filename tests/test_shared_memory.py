@@ -7,10 +7,12 @@ and are summed in the same order, only the rows' way to the requester differs.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning_models as lm
 import numpy as np
@@ -198,6 +200,38 @@ def test_the_fence_carries_split_sizes_and_rows_to_each_rank(rank_pools):
             assert torch.equal(received, expected)
 
 
+def _uneven_buffers():
+    """Rank 0 posts one row of 1000 floats for rank 1, rank 1 400 rows for rank 0 (1.6 MB, over a mailbox's first MiB)."""
+    rank = dist.get_rank()
+    fence = shared_memory.Fence(dist.group.WORLD, "test")
+    splits = [0, 1] if rank == 0 else [400, 0]
+    rows = torch.arange(sum(splits) * 1000, dtype=torch.float32).view(-1, 1000) + 1e6 * rank
+    return fence.exchange_values(rows, splits, [0, 400] if rank == 0 else [1, 0])
+
+
+@pytest.mark.skipif(not shared_memory.STORES_IN_ORDER, reason="the ranks meet in shared memory on x86-64 only")
+def test_every_rank_sizes_the_mailboxes_for_the_largest_buffer_of_any_rank(rank_pools):
+    """The mailboxes are one segment, a row per rank: every rank must map it with the same row size, the largest rank's
+    buffer's, or a rank that sized them for its own small buffer reads and writes the others' rows at other offsets."""
+    to_zero, to_one = rank_pools(2).run(_uneven_buffers)
+    assert torch.equal(to_zero, torch.arange(400_000, dtype=torch.float32).view(400, 1000) + 1e6)
+    assert torch.equal(to_one, torch.arange(1000, dtype=torch.float32).view(1, 1000))
+
+
+def _fence_made():
+    fence = shared_memory.Fence(dist.group.WORLD, "emb")
+    return os.getpid(), fence.slots[:, 1].tolist(), fence.timeout_s
+
+
+@pytest.mark.skipif(not shared_memory.STORES_IN_ORDER, reason="the ranks meet in shared memory on x86-64 only")
+def test_a_fence_holds_every_ranks_pid_and_its_groups_timeout(rank_pools):
+    """What a waiting fence checks (the tests below): the pid in each rank's slot tells a dead rank, and it gives up
+    after the group's timeout (the pool's), not torch's default of 30 minutes."""
+    made = rank_pools(2).run(_fence_made)
+    for _, pids, timeout_s in made:
+        assert pids == [pid for pid, _, _ in made] and timeout_s == COLLECTIVE_TIMEOUT_S
+
+
 def test_a_fence_waiting_for_a_dead_rank_raises_naming_it(monkeypatch):
     dead = os.fork()
     if dead == 0:
@@ -211,10 +245,52 @@ def test_a_fence_waiting_for_a_dead_rank_raises_naming_it(monkeypatch):
         fence()
 
 
+def test_a_fence_waiting_past_its_groups_timeout_for_a_live_rank_raises_naming_it(monkeypatch):
+    """Rank 1 is alive but late. On a clock that moves a second each time the fence reads it, with rank 1 arriving at the
+    100th reading, the fence gives up after its 5 s timeout instead of waiting for it."""
+    fence = object.__new__(shared_memory.Fence)
+    fence.what, fence.rank, fence.arrivals, fence.timeout_s = "emb", 0, 0, 5.0
+    fence.slots = np.array([[0, os.getpid()], [0, os.getpid()]], dtype=np.int64)
+    checks = itertools.count()
+
+    def clock() -> float:
+        now = next(checks)
+        if now == 100:
+            fence.slots[1, 0] = 1  # rank 1 arrives
+        return float(now)
+
+    monkeypatch.setattr(shared_memory, "time", SimpleNamespace(perf_counter=clock, sleep=lambda seconds: None))
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not arrive within 6 s.*HINT"):
+        fence()
+
+
 def test_a_segment_too_big_for_dev_shm_is_refused_with_the_room_there():
     made = shared_memory._create(1 << 62, "emb")
     assert "has no room" in made["error"] and "HINT" in made["error"] and "--shm-size" in made["error"]
     assert _segments(os.getpid()) == []
+
+
+def _another_host():
+    """Rank 1 reads another boot id than rank 0's (as on another host, were a file at the segment's path there too)."""
+    own = shared_memory._boot_id
+    if dist.get_rank() == 1:
+        shared_memory._boot_id = lambda: "another host"
+    try:
+        shared_memory.map_segment((2, 3), torch.float32, dist.group.WORLD, "emb")
+        raised = None
+    except RuntimeError as err:
+        raised = str(err)
+    finally:
+        shared_memory._boot_id = own
+    return raised, _segments(os.getpid())
+
+
+def test_a_rank_on_another_host_makes_every_rank_raise_naming_it(rank_pools):
+    """Rank 1 cannot share rank 0's memory: it must not map the file, and rank 0, which could, raises too (else it would
+    wait for rank 1 in its first fence); the file is gone all the same."""
+    for raised, segments in rank_pools(2).run(_another_host):
+        assert raised is not None and "emb: rank 1 sees another file" in raised and "HINT" in raised and "one host" in raised
+        assert segments == []
 
 
 def test_the_strategies_shared_memory_reaches_tables_of_their_own_only():

@@ -8,6 +8,8 @@ made again after each replay. Where CUDA is present, the same fits run with real
 
 from __future__ import annotations
 
+import copy
+
 import lightning.pytorch as pl
 import lightning_models as lm
 import pytest
@@ -39,23 +41,29 @@ class Recorded(Logger):
 
 
 class Seen(pl.Callback):
-    """Per batch: the progress bar's metrics and the loss of ``outputs``."""
+    """Per batch: the progress bar's metrics, the loss of ``outputs`` and its extra output, kept as the callback got it."""
 
     def __init__(self) -> None:
-        self.bar, self.losses = [], []
+        self.bar, self.losses, self.extras = [], [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.bar.append(dict(trainer.progress_bar_metrics))
         self.losses.append(None if not outputs else float(outputs["loss"]))
+        self.extras.append(None if not outputs else outputs["mean_prediction"])  # the tensor: a later step must not change it
 
 
 class Logged(lm.TwoTower):
     """TwoTower logging a tensor to the progress bar and a number, and returning an extra output."""
 
-    def __init__(self, problem: str = "", tensor_lr: bool = False, **kwargs) -> None:
+    def __init__(self, problem: str = "", tensor_lr: bool = False, momentum: float = 0.0, **kwargs) -> None:
         kwargs.setdefault("sparse_kwargs", {"lr": 0.2, "capturable": True})
         super().__init__(batch_size=5, **kwargs)
-        self.problem, self.tensor_lr = problem, tensor_lr
+        self.problem, self.tensor_lr, self.momentum = problem, tensor_lr, momentum
+
+    def configure_optimizers(self):
+        if self.momentum:
+            return torch.optim.SGD(self.mlp.parameters(), lr=self.dense_lr, momentum=self.momentum)
+        return super().configure_optimizers()
 
     def configure_sparse_optimizers(self):
         if self.tensor_lr:  # a scheduler fills it (a new tensor per module: fills must not reach another fit)
@@ -71,6 +79,8 @@ class Logged(lm.TwoTower):
             prediction = self(users, items).float()
         loss = torch.nn.functional.mse_loss(prediction, target)
         if self.problem == "host read" and loss.item() > 1e9:
+            return None
+        if self.problem == "no loss":
             return None
         self.log("loss", loss, prog_bar=True)
         self.log("constant", 3.0)
@@ -94,13 +104,19 @@ def _fit(captured: dict | None, module_kwargs: dict = {}, trainer_kwargs: dict =
     return lm.state(module), logger.metrics, seen, counts, progress, trainer.global_step
 
 
-def _compare(rank_pools, captured: dict, eager_trainer: dict, trainer_kwargs: dict = {}) -> tuple:  # noqa: B006
+def _compare(
+    rank_pools,
+    captured: dict,
+    eager_trainer: dict,
+    trainer_kwargs: dict = {},  # noqa: B006
+    module_kwargs: dict = {},  # noqa: B006
+) -> tuple:
     graphs = CallAgainGraphs()
     [(state, metrics, seen, counts, progress, steps)] = rank_pools(1).run(
-        _fit, {**captured, "graphs": graphs}, {}, trainer_kwargs
+        _fit, {**captured, "graphs": graphs}, module_kwargs, trainer_kwargs
     )
     [(twin, twin_metrics, twin_seen, _, twin_progress, twin_steps)] = rank_pools(1).run(
-        _fit, None, {}, {**trainer_kwargs, **eager_trainer}
+        _fit, None, module_kwargs, {**trainer_kwargs, **eager_trainer}
     )
     for key, value in twin.items():
         torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
@@ -114,6 +130,8 @@ def test_a_captured_fit_trains_logs_and_counts_as_the_eager_fit(rank_pools):
     assert counts == {"warm-up": 4, "captured": 2, "replayed": 14, "eager": 2, "dropped": 0}
     assert metrics == twin_metrics and len(metrics) == 20  # each step's loss and constant reach the logger
     assert seen.bar == twin_seen.bar and seen.losses == twin_seen.losses and all("loss" in bar for bar in seen.bar)
+    # each step's extra output stays its own after later replays (the static output is copied for the loop)
+    assert [float(t) for t in seen.extras] == [float(t) for t in twin_seen.extras], (seen.extras, twin_seen.extras)
     assert progress == twin_progress and steps == twin_steps == 20
 
 
@@ -159,6 +177,35 @@ def test_what_cannot_be_replayed_is_refused_by_name_before_any_capture(rank_pool
         "under torch.autocast with cache_enabled=True at " in message
         and "HINT: torch.autocast(..., cache_enabled=False)" in message
     )
+    message, captures = rank_pools(1).run(_refusal, {}, dict(problem="no loss"), {})[0]  # a graph cannot skip a step
+    assert "training_step returned no loss" in message and "HINT: return the loss in every step" in message, message
+    assert captures == 0
+
+
+class OwnOptimizerStep(Logged):
+    """Overrides LightningModule.optimizer_step (changing nothing): its Python would run at the capture only."""
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+
+
+def _refused_on_two_ranks() -> str:
+    lm.lightning_env(torch.distributed.get_rank(), 2)
+    trainer = lm.trainer(2, strategy=ls.CapturedSparseDDPStrategy(graphs=CallAgainGraphs()), max_steps=1)
+    try:
+        trainer.fit(OwnOptimizerStep())
+    except CaptureRefused as err:
+        return str(err)
+    raise AssertionError("no CaptureRefused")
+
+
+def test_two_processes_and_an_overridden_optimizer_step_are_refused_by_name(rank_pools):
+    """Each rank names both, before any capture: the all-to-all of two ranks sizes its messages on the host, and a
+    module's own optimizer_step would run its Python at the capture only."""
+    for message in rank_pools(2).run(_refused_on_two_ranks):
+        assert "- 2 processes: the all-to-all sizes each message on the host" in message, message
+        assert "- OwnOptimizerStep.optimizer_step is overridden" in message, message
+        assert "HINT: train on one GPU (devices=1); leave optimizer_step as Lightning's." in message, message
 
 
 def test_a_batch_of_another_shape_in_the_middle_of_an_epoch_is_refused_by_name(rank_pools):
@@ -323,14 +370,19 @@ def test_manual_optimization_and_a_collection_that_steps_table_by_table_are_refu
 def test_user_host_reads_names_the_users_line_and_passes_over_the_librarys_own():
     from lightning_sparse.lightning.capture import UserHostReads
 
-    x = torch.arange(4.0)
+    x, masked, repeats = torch.arange(4.0), torch.arange(4.0), torch.tensor([1, 2, 0, 1])
     for step, what in [(lambda: x.sum().item(), r"reads a tensor on the host \(item\)"),
                        (lambda: x.nonzero(), r"sizes an output by values \(nonzero\)"),
                        (lambda: x[x > 1], r"sizes an output by values \(__getitem__ with a boolean mask\)"),
+                       (lambda: masked.__setitem__(x > 1, 0.0), r"sizes an output by values \(__setitem__ with a boolean mask\)"),
+                       (lambda: x.repeat_interleave(repeats), r"sizes an output by values \(repeat_interleave\)"),
                        (lambda: torch.tensor([1.0], device="cpu"), r"copies host data to the device \(tensor\)")]:  # fmt: skip
         with pytest.raises(CaptureRefused, match=what + r" at .*test_captured_steps\.py:\d+ .*HINT: "):
             with UserHostReads("cpu"):
                 step()
+    with UserHostReads("cpu"):  # its output sized by the caller: no host read
+        repeated = x.repeat_interleave(repeats, output_size=4)
+    assert repeated.tolist() == [0.0, 1.0, 1.0, 3.0]
     with pytest.raises(CaptureRefused, match=r"under torch\.autocast with cache_enabled=True"):
         with UserHostReads("cpu"), torch.autocast("cpu", dtype=torch.bfloat16):
             torch.nn.functional.linear(x, torch.ones(2, 4, requires_grad=True))
@@ -355,4 +407,29 @@ class Reload(pl.Callback):
 def test_optimizer_state_loaded_anew_is_captured_again(rank_pools):
     """Before batch 5 the state moves: that batch and the next warm up again, the next captures (10 batches, the last eager)."""
     _, _, counts, *_ = _compare(rank_pools, {}, {}, dict(max_epochs=1, callbacks=[Reload()]))
+    assert counts == {"warm-up": 4, "captured": 2, "replayed": 5, "eager": 1, "dropped": 0}
+
+
+class MoveDense(pl.Callback):
+    """Before the 6th batch, gives the dense SGD a new float learning rate ("lr"), or loads its state anew ("momentum":
+    new momentum buffers, and SGD keeps no step count that would move with them)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 5:
+            dense = trainer.optimizers[0]
+            if self.what == "lr":
+                for group in dense.param_groups:
+                    group["lr"] = group["lr"] / 2
+            else:
+                dense.load_state_dict(copy.deepcopy(dense.state_dict()))
+
+
+@pytest.mark.parametrize("what", ["lr", "momentum"])
+def test_a_new_float_learning_rate_or_new_momentum_buffers_of_the_dense_optimizer_are_captured_again(rank_pools, what):
+    """A float the graph baked in, or state tensors it reads that moved while no step count did: as after a load of
+    every optimizer's state, batch 5 and the next warm up again and the next captures; bitwise the eager fit."""
+    _, _, counts, *_ = _compare(rank_pools, {}, {}, dict(max_epochs=1, callbacks=[MoveDense(what)]), dict(momentum=0.9))
     assert counts == {"warm-up": 4, "captured": 2, "replayed": 5, "eager": 1, "dropped": 0}

@@ -245,6 +245,12 @@ def test_exported_file_loads_through_ckpt_path_on_another_world_size(rank_pools,
     for result in rank_pools(2).run_raw(_garbage_ckpt_path, str(garbage)):
         assert isinstance(result, RankError)
         assert str(garbage) in result.message and "HINT" in result.message
+    no_weights = tmp_path / "no_weights.ckpt"  # Lightning's file without weights: refused, not evaluated with the weights at hand
+    torch.save({"pytorch-lightning_version": pl.__version__, "epoch": 0}, no_weights)
+    for result in rank_pools(2).run_raw(_garbage_ckpt_path, str(no_weights)):
+        assert isinstance(result, RankError), result
+        assert "The checkpoint to restore has no 'state_dict'" in result.message, result.message
+        assert "HINT: pass a checkpoint written by Trainer(strategy='sparse_ddp')" in result.message
 
 
 def _init_from_tensor(full: torch.Tensor, path: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,9 +270,9 @@ def test_init_from_full_tensor_and_numpy_file(rank_pools, tmp_path):
 
 
 # ---------------------------------------------------------------- broken checkpoints
-def _load_expect_error(ckpt: str, users: int) -> str:
+def _load_expect_error(ckpt: str, users: int, sparse: str = MODULE["sparse"]) -> str:
     lm.lightning_env(_rank(), 2)
-    module = lm.TwoTower(**MODULE)
+    module = lm.TwoTower(**{**MODULE, "sparse": sparse})
     if users != lm.USERS:
         module.users = ls.SparseEmbedding(users, lm.DIM, seed=1)
     lm.trainer(2, max_epochs=2).fit(module, ckpt_path=ckpt)
@@ -279,6 +285,11 @@ def test_truncated_or_mismatched_checkpoint_fails_clearly(rank_pools, tmp_path):
         assert isinstance(result, RankError)
         assert f"table users has shape ({lm.USERS}, {lm.DIM}) in checkpoint {ckpt}" in result.message
         assert "HINT" in result.message
+    # saved with a dense and two sparse optimizers, resumed with one sparse optimizer: none is loaded into another's state
+    for result in rank_pools(2).run_raw(_load_expect_error, ckpt, lm.USERS, "SparseAdam"):
+        assert isinstance(result, RankError)
+        assert f"Checkpoint {ckpt} holds 3 optimizer states but the module has 2 optimizers" in result.message, result.message
+        assert "HINT: resume with the same configure_optimizers and configure_sparse_optimizers" in result.message
     shard_file = Path(ckpt) / "rows" / "state_dict.users.weight" / "part-0" / "__1_0.distcp"
     with open(shard_file, "r+b") as f:
         f.truncate(16)  # keeps nothing of the rows this file held

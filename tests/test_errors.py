@@ -250,6 +250,8 @@ ERRORS = {
     # the strategy
     "sharding_group_size": (_arg(ls.SparseDDPStrategy, sharding_group_size=0), ValueError, "Invalid sharding_group_size: 0",
                             "pass a positive divisor of the world size", None),
+    "warmup_steps": (_arg(ls.CapturedSparseDDPStrategy, warmup_steps=0), ValueError, "Invalid warmup_steps: 0",
+                     "pass an int >= 1 (torch's recipe warms up first)", None),
 }  # fmt: skip
 
 

@@ -170,6 +170,26 @@ def test_fabric_checkpoint_resumes_exactly_and_reshards(rank_pools, tmp_path):
             torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
 
 
+def _fabric_load_sparse_only(path: str) -> tuple[dict, dict]:
+    """Saves the dense and the sparse optimizer after an epoch, then loads the sparse one alone (by its key) afresh."""
+    fabric = _fabric(2)
+    model, dense, sparse, loader = _setup(fabric, *SPARSE)
+    _train(fabric, model, dense, sparse, loader, range(1))
+    fabric.save(path, {"model": model, "dense": dense, "sparse": sparse})
+    saved = _full_state(model, sparse)
+    model, _, sparse, _ = _setup(fabric, *SPARSE)
+    assert fabric.load(path, {"model": model, "sparse": sparse}) == {}
+    return saved, _full_state(model, sparse)
+
+
+def test_fabric_load_matches_optimizers_by_their_keys_also_a_subset_of_those_saved(rank_pools, tmp_path):
+    """The sparse optimizer alone gets the state saved under its key ("sparse", index 1), not the first one saved."""
+    for saved, loaded in rank_pools(2).run(_fabric_load_sparse_only, str(tmp_path / "fabric.ckpt")):
+        assert set(loaded) == set(saved)
+        for key, value in saved.items():
+            torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
+
+
 def _trainer_save(path: str) -> dict:
     lm.lightning_env(_rank(), 2)
     module = lm.TwoTower(sparse=SPARSE[0], sparse_kwargs=SPARSE[1])

@@ -362,6 +362,28 @@ def test_one_process_rounds_sum_the_rows_that_accumulated_lookups_share():
     torch.testing.assert_close(b.full_weight(), plain_b.weight.detach(), rtol=1e-5, atol=1e-6)
 
 
+def _look_up_after_shipping(collection, features):
+    with torch.no_grad():
+        out = collection(features)
+    return out, [t.world_size for t in collection.table_list]
+
+
+def test_a_collection_looked_up_in_one_process_then_shipped_to_two_ranks_reads_its_rows_there(rank_pools):
+    """Shipped to the ranks (as Lightning's spawn ships a module), its tables are sharded over them at the next lookup; the
+    collection's key space, kept while the placement stays, must follow, or ids go to the owners of the one-process
+    placement. Against the full tables indexed with plain torch."""
+    collection = _small_collection()
+    features = {"user": torch.tensor([1, 7, 9]), "clicked": ls.JaggedIds(torch.tensor([0, 5, 3]), lengths=torch.tensor([2, 1]))}
+    with torch.no_grad():
+        collection(features)  # one process, tables of two widths: the engine's rounds, which keep the key space
+    user, item = (t.full_weight() for t in collection.table_list)
+    expected = {"user": user[[1, 7, 9]], "clicked": torch.stack([item[0] + item[5], item[3]])}
+    for out, world_sizes in rank_pools(2).run(_look_up_after_shipping, collection, features):
+        assert world_sizes == [2, 2]
+        for name, value in expected.items():
+            torch.testing.assert_close(out[name], value, rtol=0, atol=0, msg=name)
+
+
 def test_keyed_jagged_tensor_input():
     """A TorchRec KeyedJaggedTensor, as it is (docs/guide/torchrec.md). `make setup` installs torchrec: this never skips."""
     try:

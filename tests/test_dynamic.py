@@ -107,6 +107,44 @@ def test_slots_used_since_the_last_step_are_never_taken(eviction):
     assert slots.tolist() != [0] and table.stats.evictions == 1
 
 
+class _CopyHeldBack:
+    """A host copy of the free-slot count (``LateRead``) that the device has not finished until ``arrived``: a GPU far
+    behind its host. A copy under way is left to finish, as a GPU's is."""
+
+    def __init__(self) -> None:
+        self.value: int | None = None
+        self.arrived = False
+
+    def start(self, value: torch.Tensor) -> bool:
+        if self.value is not None:
+            return False
+        self.value = int(value)
+        return True
+
+    def read(self) -> int | None:
+        if self.value is None or not self.arrived:
+            return None
+        value, self.value = self.value, None
+        return value
+
+
+def test_a_batch_finds_no_free_slot_by_the_hosts_floor_and_evicts_while_the_free_count_copy_lags():
+    """Nothing reads the free count on a step: the host's floor on it is the last copy read less every batch's bound since
+    that copy started. A floor that forgot a batch (kept no tally while no copy came, or took a late copy as current) sees
+    free slots that are gone, and the batch's new id is rejected instead of evicting the least recently used one."""
+    table = _table(4)
+    table.free._copy = copy = _CopyHeldBack()
+    one = torch.ones(2, dtype=torch.int64)
+    for new in ([1, 2], [3, 4], [5]):  # the copy started after the first batch (2 free) stays on the way
+        table.resolve(mix(torch.tensor(new)), one[: len(new)])
+        table.tick()
+    assert (table.occupancy, table.stats.evictions, table.stats.rejections) == (4, 1, 0)  # 5 took 1's slot
+    copy.arrived = True  # 2 free: the count before the last two batches, whose bounds (2, 1) the floor takes off
+    slots, _, _ = table.resolve(mix(torch.tensor([6])), one[:1])
+    assert slots.tolist() != [0] and (table.stats.evictions, table.stats.rejections) == (2, 0)  # 6 took 2's slot
+    assert table.map.find(mix(torch.tensor([1, 2]))).tolist() == [0, 0]  # the least recently used, lowest slot first
+
+
 def test_lfu_keeps_frequent_ids_and_ttl_expires_unused_ones():
     table = _table(2, eviction="lfu", ttl=2)
     keys = mix(torch.tensor([1, 2]))
@@ -153,6 +191,20 @@ def test_a_local_state_dict_loads_with_every_free_slot_and_never_the_null_row():
         torch.testing.assert_close(loaded(torch.tensor([7, 8, 9, 10])), torch.cat([ls.init.normal()(torch.tensor([7, 8, 9]), 2, 1),
                                                                               torch.zeros(1, 2)]), rtol=0, atol=0)  # fmt: skip
     assert not loaded.shard[0].any()
+
+
+def test_a_state_dict_of_a_full_table_loads_with_no_free_slot_and_its_next_new_id_evicts():
+    """Loading sets the host's floor on the free slots to what the state leaves free (none here): a floor kept from the
+    empty table would let the next new id skip eviction and be rejected, reading zeros."""
+    emb = ls.DynamicEmbedding(2, 2, seed=1)
+    opt = ls.SparseSGD([emb], lr=0.1)
+    emb(torch.tensor([7, 8])).sum().backward()
+    opt.step()  # both slots held, neither pinned
+    loaded = ls.DynamicEmbedding(2, 2, seed=1)
+    loaded.load_state_dict(emb.state_dict())
+    row = loaded(torch.tensor([9]))
+    assert (loaded.slot_stats.evictions, loaded.slot_stats.rejections, loaded.slot_stats.occupancy) == (1, 0, 2)
+    torch.testing.assert_close(row.detach(), ls.init.normal()(torch.tensor([9]), 2, 1), rtol=0, atol=0)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP, saving and loading in this process
@@ -255,6 +307,25 @@ def test_every_public_field_of_slot_stats_reads():
     expected = {"clock": 3, "occupancy": 1, "admissions": 3, "evictions": 2, "expirations": 0, "rejections": 0}
     assert {name: values[name] for name in expected} == expected
     assert stats.clock == emb.slots.clock and stats.occupancy == emb.slots.occupancy
+
+
+def test_resetting_slot_stats_zeroes_every_total_and_keeps_occupancy_and_clock():
+    """``reset`` zeroes all four totals (admissions, evictions, expirations, rejections), which count on from zero."""
+    emb = ls.DynamicEmbedding(1, 2, seed=3, ttl=1)
+    opt = ls.SparseSGD([emb], lr=0.1)
+    for ids in ([5, 6], [7], [], [8]):  # 6 rejected (5 holds the slot), 7 evicts 5, 7 expires, 8 admitted
+        if ids:
+            emb(torch.tensor(ids)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stats = emb.slot_stats
+    totals = ("admissions", "evictions", "expirations", "rejections")
+    assert [getattr(stats, name) for name in totals] == [3, 1, 1, 1]
+    stats.reset()
+    assert [getattr(stats, name) for name in totals] == [0, 0, 0, 0]
+    assert (stats.occupancy, stats.clock) == (1, 4)
+    emb(torch.tensor([9]))  # evicts 8
+    assert [getattr(stats, name) for name in totals] == [1, 1, 0, 0]
 
 
 def test_bad_ids_raise_with_a_hint():
@@ -514,6 +585,23 @@ def test_the_admission_sketch_never_underestimates_and_fades():
     assert bool((sketch.add(keys[:10], torch.full((10,), 3)) >= 4).all())
     assert sketch.added == 0 and bool((sketch.counters.sum(1) <= 35).all())  # 70 requests >= width 64: halved
     assert bool((sketch.add(keys[:10], torch.zeros(10, dtype=torch.int64)) >= 2).all())  # halved, still not below
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])  # a CPU's host read, or the GPU's path without one
+def test_the_admission_sketch_halves_at_exactly_width_requests(kernels, monkeypatch):
+    """The counters are halved once they took ``width`` requests (64 here), not one request later."""
+    from lightning_sparse.kernels import backend
+    from lightning_sparse.tables.admission import CountSketch
+
+    if kernels == "triton" and not (backend.interpreting() and backend.triton_available()):
+        pytest.skip("needs triton's interpreter")
+    monkeypatch.setenv(backend.ENV, kernels)
+    sketch = CountSketch(64)
+    keys = mix(torch.arange(64))
+    sketch.add(keys[:63], torch.ones(63, dtype=torch.int64))
+    assert int(sketch.added) == 63 and sketch.counters.sum(1).tolist() == [63] * 4  # not yet
+    sketch.add(keys[63:], torch.ones(1, dtype=torch.int64))
+    assert int(sketch.added) == 0 and bool((sketch.counters.sum(1) <= 32).all()), sketch.counters.sum(1)  # 64 counts, halved
 
 
 def test_the_guide_example_runs():

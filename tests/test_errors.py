@@ -108,6 +108,24 @@ def _reshard_a_dynamic_table_holding_ids(tmp: Path) -> None:
             dist.destroy_process_group(group)
 
 
+def _collection_of_tables_over_two_groups(tmp: Path) -> None:
+    group = dist.new_group([0, 1])  # the same ranks as the default group, another group
+    try:
+        other = ls.SparseEmbedding(4, 2, name="items", process_group=group)
+        ls.SparseEmbeddingCollection({"user": _table(), "item": other})({"user": torch.tensor([1])})
+    finally:
+        dist.destroy_process_group(group)
+
+
+def _bad_id_in_a_placed_collection(tmp: Path) -> None:
+    from lightning_sparse.lightning.placement import place_tables
+
+    module = torch.nn.Module()
+    module.embeddings = _collection()
+    place_tables(module)  # as a strategy does: the collection takes its module path as its name
+    module.embeddings({"user": torch.tensor([1, 9])})
+
+
 def _dynamic_table_on_2d_groups(tmp: Path) -> None:
     groups = ls.sharding_groups(2)
     try:
@@ -148,6 +166,11 @@ ERRORS = {
     "pooling-feature": (_arg(_collection, pooling={"nope": "sum"}), ValueError,
                         "pooling names unknown features ['nope']; the features are ['user']", "key pooling by feature name",
                         None),
+    "collection-groups": (_collection_of_tables_over_two_groups, ValueError,
+                          "items and users are placed differently (process group or device)",
+                          "the tables of a collection share one process group and device", 2),
+    "collection-name": (_bad_id_in_a_placed_collection, IndexError, "Feature 'user' (table 'user') of embeddings got id 9",
+                        "remap ids into range", None),
     "jagged": (_arg(ls.JaggedIds, values=torch.tensor([1])), ValueError, "JaggedIds needs exactly one of offsets and lengths",
                "JaggedIds(values, offsets=...)", None),
     # DynamicEmbedding

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import traceback
 import weakref
 
@@ -517,6 +518,21 @@ def test_torchrun_restarts_with_the_shared_store_are_warned_about(monkeypatch):
     assert restart_hazard() is None
 
 
+def test_after_the_ranks_meet_only_rank_0_warns_of_torchrun_restarts_with_the_shared_store(monkeypatch, caplog):
+    """One warning per job, not one per rank (``after_meeting`` runs on every rank)."""
+    from lightning_sparse.faults import peers
+    from lightning_sparse.lightning.lost_peers import after_meeting
+
+    monkeypatch.setattr(peers, "_ranks_per_node", None)  # after_meeting sets it: restored after the test
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    with caplog.at_level(logging.WARNING, logger="lightning_sparse.lightning.strategy"):
+        after_meeting(2, 1)
+        assert caplog.records == []
+        after_meeting(2, 0)
+    assert [record.getMessage() for record in caplog.records] == [peers.restart_hazard()]
+
+
 def test_a_checkpoint_exception_over_a_ranks_lost_peer_is_a_lost_peer():
     """DCP raises a CheckpointException holding each failed rank's (exception, traceback): a lost peer among them makes the
     save or load report a PeerFailure (its HINT: resume); any other failure (a full disk) does not."""
@@ -530,6 +546,29 @@ def test_a_checkpoint_exception_over_a_ranks_lost_peer_is_a_lost_peer():
     assert caused_by_lost_peer(failed_on_rank_1(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")))
     assert caused_by_lost_peer(failed_on_rank_1(ls.PeerFailure("The all-gather of the save plan failed")))
     assert not caused_by_lost_peer(failed_on_rank_1(OSError(28, "No space left on device")))
+
+
+def _roll_call_that_rank_1_answers_late() -> str:
+    from lightning_sparse.faults.peers import roll_call, set_ranks_per_node
+    from lightning_sparse.lightning.lost_peers import after_meeting
+
+    rank = torch.distributed.get_rank()
+    after_meeting(1, rank)  # as the strategy does once the ranks met: one rank per machine
+    try:
+        early = roll_call(wait_s=0.5) if rank == 0 else ""  # rank 1 does not answer in time
+        torch.distributed.barrier()
+        late = roll_call(wait_s=0.5) if rank == 1 else ""  # rank 0 answered this roll call already
+    finally:
+        set_ranks_per_node(None)
+    return early + late
+
+
+def test_a_roll_call_names_the_ranks_that_did_not_answer_with_their_machines(rank_pools):
+    """The sentence a PeerFailure carries: the ranks whose key did not come within the wait (and their node, rank //
+    ranks per node), or that every rank answered."""
+    early, late = rank_pools(2).run(_roll_call_that_rank_1_answers_late)
+    assert early.endswith("within 0.5 s (dead, hung, or cut off from it): rank 1 (node 1)."), early
+    assert late.startswith(" Every rank answered a roll call on the job's store afterwards"), late
 
 
 def test_nccls_duplicate_gpu_error_gets_a_hint_that_names_both_fixes():

@@ -172,6 +172,21 @@ def test_a_lookup_without_grad_raises_at_once(gpu_path, device):
     assert emb(torch.tensor([1, 2], device=device)).shape == (2, 16)  # reported once
 
 
+@pytest.mark.skipif(not (backend.interpreting() and backend.triton_available()), reason="needs triton's interpreter")
+def test_a_lookup_without_grad_waits_for_its_verdict_in_flight_and_raises_for_the_first_id_past_the_table(gpu_path):
+    """Without grad no step follows to raise at: the lookup waits for its own verdict's copy, one the GPU has not finished
+    too, and raises for an id equal to num_embeddings (the first past the table)."""
+    emb, _, ids = _table_and_ids("cpu")
+    with torch.no_grad():
+        emb(ids)  # the verdict is made
+    emb.range_check._event = event = _CopyInFlight()  # stands in for the GPU's event
+    bad = ids.clone()
+    bad[5] = 1000
+    with torch.no_grad(), pytest.raises(IndexError, match=r"got id 1000 on this rank; valid ids are 0\.\.999"):
+        emb(bad)
+    assert event.done, "the lookup did not wait for its verdict"
+
+
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("wide_keys", [False, True])
 def test_ids_changed_in_place_after_the_lookup_train_the_rows_looked_up(monkeypatch, kernels, wide_keys):

@@ -171,6 +171,27 @@ def test_a_joint_cpu_step_counts_the_steps_as_the_per_table_path():
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+def test_a_collection_cast_to_bf16_after_a_lookup_leaves_the_joint_path_and_trains_as_one_cast_before():
+    """The joint CPU path takes float32 tables only, so the path is chosen again when the tables' dtype changes: a
+    collection looked up as float32, then cast to bf16, trains bitwise as the same collection cast before any lookup."""
+    trained = []
+    for cast_after_a_lookup in (False, True):
+        collection = _collection()
+        if cast_after_a_lookup:
+            with torch.no_grad():
+                collection(_features(0))
+            assert isinstance(collection.lookups, Joint)
+        collection.to(torch.bfloat16)
+        opt = ls.SparseSGD([collection], lr=0.1)
+        for step in range(2):
+            sum(value.float().sum() for value in collection(_features(step)).values()).backward()
+            opt.step()
+            opt.zero_grad()
+        assert isinstance(collection.lookups, Round)
+        trained.append([t.shard.clone() for t in collection.table_list])
+    assert all(torch.equal(a, b) for a, b in zip(*trained))
+
+
 @pytest.mark.parametrize("offsets", [[0, 5, 3, 7], [1, 3, 3, 7], [0, 3, 3, 6]])
 def test_bad_input_of_a_joint_cpu_round_raises_at_the_lookup_naming_the_feature(offsets):
     """Found for all features at once; the engine's round then names the feature (falling, rising or short offsets)."""

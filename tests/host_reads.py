@@ -127,3 +127,20 @@ def _selects_one(index) -> bool:
 def _has_mask(index) -> bool:
     parts = index if isinstance(index, tuple) else (index,)
     return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
+class CopyInFlight:
+    """Stands in for the CUDA event of a copy to the host that the GPU has not finished yet, until ``done``: a GPU far
+    behind its host, on a CPU (set it as the ``_event`` of a ``LateRead`` or of a range check)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from host_reads import CopyInFlight
 from rank_pool import DEVICES
 from references import batch_loss
 from test_optim_parity import CASES, SEED, D, N, make_batches
 
 import lightning_sparse as ls
+from lightning_sparse.kernels.host import LateRead
 from lightning_sparse.tables.admission import SlotTable
 from lightning_sparse.tables.slot_map import SlotMap
 from lightning_sparse.wire.hashing import HashSharding, mix, unmix
@@ -107,39 +109,19 @@ def test_slots_used_since_the_last_step_are_never_taken(eviction):
     assert slots.tolist() != [0] and table.stats.evictions == 1
 
 
-class _CopyHeldBack:
-    """A host copy of the free-slot count (``LateRead``) that the device has not finished until ``arrived``: a GPU far
-    behind its host. A copy under way is left to finish, as a GPU's is."""
-
-    def __init__(self) -> None:
-        self.value: int | None = None
-        self.arrived = False
-
-    def start(self, value: torch.Tensor) -> bool:
-        if self.value is not None:
-            return False
-        self.value = int(value)
-        return True
-
-    def read(self) -> int | None:
-        if self.value is None or not self.arrived:
-            return None
-        value, self.value = self.value, None
-        return value
-
-
 def test_a_batch_finds_no_free_slot_by_the_hosts_floor_and_evicts_while_the_free_count_copy_lags():
     """Nothing reads the free count on a step: the host's floor on it is the last copy read less every batch's bound since
     that copy started. A floor that forgot a batch (kept no tally while no copy came, or took a late copy as current) sees
     free slots that are gone, and the batch's new id is rejected instead of evicting the least recently used one."""
     table = _table(4)
-    table.free._copy = copy = _CopyHeldBack()
+    table.free._copy = copy = LateRead()
+    copy._host, copy._event = torch.zeros((), dtype=torch.int64), (event := CopyInFlight())  # as on a GPU: pinned, evented
     one = torch.ones(2, dtype=torch.int64)
     for new in ([1, 2], [3, 4], [5]):  # the copy started after the first batch (2 free) stays on the way
         table.resolve(mix(torch.tensor(new)), one[: len(new)])
         table.tick()
     assert (table.occupancy, table.stats.evictions, table.stats.rejections) == (4, 1, 0)  # 5 took 1's slot
-    copy.arrived = True  # 2 free: the count before the last two batches, whose bounds (2, 1) the floor takes off
+    event.done = True  # 2 free: the count before the last two batches, whose bounds (2, 1) the floor takes off
     slots, _, _ = table.resolve(mix(torch.tensor([6])), one[:1])
     assert slots.tolist() != [0] and (table.stats.evictions, table.stats.rejections) == (2, 0)  # 6 took 2's slot
     assert table.map.find(mix(torch.tensor([1, 2]))).tolist() == [0, 0]  # the least recently used, lowest slot first

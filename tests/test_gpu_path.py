@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from host_reads import HostReads
+from host_reads import CopyInFlight, HostReads
 from test_kernels import GPU_PATH_TOLERANCE, KERNEL_DEVICES
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -128,29 +128,13 @@ def test_ids_out_of_range_raise_at_the_step_and_update_nothing(gpu_path, device)
     assert not torch.equal(emb.full_weight(), before)
 
 
-class _CopyInFlight:
-    """A CUDA event whose copy the GPU has not finished yet, until ``done``."""
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def record(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
-
-
 @pytest.mark.skipif(not (backend.interpreting() and backend.triton_available()), reason="needs triton's interpreter")
 def test_bad_ids_not_yet_seen_by_the_host_leave_the_table_untouched_until_they_raise(gpu_path):
     """A GPU far behind its host: the step cannot raise yet, so its update kernel skips the table (no host read)."""
     emb, opt, ids = _table_and_ids("cpu")
     _step(emb, opt, ids)
     before = emb.full_weight().clone()
-    emb.range_check._event = event = _CopyInFlight()  # stands in for the GPU's event
+    emb.range_check._event = event = CopyInFlight()  # stands in for the GPU's event
     bad = ids.clone()
     bad[3] = -1
     emb(bad).sum().backward()
@@ -179,7 +163,7 @@ def test_a_lookup_without_grad_waits_for_its_verdict_in_flight_and_raises_for_th
     emb, _, ids = _table_and_ids("cpu")
     with torch.no_grad():
         emb(ids)  # the verdict is made
-    emb.range_check._event = event = _CopyInFlight()  # stands in for the GPU's event
+    emb.range_check._event = event = CopyInFlight()  # stands in for the GPU's event
     bad = ids.clone()
     bad[5] = 1000
     with torch.no_grad(), pytest.raises(IndexError, match=r"got id 1000 on this rank; valid ids are 0\.\.999"):

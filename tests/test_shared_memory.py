@@ -232,14 +232,20 @@ def test_a_fence_holds_every_ranks_pid_and_its_groups_timeout(rank_pools):
         assert pids == [pid for pid, _, _ in made] and timeout_s == COLLECTIVE_TIMEOUT_S
 
 
+def _rank_0s_fence(peer_pid: int, timeout_s: float) -> shared_memory.Fence:
+    """Rank 0's fence of a group of 2 (no segment, no group): both slots at arrival 0, rank 1's held by ``peer_pid``."""
+    fence = object.__new__(shared_memory.Fence)
+    fence.what, fence.rank, fence.arrivals, fence.timeout_s = "emb", 0, 0, timeout_s
+    fence.slots = np.array([[0, os.getpid()], [0, peer_pid]], dtype=np.int64)
+    return fence
+
+
 def test_a_fence_waiting_for_a_dead_rank_raises_naming_it(monkeypatch):
     dead = os.fork()
     if dead == 0:
         os._exit(0)
     os.waitpid(dead, 0)
-    fence = object.__new__(shared_memory.Fence)
-    fence.what, fence.rank, fence.arrivals, fence.timeout_s = "emb", 0, 0, 60.0
-    fence.slots = np.array([[0, os.getpid()], [0, dead]], dtype=np.int64)
+    fence = _rank_0s_fence(peer_pid=dead, timeout_s=60.0)
     monkeypatch.setattr(shared_memory, "CHECK_PEERS_S", 0.01)
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of its group died.*HINT"):
         fence()
@@ -248,9 +254,7 @@ def test_a_fence_waiting_for_a_dead_rank_raises_naming_it(monkeypatch):
 def test_a_fence_waiting_past_its_groups_timeout_for_a_live_rank_raises_naming_it(monkeypatch):
     """Rank 1 is alive but late. On a clock that moves a second each time the fence reads it, with rank 1 arriving at the
     100th reading, the fence gives up after its 5 s timeout instead of waiting for it."""
-    fence = object.__new__(shared_memory.Fence)
-    fence.what, fence.rank, fence.arrivals, fence.timeout_s = "emb", 0, 0, 5.0
-    fence.slots = np.array([[0, os.getpid()], [0, os.getpid()]], dtype=np.int64)
+    fence = _rank_0s_fence(peer_pid=os.getpid(), timeout_s=5.0)
     checks = itertools.count()
 
     def clock() -> float:

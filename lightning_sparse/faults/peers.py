@@ -81,9 +81,9 @@ def caused_by_lost_peer(err: BaseException) -> bool:
 
     DCP holds each rank's failure as ``(exception, traceback summary)``: the exception is the cause.
     """
-    failures = getattr(err, "failures", {}).values() if type(err).__name__ == "CheckpointException" else []
-    causes = [err, *(failure[0] if isinstance(failure, tuple) else failure for failure in failures)]
-    return any(isinstance(c, PeerFailure) or (isinstance(c, BaseException) and is_peer_failure(c)) for c in causes)
+    failures = err.failures.values() if type(err).__name__ == "CheckpointException" else ()
+    causes = [err, *(exception for exception, _ in failures)]
+    return any(isinstance(c, PeerFailure) or is_peer_failure(c) for c in causes)
 
 
 @contextmanager
